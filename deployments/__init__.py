@@ -1,0 +1,1 @@
+"""HTTP and Ray Serve: the OpenAI-compatible ingress and the application builder."""

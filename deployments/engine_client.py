@@ -1,0 +1,179 @@
+"""The ingress replica's side of the scheduler actor.
+
+Gets or creates the named scheduler actor, keeps one output stream open to it, and hands
+each request its own queue of outputs. If the scheduler dies, every waiting request gets
+an error at once and the next request brings a new scheduler up.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+import ray
+
+from engine_actors.config import EngineConfig
+from engine_actors.request import SamplingParams
+from engine_actors.scheduler_actor import NAMESPACE, SchedulerActor, actor_name
+
+logger = logging.getLogger("orca_serve.ingress")
+
+
+class EngineUnavailable(RuntimeError):
+    """The scheduler is starting, restarting or gone; worth retrying."""
+
+
+class RequestRefused(ValueError):
+    """The scheduler refused the request (it could never run)."""
+
+
+class RequestGroup:
+    """Outputs of a group of requests, as (request_id, item) pairs, until all have finished.
+
+    `close()` aborts whatever has not finished (client gone, stop string seen); call it in a
+    `finally`.
+    """
+
+    def __init__(self, client: EngineClient, actor, request_ids: list[str]):
+        self.client, self.actor = client, actor
+        self.unfinished = set(request_ids)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        for rid in request_ids:
+            client._queues[rid] = self.queue
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[str, dict]:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        request_id, item = await self.queue.get()
+        if item.get("unavailable"):
+            raise EngineUnavailable(item["error"])
+        if item.get("finish_reason") is not None:
+            self.unfinished.discard(request_id)
+            self.client._queues.pop(request_id, None)
+        return request_id, item
+
+    def finish(self, request_id: str) -> None:
+        """Stop one request early (a stop string matched): abort it in the scheduler."""
+        if request_id in self.unfinished:
+            self.unfinished.discard(request_id)
+            self.client._queues.pop(request_id, None)
+            EngineClient.abort(self.actor, [request_id])
+
+    def close(self) -> None:
+        if self.unfinished:
+            EngineClient.abort(self.actor, list(self.unfinished))
+            for rid in self.unfinished:
+                self.client._queues.pop(rid, None)
+            self.unfinished.clear()
+
+
+def _own_actor():
+    """This replica's actor handle, so the scheduler can tell when it dies (None off-actor)."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
+
+
+class EngineClient:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.client_id = uuid.uuid4().hex
+        self.info: dict | None = None
+        self._actor = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._lock: asyncio.Lock | None = None
+        self._stream_task: asyncio.Task | None = None
+
+    @property
+    def is_connected(self) -> bool:
+        return self._actor is not None
+
+    async def connect(self) -> dict:
+        """Get or create the scheduler and wait until its workers are ready."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._actor is None:
+                actor = ray.remote(SchedulerActor).options(
+                    name=actor_name(self.cfg), namespace=NAMESPACE, get_if_exists=True,
+                    lifetime="detached", num_cpus=0, max_concurrency=10_000,
+                ).remote(self.cfg)
+                try:
+                    self.info = await actor.ready.remote()
+                except ray.exceptions.RayActorError as e:
+                    raise EngineUnavailable(f"scheduler unavailable: {e}") from None
+                self._actor = actor
+                self._stream_task = asyncio.get_running_loop().create_task(self._consume(actor))
+        return self.info
+
+    async def _consume(self, actor) -> None:
+        """Route the scheduler's output stream into per-request queues."""
+        reason = "scheduler stream ended"
+        try:
+            async for ref in actor.stream.remote(self.client_id, _own_actor()):
+                for request_id, item in (await ref).items():
+                    queue = self._queues.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait((request_id, item))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            reason = f"scheduler failed: {type(e).__name__}"
+            logger.warning("scheduler stream broke: %s", e)
+        if self._actor is actor:
+            self._actor = None
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait((request_id, {"token_ids": [], "finish_reason": "abort",
+                                           "error": reason, "unavailable": True}))
+
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
+        """Queue requests (the choices of one HTTP request); returns their joint output stream.
+
+        Raises RequestRefused, with nothing left queued, if the scheduler refuses any of them.
+        """
+        await self.connect()
+        actor = self._actor
+        if actor is None:
+            raise EngineUnavailable("scheduler unavailable")
+        group = RequestGroup(self, actor, [rid for rid, _, _ in requests])
+        try:
+            refusals = await asyncio.gather(*[
+                actor.add_request.remote(self.client_id, rid, ids, sampling)
+                for rid, ids, sampling in requests])
+        except ray.exceptions.RayActorError:
+            group.close()
+            raise EngineUnavailable("scheduler unavailable") from None
+        except BaseException:
+            group.close()
+            raise
+        refusal = next((r for r in refusals if r is not None), None)
+        if refusal is not None:
+            group.close()
+            raise RequestRefused(refusal)
+        return group
+
+    @staticmethod
+    def abort(actor, request_ids: list[str]) -> None:
+        try:
+            actor.abort.remote(request_ids)
+        except Exception:  # the scheduler is gone, and with it the request
+            pass
+
+    async def stats(self) -> dict:
+        if self._actor is None:
+            raise EngineUnavailable("not connected")
+        return await self._actor.stats.remote()
+
+    async def close(self) -> None:
+        """This replica is going away: tell the scheduler (the last one tears it down)."""
+        if self._stream_task is not None:
+            self._stream_task.cancel()
+        actor, self._actor = self._actor, None
+        if actor is not None:
+            try:
+                await asyncio.wait_for(actor.unregister.remote(self.client_id), timeout=10)
+            except Exception:  # the scheduler is gone already, or tearing down
+                pass

@@ -1,0 +1,377 @@
+"""The OpenAI-compatible HTTP ingress: a Starlette app inside a Ray Serve deployment.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health.
+The ingress validates and tokenizes, submits to the scheduler actor, and turns the token
+stream back into text (incrementally, stop strings included) as JSON or server-sent events.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+
+import ray
+from ray import serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from deployments.engine_client import EngineClient, EngineUnavailable, RequestRefused
+from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                  SamplingFields, parse_body)
+from deployments.text_stream import TextStream
+from engine_actors.checkpoint import CHAT_TEMPLATE, resolve_model_path
+from engine_actors.config import EngineConfig
+from engine_actors.request import SamplingParams
+
+logger = logging.getLogger("orca_serve.ingress")
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.client = EngineClient(cfg)
+        self.tokenizer = None
+        self._starting: asyncio.Task | None = None
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"])]
+        return Starlette(routes=routes, exception_handlers={Exception: self._internal_error},
+                         lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        # Bring the engine up in the background: /health answers 503 until it is ready.
+        self._starting = asyncio.get_running_loop().create_task(self._start())
+        yield
+        # Serve shuts the app down before the replica exits: let the scheduler know, so the
+        # last replica of the application takes the engine with it.
+        await self.client.close()
+
+    # ---- start-up -----------------------------------------------------------------------
+    async def _ready(self) -> dict:
+        """Connect to (or create) the scheduler and load the tokenizer, once."""
+        if self._starting is None or (self._starting.done() and self._starting.exception()):
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+        try:
+            await asyncio.shield(self._starting)
+        except EngineUnavailable as e:
+            raise APIError(503, f"engine unavailable: {e}", err_type="service_unavailable")
+        except Exception as e:
+            raise APIError(503, f"engine failed to start: {e}", err_type="service_unavailable")
+        if not self.client.is_connected:  # the scheduler died since: bring a new one up
+            self._starting = None
+            return await self._ready()
+        return self.client.info
+
+    async def _start(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+        was_connected = self.client.is_connected
+        await self.client.connect()
+        if not was_connected:
+            logger.warning("orca-serve ready: model %s, OpenAI API at %s/v1", self.cfg.model_name,
+                           await _http_url())
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.cfg.model))
+        if tokenizer.chat_template is None:
+            tokenizer.chat_template = CHAT_TEMPLATE
+        return tokenizer
+
+    # ---- routes -------------------------------------------------------------------------
+    async def health(self, request: Request):
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+        if not (self._starting.done() and self.client.is_connected):
+            return JSONResponse({"status": "starting"}, status_code=503)
+        try:
+            stats = await asyncio.wait_for(self.client.stats(), timeout=5.0)
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
+        return JSONResponse({"status": "ok", **stats})
+
+    async def models(self, request: Request):
+        info = await self._ready_or_error()
+        if isinstance(info, JSONResponse):
+            return info
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "orca-serve",
+            "max_model_len": info["max_model_len"]}]})
+
+    async def completions(self, request: Request):
+        try:
+            req = parse_body(await self._body(request), CompletionRequest)
+            info = await self._ready()
+            self._check_model(req)
+            prompts = self._completion_prompts(req.prompt, info)
+            return await self._generate(req, prompts, req.max_tokens, info, chat=False)
+        except APIError as e:
+            return e.response()
+
+    async def chat_completions(self, request: Request):
+        try:
+            req = parse_body(await self._body(request), ChatCompletionRequest)
+            info = await self._ready()
+            self._check_model(req)
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False)
+            except Exception as e:
+                raise APIError(400, f"messages could not be formatted: {e}", "messages") from None
+            if hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding
+                ids = ids["input_ids"]
+            prompts = [(None, list(ids))]
+            return await self._generate(req, prompts, req.max_new_tokens(), info, chat=True)
+        except APIError as e:
+            return e.response()
+
+    # ---- helpers ------------------------------------------------------------------------
+    async def _ready_or_error(self):
+        try:
+            return await self._ready()
+        except APIError as e:
+            return e.response()
+
+    async def _body(self, request: Request) -> bytes:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", None,
+                           "request_too_large")
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", None,
+                           "request_too_large")
+        return body
+
+    def _check_model(self, req: SamplingFields) -> None:
+        if req.model is not None and req.model != self.cfg.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist. This server serves "
+                                f"`{self.cfg.model_name}`.", "model", "model_not_found")
+
+    def _completion_prompts(self, prompt, info: dict) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt of a completion request."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p, add_special_tokens=True) if p else []
+                text = p
+            else:
+                if any(not 0 <= t < info["vocab_size"] for t in p):
+                    raise APIError(400, f"prompt token ids must be in [0, {info['vocab_size']})",
+                                   "prompt", "invalid_value")
+                ids, text = list(p), None
+            if not p or not ids:
+                raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+            out.append((text, ids))
+        return out
+
+    def _sampling(self, req: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
+        seed = None if req.seed is None else req.seed + choice  # n choices must differ
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
+                              top_p=req.top_p, top_k=max(req.top_k, 0), seed=seed,
+                              ignore_eos=req.ignore_eos)
+
+    async def _generate(self, req, prompts, max_tokens, info, chat: bool):
+        limit = info["max_model_len"]
+        subs = []  # (request id, prompt index, choice index, prompt text, prompt ids, sampling)
+        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        for p_idx, (text, ids) in enumerate(prompts):
+            if len(ids) >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                                    f"However, your prompt has {len(ids)} tokens.",
+                               "messages" if chat else "prompt", "context_length_exceeded")
+            n_new = max_tokens if max_tokens is not None else limit - len(ids)
+            if len(ids) + n_new > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                                    f"However, you requested {len(ids) + n_new} tokens "
+                                    f"({len(ids)} in the prompt, {n_new} for the completion).",
+                               "max_tokens", "context_length_exceeded")
+            for j in range(req.n):
+                rid = f"{base_id}-{p_idx}-{j}"
+                subs.append((rid, p_idx * req.n + j, text, ids, self._sampling(req, n_new, j)))
+        try:
+            group = await self.client.submit([(rid, ids, s) for rid, _, _, ids, s in subs])
+        except RequestRefused as e:
+            raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), err_type="service_unavailable") from None
+        choices = {rid: Choice(index, index // req.n, TextStream(self.tokenizer, req.stop_list()),
+                               len(ids), self._echo_text(req, text, ids) if not chat else None)
+                   for rid, index, text, ids, _ in subs}
+        sse = SSEWriter(base_id, self.cfg.model_name, chat, req) if req.stream else None
+        if sse is not None:
+            return StreamingResponse(self._stream(group, choices, sse),
+                                     media_type="text/event-stream")
+        try:
+            async for rid, item in group:
+                choice = choices[rid]
+                choice.consume(item)
+                if choice.text_stream.is_stopped:
+                    group.finish(rid)
+        except EngineUnavailable as e:
+            raise APIError(503, f"request failed: {e}", err_type="service_unavailable") from None
+        finally:
+            group.close()
+        failed = next((c.error for c in choices.values() if c.error), None)
+        if failed:
+            raise APIError(503, f"request failed: {failed}", err_type="service_unavailable")
+        return JSONResponse(_response_body(base_id, self.cfg.model_name, chat, choices))
+
+    def _echo_text(self, req, text: str | None, ids: list[int]) -> str | None:
+        if not req.echo:
+            return None
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    async def _stream(self, group, choices, sse: SSEWriter):
+        try:
+            if not sse.chat:
+                for choice in choices.values():
+                    if choice.echo:
+                        yield sse.chunk(choice.index, choice.echo, None)
+            else:
+                for choice in choices.values():
+                    yield sse.chunk(choice.index, "", None, role=True)
+            async for rid, item in group:
+                choice = choices[rid]
+                delta = choice.consume(item)
+                if choice.text_stream.is_stopped:
+                    group.finish(rid)
+                if choice.error:
+                    yield sse.error(choice.error)
+                    continue
+                if delta or choice.finish_reason:
+                    yield sse.chunk(choice.index, delta, choice.finish_reason)
+            if sse.include_usage:
+                yield sse.usage(_usage(choices))
+        except EngineUnavailable as e:
+            yield sse.error(f"request failed: {e}")
+        finally:
+            group.close()
+        yield sse.done()
+
+    async def _internal_error(self, request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(500, "internal server error", None, "internal_error").response()
+
+
+async def _http_url() -> str:
+    """Where Serve's HTTP proxy listens (asked of the Serve controller), for the ready line."""
+    try:
+        controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+        http = await controller.get_http_config.remote()
+        host = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
+        return f"http://{host}:{http.port}"
+    except Exception:  # only the log line depends on it
+        return "this Serve application's HTTP address"
+
+
+class Choice:
+    """One choice's accumulated text, token counts and finish reason."""
+
+    def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
+                 num_prompt_tokens: int, echo: str | None):
+        self.index = index
+        self.prompt_index = prompt_index
+        self.text_stream = text_stream
+        self.num_prompt_tokens = num_prompt_tokens
+        self.echo = echo
+        self.text = echo or ""
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def consume(self, item: dict) -> str:
+        """Apply one output item; returns the new text."""
+        is_final = item.get("finish_reason") is not None
+        if item.get("error"):
+            self.error = item["error"]
+        delta = self.text_stream.add(item["token_ids"], is_final)
+        self.text += delta
+        if self.text_stream.is_stopped:
+            self.finish_reason = "stop"
+        elif is_final:
+            self.finish_reason = item["finish_reason"]
+        return delta
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.text_stream.num_tokens_used
+
+
+def _usage(choices: dict[str, Choice]) -> dict:
+    per_prompt = {c.prompt_index: c.num_prompt_tokens for c in choices.values()}
+    prompt_tokens = sum(per_prompt.values())
+    completion = sum(c.num_output_tokens for c in choices.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def _response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choice]) -> dict:
+    ordered = sorted(choices.values(), key=lambda c: c.index)
+    if chat:
+        items = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": None, "finish_reason": c.finish_reason} for c in ordered]
+    else:
+        items = [{"index": c.index, "text": c.text, "logprobs": None,
+                  "finish_reason": c.finish_reason} for c in ordered]
+    return {"id": base_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": items,
+            "usage": _usage(choices)}
+
+
+class SSEWriter:
+    """Server-sent events in OpenAI's streaming format."""
+
+    def __init__(self, base_id: str, model: str, chat: bool, req: SamplingFields):
+        self.base_id, self.model, self.chat = base_id, model, chat
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _event(self, choices: list, usage: dict | None = None) -> str:
+        body = {"id": self.base_id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if role else (
+                {"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        return self._event([choice])
+
+    def usage(self, usage: dict) -> str:
+        return self._event([], usage)
+
+    @staticmethod
+    def error(message: str) -> str:
+        body = APIError(503, message, err_type="service_unavailable").body()
+        return f"data: {json.dumps(body)}\n\n"
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"

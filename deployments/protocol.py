@@ -1,0 +1,164 @@
+"""OpenAI request schemas, their validation, and OpenAI-style error objects.
+
+Validation is strict about types (a string is not a number, 1e12 is not an integer, NaN is
+not a temperature) and every failure names the offending `param`, as OpenAI's API does.
+Unknown fields are ignored, as vLLM does; known-but-unsupported ones are refused clearly.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.responses import JSONResponse
+
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error that becomes an HTTP response with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = err_type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class SamplingFields(_Base):
+    """Fields shared by completions and chat completions."""
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # extension (vLLM): 0 or -1 disables
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
+    user: str | None = None
+    # accepted only at their neutral values
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check_supported(self) -> None:
+        unsupported = {"presence_penalty": self.presence_penalty != 0.0,
+                       "frequency_penalty": self.frequency_penalty != 0.0,
+                       "logit_bias": bool(self.logit_bias),
+                       "logprobs": self.logprobs not in (None, False)}
+        for param, is_set in unsupported.items():
+            if is_set:
+                raise APIError(400, f"{param} is not supported by this server", param,
+                               "unsupported_parameter")
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this server", "suffix",
+                           "unsupported_parameter")
+        if self.best_of not in (None, 1, self.n):
+            raise APIError(400, "best_of is not supported by this server", "best_of",
+                           "unsupported_parameter")
+
+
+class TextPart(_Base):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools are not supported by this server", "tools",
+                           "unsupported_parameter")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format other than text is not supported",
+                           "response_format", "unsupported_parameter")
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse_body(raw: bytes, schema: type[_Base]) -> Any:
+    """Bytes of an HTTP body -> a validated request, or APIError(400) naming the param."""
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise APIError(400, "request body is not valid UTF-8", None, "invalid_encoding") from None
+    except ValueError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", None, "invalid_type")
+    try:
+        req = schema.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param,
+                       "invalid_value") from None
+    req.check_supported()
+    return req
+
+
+def _is_union_tag(loc_part) -> bool:
+    """pydantic names union members in error locations ('str', 'list[int]'); OpenAI does not."""
+    return isinstance(loc_part, str) and (loc_part in {"str", "int", "float", "bool"}
+                                          or "[" in loc_part or loc_part.endswith("Part"))

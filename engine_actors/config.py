@@ -1,0 +1,96 @@
+"""Engine configuration: one frozen dataclass, validated once from the application args.
+
+`serve_config.yaml` passes `applications[].args` to `deployments.app.build_app`, which
+calls `EngineConfig.from_args`. Everything below the ingress receives this object; nothing
+deeper reads environment variables.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import pydantic
+
+DEFAULT_MODEL = "tiny-random-llama"
+
+
+class ConfigError(ValueError):
+    """The application args are invalid; the message says which arg and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    # Model: a local Hugging Face checkpoint directory, or DEFAULT_MODEL (built at start-up).
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    seed: int = 0
+
+    # Scheduling (ORCA Algorithm 1).
+    scheduling_policy: Literal["fcfs"] = "fcfs"
+    max_batch_size: int = 32  # requests per iteration
+    max_num_batched_tokens: int = 4096  # tokens per iteration; longer prompts are prefilled in chunks
+
+    # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.
+    max_num_tokens: int | None = None  # default: 16384 on CPU, sized from free memory on GPU
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+
+    # Placement: workers form pipeline_parallel_size stages of tensor_parallel_size ranks.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_cpus_per_worker: float = 1.0
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+
+    @classmethod
+    def from_args(cls, args: dict | None) -> EngineConfig:
+        args = dict(args or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ConfigError(f"unknown application args {unknown}; known args: {sorted(known)}")
+        try:
+            cfg = pydantic.TypeAdapter(cls).validate_python(args, strict=False)
+        except pydantic.ValidationError as e:
+            msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise ConfigError(f"invalid application args: {msgs}") from None
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        positive = ["max_batch_size", "max_num_batched_tokens", "block_size",
+                    "tensor_parallel_size", "pipeline_parallel_size"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ["max_model_len", "max_num_tokens"]:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_cpus_per_worker < 0:
+            raise ConfigError("num_cpus_per_worker must be >= 0")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError(
+                "tensor_parallel_size and pipeline_parallel_size > 1 are not implemented yet; "
+                "use 1 for both")
+
+    @property
+    def num_workers(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in the `model` field (vLLM's served_model_name)."""
+        return self.served_model_name or self.model
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the args: one scheduler actor per distinct configuration."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha1(blob.encode()).hexdigest()[:10]

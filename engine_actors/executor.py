@@ -1,0 +1,72 @@
+"""Placement group and worker actors; dispatches each step message to every worker."""
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine_actors.config import EngineConfig
+from engine_actors.messages import StepInput
+from engine_actors.worker import Worker
+
+# Every process we start inherits these; NVLink multicast must stay off on shared hosts.
+WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+              "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def resolve_device(cfg: EngineConfig) -> str:
+    """`auto` means cuda when the cluster has a GPU for every worker."""
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if ray.cluster_resources().get("GPU", 0) >= cfg.num_workers else "cpu"
+
+
+class Executor:
+    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int, max_num_seqs: int):
+        self.cfg = cfg
+        self.device = device
+        bundle = {"CPU": cfg.num_cpus_per_worker}
+        if device == "cuda":
+            bundle["GPU"] = 1
+        elif cfg.num_cpus_per_worker <= 0:
+            raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
+        self.placement_group = placement_group([bundle] * cfg.num_workers,
+                                               strategy=cfg.placement_strategy)
+        remote_worker = ray.remote(Worker)
+        self.workers = [
+            remote_worker.options(
+                num_cpus=cfg.num_cpus_per_worker, num_gpus=1 if device == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=i),
+                runtime_env={"env_vars": WORKER_ENV},
+            ).remote(cfg, device, max_model_len, max_num_seqs)
+            for i in range(cfg.num_workers)]
+
+    async def start(self, timeout_s: float = 600.0) -> int:
+        """Wait for the workers to load the model; size and allocate the KV pool.
+
+        Returns the number of KV blocks, the smallest any worker can hold.
+        """
+        ready = self.placement_group.ready()
+        try:
+            await asyncio.wait_for(ready, timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"placement group of {len(self.workers)} x {self.placement_group.bundle_specs[0]} "
+                f"not placed after {timeout_s:.0f}s: the cluster lacks those resources") from None
+        num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote() for w in self.workers]))
+        await asyncio.gather(*[w.init_kv_cache.remote(num_blocks) for w in self.workers])
+        return num_blocks
+
+    def execute(self, step: StepInput) -> ray.ObjectRef:
+        """Send one step to every worker; returns the ref of the sampled token ids."""
+        step_ref = ray.put(step)  # one copy, shared by every worker
+        refs = [w.execute.remote(step_ref) for w in self.workers]
+        return refs[-1]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.placement_group)

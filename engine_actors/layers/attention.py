@@ -1,0 +1,37 @@
+"""The attention layer of a flattened iteration: write new keys/values, attend per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.attention import paged_attention
+from kernels.kv_write import kv_write
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each request's tokens are, for one iteration. Built once, shared by all layers."""
+    cu_seqlens_q: torch.Tensor  # [B+1] int32, offsets of each request's new tokens in [T]
+    seq_lens: torch.Tensor  # [B] int32, cached + new tokens per request
+    block_tables: torch.Tensor  # [B, M] int32, block ids per request
+    slot_mapping: torch.Tensor  # [T] int64, KV pool slot of each new token
+    block_size: int
+    cu_seqlens_q_host: list[int]
+    seq_lens_host: list[int]
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        k_cache, v_cache = kv_cache  # [S, Hkv, D] each
+        kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q_host, meta.seq_lens_host,
+                               meta.block_tables, meta.block_size, self.scale)

@@ -1,0 +1,77 @@
+"""The core data model: a request, its sampling parameters, status and counters."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int  # tokens to generate at most
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None  # a seeded request samples the same tokens in any batch
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the pool, not in an in-flight batch (started or not)
+    RUNNING = "running"  # part of a batch that a worker is executing
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    client_id: str = ""
+    # prompt followed by generated tokens; the last one has no KV yet while decoding
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose keys/values are in the KV cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_iterations: int = 0  # iterations this request took part in
+
+    # KV bookkeeping, owned by KVCacheManager
+    row: int = -1  # row in the workers' block table; -1 until admitted
+    blocks: list[int] = field(default_factory=list)
+    num_reserved_blocks: int = 0  # reserved for this request but not yet allocated
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """ORCA's max_tokens: the most tokens this request can ever hold."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def is_admitted(self) -> bool:
+        return self.row >= 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

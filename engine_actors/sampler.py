@@ -1,0 +1,75 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
+
+Per-request settings live in tensors indexed by table row, written once at admission, so a
+step needs no per-request host work. Random rows sample with the exponential-race trick,
+argmax(p / E) with E ~ Exp(1), which draws exactly from p. A seeded request draws E from
+its own generator, so its tokens do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine_actors.messages import NewRequest
+
+
+class Sampler:
+    def __init__(self, max_num_seqs: int, device: torch.device, seed: int):
+        self.device = device
+        self.temperature = torch.zeros(max_num_seqs, device=device)
+        self.top_p = torch.ones(max_num_seqs, device=device)
+        self.top_k = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        # host mirrors decide the fast paths without reading the device
+        self.is_greedy = [True] * max_num_seqs
+        self.is_truncated = [False] * max_num_seqs  # top-k or top-p active
+        self.generators: dict[int, torch.Generator] = {}  # row -> generator of a seeded request
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def add(self, reqs: list[NewRequest]) -> None:
+        if not reqs:
+            return
+        rows = torch.tensor([r.row for r in reqs], device=self.device)
+        self.temperature[rows] = torch.tensor([r.temperature for r in reqs], device=self.device)
+        self.top_p[rows] = torch.tensor([r.top_p for r in reqs], device=self.device)
+        self.top_k[rows] = torch.tensor([r.top_k for r in reqs], device=self.device)
+        for r in reqs:
+            self.is_greedy[r.row] = r.temperature == 0.0
+            self.is_truncated[r.row] = r.top_k > 0 or r.top_p < 1.0
+            self.generators.pop(r.row, None)
+            if r.seed is not None and r.temperature > 0.0:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(r.seed)
+                self.generators[r.row] = g
+
+    def __call__(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """logits [N, V] fp32 for the N sampling rows -> token ids [N]."""
+        greedy = logits.argmax(dim=-1)
+        if all(self.is_greedy[r] for r in rows):
+            return greedy
+        idx = torch.tensor(rows, device=self.device)
+        temperature = self.temperature[idx]
+        logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        if any(self.is_truncated[r] for r in rows):
+            logits = self._truncate(logits, self.top_k[idx], self.top_p[idx])
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row in self.generators:
+                noise[i].exponential_(generator=self.generators[row])
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(temperature == 0.0, greedy, sampled)
+
+    @staticmethod
+    def _truncate(logits, top_k, top_p):
+        """Keep each row's top-k tokens, then the smallest nucleus of those with mass >= top-p.
+
+        The best token always stays, so no row is left empty.
+        """
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

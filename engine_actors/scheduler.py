@@ -1,0 +1,154 @@
+"""The request pool and the per-iteration bookkeeping, free of Ray and of the model.
+
+`schedule()` asks the policy for a batch, allocates KV blocks and builds the step message;
+`process()` applies the sampled tokens, finishes requests and frees their KV at once. The
+scheduler actor drives these two around the workers; tests drive them with a fake runner.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from engine_actors.kv_cache import KVCacheManager
+from engine_actors.messages import NewRequest, StepInput
+from engine_actors.policies import Budget, Policy, Scheduled
+from engine_actors.request import FinishReason, Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """The request can never run (too long for the model or the KV pool)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    client_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Batch:
+    step: StepInput
+    scheduled: list[Scheduled]
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, policy: Policy, budget: Budget, max_model_len: int,
+                 eos_token_ids: set[int]):
+        self.kv = kv
+        self.policy = policy
+        self.budget = budget
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.pool: dict[str, Request] = {}  # unfinished requests, in arrival order
+        self._step_ids = itertools.count()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.pool)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self.pool.values() if r.is_admitted)
+
+    def has_work(self) -> bool:
+        return any(r.status is RequestStatus.WAITING for r in self.pool.values())
+
+    def add(self, req: Request) -> None:
+        """Put a request in the pool, or raise RequestRejected if it could never run."""
+        if req.request_id in self.pool:
+            raise RequestRejected(f"duplicate request id {req.request_id}")
+        if req.max_num_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
+                f"= {req.max_num_tokens} exceeds the model's context length {self.max_model_len}")
+        if not self.kv.can_ever_fit(req):
+            raise RequestRejected(
+                f"prompt + max_tokens = {req.max_num_tokens} tokens exceeds the KV cache capacity "
+                f"of {self.kv.num_blocks * self.kv.block_size} tokens")
+        self.pool[req.request_id] = req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now and free its KV. A token of it still in flight is dropped:
+        workers run steps in order, so freed blocks are only reused by later steps."""
+        req = self.pool.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, FinishReason.ABORT)
+
+    def schedule(self) -> Batch | None:
+        scheduled = self.policy.select(self.pool.values(), self.kv, self.budget)
+        if not scheduled:
+            return None
+        step = StepInput(step_id=next(self._step_ids))
+        for item in scheduled:
+            req, n = item.request, item.num_tokens
+            start = req.num_computed_tokens
+            if start == 0:  # just admitted: the workers learn its row's sampling settings
+                s = req.sampling
+                step.new_requests.append(NewRequest(req.row, s.temperature, s.top_p, s.top_k, s.seed))
+            first_col = len(req.blocks)
+            new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
+            step.table_rows.extend([req.row] * len(new_blocks))
+            step.table_cols.extend(range(first_col, first_col + len(new_blocks)))
+            step.table_blocks.extend(new_blocks)
+            step.rows.append(req.row)
+            step.context_lens.append(start)
+            step.query_lens.append(n)
+            step.token_ids.extend(req.token_ids[start:start + n])
+            step.sample.append(start + n == req.num_tokens)
+            req.num_computed_tokens += n
+            req.num_iterations += 1
+            req.status = RequestStatus.RUNNING
+        return Batch(step, scheduled)
+
+    def process(self, batch: Batch, sampled: list[int]) -> list[RequestOutput]:
+        """Apply one step's sampled tokens (one per request with sample=True)."""
+        outputs = []
+        tokens = iter(sampled)
+        for item, do_sample in zip(batch.scheduled, batch.step.sample):
+            req = item.request
+            token = next(tokens) if do_sample else None
+            if req.is_finished:
+                continue  # aborted while in flight
+            req.status = RequestStatus.WAITING
+            if token is None:
+                continue
+            req.token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                outputs.append(self._finish(req, reason, [token]))
+            else:
+                outputs.append(self._output(req, [token]))
+        return outputs
+
+    def fail_all(self) -> list[RequestOutput]:
+        """Abort every request (the workers failed); returns their final outputs."""
+        return [self._finish(req, FinishReason.ABORT) for req in list(self.pool.values())]
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        s = req.sampling
+        if not s.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in s.stop_token_ids:
+            return FinishReason.STOP
+        if req.num_output_tokens >= s.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason, tokens: list[int] | None = None):
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.free(req)
+        del self.pool[req.request_id]
+        out = self._output(req, tokens or [])
+        out.finish_reason = reason.value
+        return out
+
+    @staticmethod
+    def _output(req: Request, tokens: list[int]) -> RequestOutput:
+        return RequestOutput(req.request_id, req.client_id, tokens, None,
+                             req.num_prompt_tokens, req.num_output_tokens)

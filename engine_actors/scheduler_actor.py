@@ -1,0 +1,246 @@
+"""The singleton scheduler actor: request pool, iteration loop, batches in flight, streams out.
+
+Every ingress replica is a *client*: it submits requests with `add_request` and holds one
+long-lived `stream` call that yields, once per iteration, the new tokens of all of its
+requests. One stream per replica instead of one per request keeps the actor's per-token
+overhead independent of the number of requests.
+
+Lifetime: created on first use by an ingress replica (a named, detached actor, one per
+distinct configuration); it tears itself down, workers and placement group included, when
+its last client unregisters or its last stream breaks.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import asdict
+
+import ray
+
+from engine_actors.checkpoint import ModelInfo, model_info
+from engine_actors.config import EngineConfig
+from engine_actors.executor import Executor, resolve_device
+from engine_actors.kv_cache import KVCacheManager
+from engine_actors.policies import Budget, make_policy
+from engine_actors.request import Request, SamplingParams
+from engine_actors.scheduler import RequestOutput, RequestRejected, Scheduler
+
+logger = logging.getLogger("orca_serve.scheduler")
+NAMESPACE = "orca-serve"
+ORPHAN_GRACE_S = 30.0
+HEARTBEAT_S = 2.0
+
+
+def actor_name(cfg: EngineConfig) -> str:
+    return f"orca-scheduler-{cfg.fingerprint()}"
+
+
+async def _is_alive(actor) -> bool:
+    try:
+        await asyncio.wait_for(actor.__ray_ready__.remote(), HEARTBEAT_S)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+    except asyncio.TimeoutError:  # alive but busy
+        return True
+
+
+class _Client:
+    """Outputs waiting to be streamed to one ingress replica."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, dict] = {}
+        self.event = asyncio.Event()
+        self.request_ids: set[str] = set()
+
+
+class SchedulerActor:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.info: ModelInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self.executor: Executor | None = None
+        self.clients: dict[str, _Client] = {}
+        self.depth = cfg.pipeline_parallel_size  # batches in flight (ORCA: one per stage)
+        self._wake = asyncio.Event()
+        self._started: asyncio.Task | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._start_error: str | None = None
+        self.num_steps = 0
+        self._early_aborts: dict[str, None] = {}
+
+    # ---- life cycle -------------------------------------------------------------------
+    async def ready(self) -> dict:
+        """Start the engine on first call; returns the model info once workers are ready."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self._start())
+        await asyncio.shield(self._started)
+        if self._start_error is not None:
+            raise RuntimeError(self._start_error)
+        return asdict(self.info)
+
+    async def _start(self) -> None:
+        try:
+            self.info = model_info(self.cfg)
+            device = resolve_device(self.cfg)
+            max_num_seqs = self.cfg.max_batch_size * self.depth
+            self.executor = Executor(self.cfg, device, self.info.max_model_len, max_num_seqs)
+            num_blocks = await self.executor.start()
+            kv = KVCacheManager(num_blocks, self.cfg.block_size, max_num_seqs)
+            budget = Budget(self.cfg.max_batch_size, self.cfg.max_num_batched_tokens)
+            self.scheduler = Scheduler(kv, make_policy(self.cfg.scheduling_policy), budget,
+                                       self.info.max_model_len, set(self.info.eos_token_ids))
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.info.name,
+                        device, num_blocks, self.cfg.block_size)
+        except Exception as e:  # reported to every caller of ready()
+            logger.exception("engine start failed")
+            self._start_error = f"engine failed to start: {type(e).__name__}: {e}"
+
+    async def unregister(self, client_id: str) -> None:
+        """An ingress replica is shutting down; the last one takes the engine with it."""
+        self._drop_client(client_id)
+        if not self.clients:
+            await self._teardown()
+
+    async def _teardown_if_unused(self) -> None:
+        """A stream broke without an unregister (a replica died): wait for a replacement."""
+        await asyncio.sleep(ORPHAN_GRACE_S)
+        if not self.clients:
+            await self._teardown()
+
+    async def _teardown(self) -> None:
+        logger.info("no ingress replica left: shutting the engine down")
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        if self.executor is not None:
+            self.executor.shutdown()
+        # exit_actor() would wait for the open stream calls; nothing here needs a goodbye
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    # ---- requests ---------------------------------------------------------------------
+    async def add_request(self, client_id: str, request_id: str, prompt_token_ids: list[int],
+                          sampling: SamplingParams) -> str | None:
+        """Queue a request; returns None, or why it was refused (it could never run)."""
+        await self.ready()
+        client = self.clients.setdefault(client_id, _Client())
+        if self._early_aborts.pop(request_id, None) is not None:
+            return None  # aborted while this call was waiting for the engine to start
+        req = Request(request_id, prompt_token_ids, sampling, time.monotonic(), client_id)
+        try:
+            self.scheduler.add(req)
+        except RequestRejected as e:
+            return str(e)
+        client.request_ids.add(request_id)
+        self._wake.set()
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            out = self.scheduler.abort(rid) if self.scheduler else None
+            if out is not None:
+                self._forget(out)
+            elif self._started is None or not self._started.done():
+                self._early_aborts[rid] = None
+
+    async def stream(self, client_id: str, owner=None):
+        """Yields {request_id: output} with every output for this client since the last yield.
+
+        `owner` is the calling replica's actor handle: Ray does not end this call when the
+        caller dies, so the stream checks now and then that its owner is still alive.
+        """
+        client = self.clients.setdefault(client_id, _Client())
+        last_check = time.monotonic()
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(client.event.wait(), HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    pass
+                if owner is not None and time.monotonic() - last_check > HEARTBEAT_S:
+                    last_check = time.monotonic()
+                    if not await _is_alive(owner):
+                        return
+                client.event.clear()
+                batch, client.pending = client.pending, {}
+                if batch:
+                    yield batch
+        finally:
+            # the replica is gone (or cancelled its stream): nobody can receive these tokens
+            self._drop_client(client_id)
+            if not self.clients:
+                asyncio.get_running_loop().create_task(self._teardown_if_unused())
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"num_requests": s.num_requests if s else 0,
+                "num_running": s.num_running if s else 0,
+                "kv_usage": s.kv.usage if s else 0.0,
+                "num_free_blocks": s.kv.num_free_blocks if s else 0,
+                "num_blocks": s.kv.num_blocks if s else 0,
+                "num_steps": self.num_steps,
+                "num_clients": len(self.clients)}
+
+    # ---- the iteration loop (ORCA Algorithm 1) ------------------------------------------
+    async def _run(self) -> None:
+        in_flight: collections.deque = collections.deque()
+        while True:
+            while len(in_flight) < self.depth:
+                batch = self.scheduler.schedule()
+                if batch is None:
+                    break
+                in_flight.append((batch, self.executor.execute(batch.step)))
+                self.num_steps += 1
+            if not in_flight:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch, ref = in_flight.popleft()
+            try:
+                sampled = await ref
+            except Exception as e:
+                logger.exception("worker failed")
+                in_flight.clear()
+                self._publish(self.scheduler.fail_all(), error=f"worker failure: {e}")
+                await self._restart_workers()
+                continue
+            self._publish(self.scheduler.process(batch, sampled))
+
+    async def _restart_workers(self) -> None:
+        """Replace the worker group after a failure; the KV pool starts empty again."""
+        self.executor.shutdown()
+        device = resolve_device(self.cfg)
+        self.executor = Executor(self.cfg, device, self.info.max_model_len,
+                                 self.scheduler.kv.max_num_seqs)
+        await self.executor.start()
+
+    def _publish(self, outputs: list[RequestOutput], error: str | None = None) -> None:
+        for out in outputs:
+            client = self.clients.get(out.client_id)
+            if client is None:
+                continue
+            item = client.pending.get(out.request_id)
+            if item is None:
+                item = client.pending[out.request_id] = {"token_ids": [], "finish_reason": None}
+            item["token_ids"].extend(out.new_token_ids)
+            item["num_prompt_tokens"] = out.num_prompt_tokens
+            item["num_output_tokens"] = out.num_output_tokens
+            if out.finish_reason is not None:
+                item["finish_reason"] = out.finish_reason
+                if error is not None:
+                    item["error"] = error
+                client.request_ids.discard(out.request_id)
+            client.event.set()
+
+    def _forget(self, out: RequestOutput) -> None:
+        client = self.clients.get(out.client_id)
+        if client is not None:
+            client.request_ids.discard(out.request_id)
+            client.pending.pop(out.request_id, None)
+
+    def _drop_client(self, client_id: str) -> None:
+        client = self.clients.pop(client_id, None)
+        if client is not None:
+            self.abort(list(client.request_ids))

@@ -1,0 +1,58 @@
+"""Start the application of serve_config.yaml with serve.run (same builder, same args)."""
+from __future__ import annotations
+
+import pathlib
+import socket
+import time
+
+import httpx
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_config(**overrides) -> dict:
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    app = cfg["applications"][0]
+    app["args"].update(overrides)
+    return app
+
+
+def start_app(app: dict):
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    ray.init(include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"])
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    return url
+
+
+def wait_healthy(url: str, timeout: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+def stop_app():
+    import ray
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()

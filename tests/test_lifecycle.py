@@ -1,0 +1,118 @@
+"""The scheduler actor's life: one per application, replaced if it dies, gone with the app."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from engine_actors.config import EngineConfig
+from engine_actors.scheduler_actor import NAMESPACE, actor_name
+from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy
+
+
+@pytest.fixture(scope="module")
+def app():
+    cfg = app_config()
+    url = start_app(cfg)
+    yield url, cfg
+    stop_app()
+
+
+def scheduler_handle(cfg):
+    import ray
+    return ray.get_actor(actor_name(EngineConfig.from_args(cfg["args"])), namespace=NAMESPACE)
+
+
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_scheduler_death_fails_in_flight_requests_then_recovers(app):
+    import ray
+    url, cfg = app
+    old = scheduler_handle(cfg)
+
+    async def long_request():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            return await http.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 3000, "ignore_eos": True})
+
+    async def scenario():
+        task = asyncio.create_task(long_request())
+        await asyncio.sleep(1.0)
+        ray.kill(old)
+        t0 = time.monotonic()
+        response = await task
+        return response, time.monotonic() - t0
+
+    response, waited = asyncio.run(scenario())
+    assert response.status_code == 503 and response.json()["error"]["message"]
+    assert waited < 5.0  # answered at once, not after a timeout
+    ok = httpx.post(f"{url}/v1/completions", timeout=120,
+                    json={"prompt": "again", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert scheduler_handle(cfg)._actor_id != old._actor_id
+    assert wait_healthy(url)["status"] == "ok"
+
+
+def test_dead_ingress_replica_loses_its_requests_not_the_engine(app):
+    import ray
+    url, cfg = app
+    scheduler = scheduler_handle(cfg)
+
+    async def orphan():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            try:
+                await http.post("/v1/completions", json={
+                    "prompt": "orphan", "max_tokens": 3500, "ignore_eos": True})
+            except httpx.HTTPError:
+                pass
+
+    async def scenario():
+        task = asyncio.create_task(orphan())
+        await asyncio.sleep(1.0)
+        assert ray.get(scheduler.stats.remote())["num_requests"] == 1
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if "SERVE_REPLICA" in a["name"]]
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]))
+        await task
+
+    asyncio.run(scenario())
+
+    def only_new_replica_left():
+        s = ray.get(scheduler.stats.remote())
+        return s["num_clients"] == 1 and s["num_requests"] == 0 \
+            and s["num_free_blocks"] == s["num_blocks"]
+
+    assert wait_until(only_new_replica_left, timeout=60), ray.get(scheduler.stats.remote())
+    assert wait_healthy(url)["status"] == "ok"
+
+
+def test_deleting_the_application_tears_the_engine_down(app):
+    import ray
+    from ray import serve
+    from ray.util import placement_group_table
+    url, cfg = app
+    scheduler_handle(cfg)  # exists while the app runs
+    serve.delete(cfg["name"])
+
+    def gone():
+        try:
+            scheduler_handle(cfg)
+            return False
+        except ValueError:
+            return True
+
+    assert wait_until(gone), "scheduler actor outlived its application"
+    live_pgs = [pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"]
+    assert wait_until(lambda: not [
+        pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"]), live_pgs
+    workers = [a for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [a for a in workers if a["namespace"] == NAMESPACE]

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import torch
+
+from engine_actors.messages import NewRequest
+from engine_actors.sampler import Sampler
+
+
+def make_sampler(params: dict[int, tuple], seed=0):
+    """params: row -> (temperature, top_p, top_k, seed)."""
+    s = Sampler(max_num_seqs=8, device=torch.device("cpu"), seed=seed)
+    s.add([NewRequest(row, *p) for row, p in params.items()])
+    return s
+
+
+def frequencies(sampler, logits, row, n=20000):
+    counts = torch.zeros(logits.shape[-1])
+    batch = logits.expand(n, -1).clone()
+    # one big batch of the same row is n independent draws from the shared generator
+    sampler.is_greedy[row] = False
+    ids = sampler(batch, [row] * n)
+    counts += torch.bincount(ids, minlength=logits.shape[-1])
+    return counts / n
+
+
+def test_greedy_and_degenerate_truncation_pick_the_argmax():
+    logits = torch.randn(3, 50)
+    s = make_sampler({0: (0.0, 1.0, 0, None), 1: (1.0, 1.0, 1, None), 2: (0.7, 1e-6, 0, None)})
+    assert torch.equal(s(logits, [0, 1, 2]), logits.argmax(-1))
+
+
+def test_temperature_sampling_follows_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    s = make_sampler({0: (1.0, 1.0, 0, None), 1: (0.5, 1.0, 0, None)})
+    torch.testing.assert_close(frequencies(s, logits, 0), torch.softmax(logits[0], -1),
+                               atol=0.015, rtol=0)
+    torch.testing.assert_close(frequencies(s, logits, 1), torch.softmax(logits[0] / 0.5, -1),
+                               atol=0.015, rtol=0)
+
+
+def test_top_k_and_top_p_truncate_then_renormalise():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None]
+    s = make_sampler({0: (1.0, 1.0, 2, None), 1: (1.0, 0.7, 0, None), 2: (1.0, 0.9, 3, None)})
+    expect_k2 = torch.tensor([0.625, 0.375, 0.0, 0.0])
+    torch.testing.assert_close(frequencies(s, logits, 0), expect_k2, atol=0.015, rtol=0)
+    # top_p 0.7: tokens 0 and 1 (mass 0.8 is the smallest prefix reaching 0.7)
+    torch.testing.assert_close(frequencies(s, logits, 1), expect_k2, atol=0.015, rtol=0)
+    # top_k 3 then top_p 0.9 of the renormalised [0.526, 0.316, 0.158]: all three stay
+    expect = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    torch.testing.assert_close(frequencies(s, logits, 2), expect, atol=0.015, rtol=0)
+
+
+def test_seeded_request_is_reproducible_in_any_batch():
+    torch.manual_seed(0)
+    steps = [torch.randn(5, 300) for _ in range(6)]
+    alone = make_sampler({0: (1.0, 0.95, 50, 1234)}, seed=1)
+    crowd = make_sampler({3: (1.0, 0.95, 50, 1234), 1: (1.0, 1.0, 0, None),
+                          5: (0.8, 1.0, 0, 99), 2: (0.0, 1.0, 0, None)}, seed=2)
+    a = [alone(x[2:3], [0]).item() for x in steps]
+    b = [crowd(x[[0, 1, 2, 3]], [1, 5, 3, 2])[2].item() for x in steps]
+    assert a == b
+    other_seed = make_sampler({0: (1.0, 0.95, 50, 4321)}, seed=1)
+    assert [other_seed(x[2:3], [0]).item() for x in steps] != a

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_actors.kv_cache import KVCacheManager
+from engine_actors.policies import FCFS, Budget
+from engine_actors.request import Request, RequestStatus, SamplingParams
+from engine_actors.scheduler import RequestRejected, Scheduler
+from tests.fake_runner import FakeRunner, expected_output
+
+EOS = 198  # never produced by this workload unless ignore_eos is off and it comes up
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_batch=4, max_tokens=64, max_model_len=512):
+    kv = KVCacheManager(num_blocks, block_size, max_batch)
+    return Scheduler(kv, FCFS(), Budget(max_batch, max_tokens), max_model_len, {EOS})
+
+
+def make_req(rid, prompt, max_tokens, t=0.0):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), t)
+
+
+def run_step(sched, runner, outputs):
+    batch = sched.schedule()
+    if batch is None:
+        return None
+    for out in sched.process(batch, runner.execute(batch.step)):
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finish_reason:
+            outputs[out.request_id + ":finish"] = out.finish_reason
+    return batch
+
+
+def test_fcfs_order_and_max_batch_size():
+    sched, runner, outs = make_scheduler(max_batch=2), FakeRunner(4), {}
+    for i in range(4):
+        sched.add(make_req(f"r{i}", [i + 1] * 3, max_tokens=2 + i))
+    batch = run_step(sched, runner, outs)
+    assert [s.request.request_id for s in batch.scheduled] == ["r0", "r1"]
+    batch = run_step(sched, runner, outs)
+    assert [s.request.request_id for s in batch.scheduled] == ["r0", "r1"]
+    # r0 finished (2 tokens) after the second iteration: r2 joins at the very next one
+    assert outs["r0:finish"] == "length"
+    batch = run_step(sched, runner, outs)
+    assert [s.request.request_id for s in batch.scheduled] == ["r1", "r2"]
+    while run_step(sched, runner, outs):
+        pass
+    for i in range(4):
+        assert outs[f"r{i}"] == expected_output([i + 1] * 3, 2 + i)
+
+
+def test_late_request_joins_next_iteration_mixed_with_decodes():
+    sched, runner, outs = make_scheduler(), FakeRunner(4), {}
+    sched.add(make_req("a", [5] * 6, max_tokens=10))
+    run_step(sched, runner, outs)  # a: prefill
+    run_step(sched, runner, outs)  # a: decode
+    sched.add(make_req("b", [7] * 9, max_tokens=3))
+    batch = run_step(sched, runner, outs)
+    step = batch.step
+    assert [s.request.request_id for s in batch.scheduled] == ["a", "b"]
+    assert step.query_lens == [1, 9] and step.context_lens == [7, 0]  # decode + prefill together
+    while run_step(sched, runner, outs):
+        pass
+    assert outs["a"] == expected_output([5] * 6, 10)
+    assert outs["b"] == expected_output([7] * 9, 3)
+
+
+def test_finished_request_leaves_at_once_and_frees_kv():
+    sched, runner, outs = make_scheduler(num_blocks=16), FakeRunner(4), {}
+    sched.add(make_req("short", [1] * 4, max_tokens=1))
+    sched.add(make_req("long", [2] * 4, max_tokens=5))
+    run_step(sched, runner, outs)
+    assert outs["short:finish"] == "length" and "short" not in sched.pool
+    long_req = sched.pool["long"]
+    held = len(long_req.blocks) + long_req.num_reserved_blocks
+    assert sched.kv.num_free_blocks - sched.kv.num_reserved_blocks == 16 - held
+    batch = run_step(sched, runner, outs)
+    assert [s.request.request_id for s in batch.scheduled] == ["long"]
+
+
+def test_refuses_requests_that_can_never_fit():
+    sched = make_scheduler(num_blocks=8, block_size=4, max_model_len=100)
+    with pytest.raises(RequestRejected, match="context length"):
+        sched.add(make_req("ctx", [1] * 90, max_tokens=11))
+    with pytest.raises(RequestRejected, match="KV cache capacity"):
+        sched.add(make_req("kv", [1] * 30, max_tokens=3))  # 33 tokens > 32 slots
+    sched.add(make_req("ok", [1] * 30, max_tokens=2))  # exactly 32
+    assert list(sched.pool) == ["ok"]
+
+
+def test_reservation_waits_instead_of_overcommitting():
+    sched, runner, outs = make_scheduler(num_blocks=6, block_size=4), FakeRunner(4), {}
+    sched.add(make_req("a", [1] * 8, max_tokens=8))  # 16 tokens: 4 blocks
+    sched.add(make_req("b", [2] * 4, max_tokens=8))  # 12 tokens: 3 blocks, only 2 left
+    batch = run_step(sched, runner, outs)
+    assert [s.request.request_id for s in batch.scheduled] == ["a"]
+    assert not sched.pool["b"].is_admitted
+    while "a:finish" not in outs:
+        run_step(sched, runner, outs)
+    batch = run_step(sched, runner, outs)
+    assert [s.request.request_id for s in batch.scheduled] == ["b"]
+
+
+def test_abort_frees_kv_of_queued_and_in_flight_requests():
+    sched, runner, outs = make_scheduler(num_blocks=20), FakeRunner(4), {}
+    sched.add(make_req("run", [1] * 5, max_tokens=50))
+    sched.add(make_req("other", [3] * 5, max_tokens=4))
+    batch = sched.schedule()  # both in flight
+    assert sched.pool["run"].status is RequestStatus.RUNNING
+    out = sched.abort("run")
+    assert out.finish_reason == "abort" and "run" not in sched.pool
+    sampled = runner.execute(batch.step)
+    results = sched.process(batch, sampled)  # the in-flight token of "run" is dropped
+    assert [r.request_id for r in results] == ["other"]
+    sched.add(make_req("queued", [4] * 5, max_tokens=4))
+    assert sched.abort("queued").finish_reason == "abort"
+    assert sched.abort("queued") is None  # twice is harmless
+    while run_step(sched, runner, outs):
+        pass
+    assert sched.kv.num_free_blocks == 20 and sched.kv.num_reserved_blocks == 0
+    assert sched.kv.num_free_rows == sched.kv.max_num_seqs
+
+
+def test_long_prompt_is_chunked_while_decodes_continue():
+    sched, runner, outs = make_scheduler(max_tokens=8), FakeRunner(4), {}
+    sched.add(make_req("dec", [1] * 3, max_tokens=20))
+    run_step(sched, runner, outs)
+    sched.add(make_req("long", list(range(1, 30)), max_tokens=2))  # 29 prompt tokens
+    chunks = []
+    while "long" not in outs:
+        batch = run_step(sched, runner, outs)
+        assert batch.step.num_tokens <= 8
+        assert batch.scheduled[0].request.request_id == "dec"  # a token every iteration
+        chunks.append(batch.step.query_lens[1])
+    assert chunks == [7, 7, 7, 7, 1]
+    while run_step(sched, runner, outs):
+        pass
+    assert outs["long"] == expected_output(list(range(1, 30)), 2)
+
+
+def test_random_workload_fcfs_property_and_no_deadlock():
+    rng = random.Random(1)
+    sched, runner, outs = make_scheduler(num_blocks=40, block_size=4, max_batch=5,
+                                         max_tokens=24), FakeRunner(4), {}
+    expected, arrival = {}, []
+    for step in range(400):
+        if step < 200 and rng.random() < 0.4:
+            rid = f"r{step}"
+            prompt = [rng.randint(1, 190) for _ in range(rng.randint(1, 40))]
+            n = rng.randint(1, 30)
+            sched.add(make_req(rid, prompt, n, t=step))
+            expected[rid] = expected_output(prompt, n)
+            arrival.append(rid)
+        run_step(sched, runner, outs)
+        kv = sched.kv
+        assert kv.num_free_blocks >= kv.num_reserved_blocks
+        live = [sched.pool[r] for r in arrival if r in sched.pool]
+        for earlier, later in zip(live, live[1:]):
+            assert earlier.num_iterations >= later.num_iterations
+    while sched.pool:
+        assert run_step(sched, runner, outs) is not None, "deadlock: work left, none scheduled"
+    for rid, toks in expected.items():
+        assert outs[rid] == toks
+    assert sched.kv.num_free_blocks == 40
