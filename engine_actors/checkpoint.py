@@ -5,6 +5,7 @@ import glob
 import os
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def save_byte_tokenizer(path: str) -> None:
-    """A byte-level tokenizer: ids 0-255 are the bytes, then <s> and </s>; any text round-trips."""
+def save_byte_tokenizer(path: str, vocab_size: int = BYTE_VOCAB + 2) -> None:
+    """A byte-level tokenizer: ids 0-255 are the bytes, then <s> and </s>; any text round-trips.
+
+    Ids past those (for a random model with a large vocabulary) decode as `<|id_N|>`.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -30,6 +34,7 @@ def save_byte_tokenizer(path: str) -> None:
     byte_to_char = bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(BYTE_VOCAB)}
     vocab.update({"<s>": BOS_ID, "</s>": EOS_ID})
+    vocab.update({f"<|id_{i}|>": i for i in range(EOS_ID + 1, vocab_size)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -57,12 +62,46 @@ def save_random_llama(path: str, seed: int = 0, **config_overrides) -> None:
     save_byte_tokenizer(path)
 
 
-def resolve_model_path(model: str) -> str:
-    """The local directory of `model`; the built-in default is written on first use.
+# Random-weight models of real shapes, for benchmarks. Their weights are never written to
+# disk: every tensor is generated on the device from its name (random_weight), so the engine
+# and a transformers baseline can build the same model independently.
+RANDOM_MODELS = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+}
+RANDOM_MARKER = "orca_random_weights.json"
 
-    Every process that needs the default (ingress, scheduler, each worker) builds the same
-    bytes from a fixed seed, so nothing has to be shipped between machines.
+
+def random_weight(name: str, shape, device, dtype=torch.bfloat16) -> torch.Tensor:
+    """The tensor `name` of a random-weight model: ones for norms, N(0, 0.02) otherwise,
+    from a generator seeded by the name, so any process rebuilds identical weights."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    g = torch.Generator(device=device)
+    g.manual_seed(zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)
+
+
+def _save_random_model_dir(path: str, name: str) -> None:
+    cfg = tiny_llama_config(vocab_size=128256, max_position_embeddings=8192,
+                            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                            **RANDOM_MODELS[name])
+    cfg.save_pretrained(path)
+    save_byte_tokenizer(path, cfg.vocab_size)
+    Path(path, RANDOM_MARKER).write_text('{"std": 0.02}\n')
+
+
+def resolve_model_path(model: str) -> str:
+    """The local directory of `model`; built-in models are written on first use.
+
+    Every process that needs a built-in model (ingress, scheduler, each worker) builds the
+    same bytes from fixed seeds, so nothing has to be shipped between machines.
     """
+    if model in RANDOM_MODELS:
+        return _build_once(f"orca-serve-{model}-v{_DEFAULT_VERSION}",
+                           lambda p: _save_random_model_dir(p, model))
     if model != DEFAULT_MODEL:
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():
@@ -70,10 +109,14 @@ def resolve_model_path(model: str) -> str:
                 f"model {model!r} is not a local checkpoint directory with a config.json "
                 f"(no model hub is used); pass a directory or {DEFAULT_MODEL!r}")
         return str(path)
-    target = Path(tempfile.gettempdir()) / f"orca-serve-{DEFAULT_MODEL}-v{_DEFAULT_VERSION}"
-    if not (target / "model.safetensors").is_file():
+    return _build_once(f"orca-serve-{DEFAULT_MODEL}-v{_DEFAULT_VERSION}", save_random_llama)
+
+
+def _build_once(dirname: str, build) -> str:
+    target = Path(tempfile.gettempdir()) / dirname
+    if not (target / "config.json").is_file():
         staging = tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent)
-        save_random_llama(staging)
+        build(staging)
         try:
             os.rename(staging, target)  # atomic: concurrent builders race harmlessly
         except OSError:
@@ -89,8 +132,19 @@ def load_hf_config(path: str):
     return cfg
 
 
-def iter_checkpoint_tensors(path: str):
-    """(name, tensor) for every tensor of the checkpoint's safetensors files, one at a time."""
+def iter_checkpoint_tensors(path: str, device: torch.device | str = "cpu"):
+    """(name, tensor) for every tensor of the checkpoint, one at a time.
+
+    Tensors of a random-weight model are generated on `device`; others are read from the
+    safetensors files.
+    """
+    if os.path.isfile(os.path.join(path, RANDOM_MARKER)):
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            shapes = AutoModelForCausalLM.from_config(load_hf_config(path))
+        for name, param in shapes.named_parameters():
+            yield name, random_weight(name, param.shape, device)
+        return
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:

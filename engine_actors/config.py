@@ -34,6 +34,10 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs"] = "fcfs"
     max_batch_size: int = 32  # requests per iteration
     max_num_batched_tokens: int = 4096  # tokens per iteration; longer prompts are prefilled in chunks
+    # Overlap: schedule the next iteration while the current one runs (a running request
+    # continues from the worker's own last sampled token). Off: one step in flight per stage.
+    async_scheduling: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
 
     # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.
     max_num_tokens: int | None = None  # default: 16384 on CPU, sized from free memory on GPU
@@ -84,6 +88,16 @@ class EngineConfig:
     @property
     def num_workers(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """ORCA keeps one batch per pipeline stage in flight; overlap adds one more."""
+        return self.pipeline_parallel_size + (1 if self.async_scheduling else 0)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Rows of the workers' tables: an admitted request holds one until it finishes."""
+        return self.max_batch_size * self.max_steps_in_flight
 
     @property
     def model_name(self) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -24,7 +25,7 @@ def resolve_device(cfg: EngineConfig) -> str:
 
 
 class Executor:
-    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int, max_num_seqs: int):
+    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int):
         self.cfg = cfg
         self.device = device
         bundle = {"CPU": cfg.num_cpus_per_worker}
@@ -32,6 +33,7 @@ class Executor:
             bundle["GPU"] = 1
         elif cfg.num_cpus_per_worker <= 0:
             raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
+        self._step_ids = itertools.count()
         self.placement_group = placement_group([bundle] * cfg.num_workers,
                                                strategy=cfg.placement_strategy)
         remote_worker = ray.remote(Worker)
@@ -41,7 +43,7 @@ class Executor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=i),
                 runtime_env={"env_vars": WORKER_ENV},
-            ).remote(cfg, device, max_model_len, max_num_seqs)
+            ).remote(cfg, device, max_model_len)
             for i in range(cfg.num_workers)]
 
     async def start(self, timeout_s: float = 600.0) -> int:
@@ -62,6 +64,7 @@ class Executor:
 
     def execute(self, step: StepInput) -> ray.ObjectRef:
         """Send one step to every worker; returns the ref of the sampled token ids."""
+        step.step_id = next(self._step_ids)
         step_ref = ray.put(step)  # one copy, shared by every worker
         refs = [w.execute.remote(step_ref) for w in self.workers]
         return refs[-1]

@@ -19,14 +19,15 @@ class NewRequest:
 
 @dataclass(slots=True)
 class StepInput:
-    step_id: int
+    step_id: int = 0  # consecutive per worker group; workers run steps in this order
     new_requests: list[NewRequest] = field(default_factory=list)
     # one entry per scheduled request, in batch order
     rows: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)  # tokens already in the KV cache
     query_lens: list[int] = field(default_factory=list)  # new tokens this iteration
     sample: list[bool] = field(default_factory=list)  # False for a prompt chunk that is not the last
-    token_ids: list[int] = field(default_factory=list)  # [T], all new tokens, flattened
+    # [T], all new tokens, flattened; -1 = the token this row's previous step samples
+    token_ids: list[int] = field(default_factory=list)
     # block-table deltas: block_table[rows[k]][cols[k]] = blocks[k]
     table_rows: list[int] = field(default_factory=list)
     table_cols: list[int] = field(default_factory=list)

@@ -1,8 +1,9 @@
 """Batch selection policies: which requests run in the next iteration, and how many tokens each.
 
-A policy sees the request pool in arrival order, the KV manager and the iteration's budget,
-and returns the batch. It admits the requests it starts (a table row plus its KV
-reservation); the scheduler then allocates their blocks and builds the step message.
+A policy sees the requests that can run now, in arrival order, the KV manager and the
+iteration's budget, and returns the batch. It admits the requests it starts (a table row
+plus its KV reservation); the scheduler then allocates their blocks and builds the step
+message.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from engine_actors.kv_cache import KVCacheManager
-from engine_actors.request import Request, RequestStatus
+from engine_actors.request import Request
 
 
 @dataclass(slots=True)
@@ -43,8 +44,6 @@ class FCFS:
         batch: list[Scheduled] = []
         tokens_left = budget.max_num_tokens
         for req in pool:
-            if req.status is not RequestStatus.WAITING:
-                continue  # in flight in another batch
             if len(batch) == budget.max_num_requests or tokens_left == 0:
                 break
             if not req.is_admitted:
@@ -52,7 +51,7 @@ class FCFS:
                 if kv.num_free_rows == 0 or need > kv.num_unreserved_blocks:
                     break
                 kv.admit(req, req.max_num_tokens)
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, tokens_left)
+            num_tokens = min(req.num_new_tokens, tokens_left)
             batch.append(Scheduled(req, num_tokens))
             tokens_left -= num_tokens
         return batch

@@ -18,7 +18,7 @@ class SamplingParams:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # in the pool, not in an in-flight batch (started or not)
-    RUNNING = "running"  # part of a batch that a worker is executing
+    RUNNING = "running"  # part of at least one batch that the workers are executing
     FINISHED = "finished"
 
 
@@ -35,9 +35,12 @@ class Request:
     sampling: SamplingParams
     arrival_time: float
     client_id: str = ""
-    # prompt followed by generated tokens; the last one has no KV yet while decoding
+    # prompt followed by the generated tokens received so far
     token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose keys/values are in the KV cache
+    # tokens whose keys/values are in the KV cache or being computed by an in-flight step
+    num_computed_tokens: int = 0
+    num_inflight_samples: int = 0  # tokens sampled by in-flight steps, not yet received
+    num_inflight_steps: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_iterations: int = 0  # iterations this request took part in
@@ -62,6 +65,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens that can run next: the uncomputed known ones plus those being sampled now
+        (a worker substitutes its own last sample for those)."""
+        return self.num_tokens + self.num_inflight_samples - self.num_computed_tokens
+
+    @property
+    def can_sample_more(self) -> bool:
+        return self.num_output_tokens + self.num_inflight_samples < self.sampling.max_tokens
 
     @property
     def max_num_tokens(self) -> int:

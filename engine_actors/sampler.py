@@ -7,9 +7,11 @@ its own generator, so its tokens do not depend on what else is in the batch.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine_actors.messages import NewRequest
+from engine_actors.transfer import to_device
 
 
 class Sampler:
@@ -28,10 +30,13 @@ class Sampler:
     def add(self, reqs: list[NewRequest]) -> None:
         if not reqs:
             return
-        rows = torch.tensor([r.row for r in reqs], device=self.device)
-        self.temperature[rows] = torch.tensor([r.temperature for r in reqs], device=self.device)
-        self.top_p[rows] = torch.tensor([r.top_p for r in reqs], device=self.device)
-        self.top_k[rows] = torch.tensor([r.top_k for r in reqs], device=self.device)
+        values = np.array([(r.row, r.temperature, r.top_p, r.top_k) for r in reqs],
+                          dtype=np.float64).T.copy()
+        rows, temperature, top_p, top_k = to_device(values, self.device)
+        rows = rows.long()
+        self.temperature[rows] = temperature.float()
+        self.top_p[rows] = top_p.float()
+        self.top_k[rows] = top_k.long()
         for r in reqs:
             self.is_greedy[r.row] = r.temperature == 0.0
             self.is_truncated[r.row] = r.top_k > 0 or r.top_p < 1.0
@@ -41,12 +46,13 @@ class Sampler:
                 g.manual_seed(r.seed)
                 self.generators[r.row] = g
 
-    def __call__(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """logits [N, V] fp32 for the N sampling rows -> token ids [N]."""
+    def __call__(self, logits: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] fp32 for the N sampling rows (`rows` on the host, `idx` on the
+        device) -> token ids [N]."""
         greedy = logits.argmax(dim=-1)
         if all(self.is_greedy[r] for r in rows):
             return greedy
-        idx = torch.tensor(rows, device=self.device)
+        idx = idx.long()
         temperature = self.temperature[idx]
         logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
         if any(self.is_truncated[r] for r in rows):

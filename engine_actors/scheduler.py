@@ -3,16 +3,23 @@
 `schedule()` asks the policy for a batch, allocates KV blocks and builds the step message;
 `process()` applies the sampled tokens, finishes requests and frees their KV at once. The
 scheduler actor drives these two around the workers; tests drive them with a fake runner.
+
+With `allow_continuation`, a request may be scheduled again while a step that samples its
+next token is still in flight (overlapped scheduling): the step message carries
+PLACEHOLDER for that token and the worker substitutes its own last sample for the row.
+Without it, the batches in flight are disjoint (ORCA, needed with pipeline stages).
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from engine_actors.kv_cache import KVCacheManager
 from engine_actors.messages import NewRequest, StepInput
 from engine_actors.policies import Budget, Policy, Scheduled
 from engine_actors.request import FinishReason, Request, RequestStatus
+
+
+PLACEHOLDER = -1  # "the token this row's previous step samples", resolved on the worker
 
 
 class RequestRejected(ValueError):
@@ -37,14 +44,14 @@ class Batch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, budget: Budget, max_model_len: int,
-                 eos_token_ids: set[int]):
+                 eos_token_ids: set[int], allow_continuation: bool = False):
         self.kv = kv
         self.policy = policy
         self.budget = budget
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.allow_continuation = allow_continuation
         self.pool: dict[str, Request] = {}  # unfinished requests, in arrival order
-        self._step_ids = itertools.count()
 
     @property
     def num_requests(self) -> int:
@@ -54,8 +61,12 @@ class Scheduler:
     def num_running(self) -> int:
         return sum(1 for r in self.pool.values() if r.is_admitted)
 
-    def has_work(self) -> bool:
-        return any(r.status is RequestStatus.WAITING for r in self.pool.values())
+    def is_ready(self, req: Request) -> bool:
+        """Can `req` take part in the next step? Once its samples (received or in flight)
+        reach max_tokens, the only token left uncomputed is the last sample, never needed."""
+        if req.status is RequestStatus.RUNNING and not self.allow_continuation:
+            return False
+        return req.num_new_tokens > 0 and req.can_sample_more
 
     def add(self, req: Request) -> None:
         """Put a request in the pool, or raise RequestRejected if it could never run."""
@@ -80,10 +91,11 @@ class Scheduler:
         return self._finish(req, FinishReason.ABORT)
 
     def schedule(self) -> Batch | None:
-        scheduled = self.policy.select(self.pool.values(), self.kv, self.budget)
+        ready = (r for r in self.pool.values() if self.is_ready(r))
+        scheduled = self.policy.select(ready, self.kv, self.budget)
         if not scheduled:
             return None
-        step = StepInput(step_id=next(self._step_ids))
+        step = StepInput()
         for item in scheduled:
             req, n = item.request, item.num_tokens
             start = req.num_computed_tokens
@@ -98,10 +110,15 @@ class Scheduler:
             step.rows.append(req.row)
             step.context_lens.append(start)
             step.query_lens.append(n)
-            step.token_ids.extend(req.token_ids[start:start + n])
-            step.sample.append(start + n == req.num_tokens)
+            known = req.token_ids[start:start + n]
+            step.token_ids.extend(known)
+            step.token_ids.extend([PLACEHOLDER] * (n - len(known)))
+            sample = start + n == req.num_tokens + req.num_inflight_samples
+            step.sample.append(sample)
+            req.num_inflight_samples += sample
             req.num_computed_tokens += n
             req.num_iterations += 1
+            req.num_inflight_steps += 1
             req.status = RequestStatus.RUNNING
         return Batch(step, scheduled)
 
@@ -113,8 +130,11 @@ class Scheduler:
             req = item.request
             token = next(tokens) if do_sample else None
             if req.is_finished:
-                continue  # aborted while in flight
-            req.status = RequestStatus.WAITING
+                continue  # finished or aborted while this step was in flight
+            req.num_inflight_steps -= 1
+            req.num_inflight_samples -= do_sample
+            if req.num_inflight_steps == 0:
+                req.status = RequestStatus.WAITING
             if token is None:
                 continue
             req.token_ids.append(token)

@@ -63,7 +63,7 @@ class SchedulerActor:
         self.scheduler: Scheduler | None = None
         self.executor: Executor | None = None
         self.clients: dict[str, _Client] = {}
-        self.depth = cfg.pipeline_parallel_size  # batches in flight (ORCA: one per stage)
+        self.depth = cfg.max_steps_in_flight
         self._wake = asyncio.Event()
         self._started: asyncio.Task | None = None
         self._loop_task: asyncio.Task | None = None
@@ -85,13 +85,14 @@ class SchedulerActor:
         try:
             self.info = model_info(self.cfg)
             device = resolve_device(self.cfg)
-            max_num_seqs = self.cfg.max_batch_size * self.depth
-            self.executor = Executor(self.cfg, device, self.info.max_model_len, max_num_seqs)
+            self.executor = Executor(self.cfg, device, self.info.max_model_len)
             num_blocks = await self.executor.start()
-            kv = KVCacheManager(num_blocks, self.cfg.block_size, max_num_seqs)
+            kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.max_num_seqs)
             budget = Budget(self.cfg.max_batch_size, self.cfg.max_num_batched_tokens)
+            continuation = self.cfg.async_scheduling and self.cfg.pipeline_parallel_size == 1
             self.scheduler = Scheduler(kv, make_policy(self.cfg.scheduling_policy), budget,
-                                       self.info.max_model_len, set(self.info.eos_token_ids))
+                                       self.info.max_model_len, set(self.info.eos_token_ids),
+                                       allow_continuation=continuation)
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
             logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.info.name,
                         device, num_blocks, self.cfg.block_size)
@@ -212,8 +213,7 @@ class SchedulerActor:
         """Replace the worker group after a failure; the KV pool starts empty again."""
         self.executor.shutdown()
         device = resolve_device(self.cfg)
-        self.executor = Executor(self.cfg, device, self.info.max_model_len,
-                                 self.scheduler.kv.max_num_seqs)
+        self.executor = Executor(self.cfg, device, self.info.max_model_len)
         await self.executor.start()
 
     def _publish(self, outputs: list[RequestOutput], error: str | None = None) -> None:

@@ -1,10 +1,14 @@
 """The worker: owns one device and one model shard, runs exactly one iteration per call.
 
-The executor wraps this class with `ray.remote` inside the placement group; tests can use
+An async actor: `execute` enqueues the step on the device and then awaits its result in a
+thread, so the next step message is accepted and enqueued while the device still runs this
+one (the control plane never leaves the GPU idle). Steps run in step_id order whatever
+order Ray delivers them in. The executor wraps this class with `ray.remote`; tests can use
 it in-process.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 import torch
@@ -19,14 +23,17 @@ CPU_KV_TOKENS = 16384  # default KV pool on CPU when max_num_tokens is not given
 
 
 class Worker:
-    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int, max_num_seqs: int):
+    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int):
         if device == "cpu" and cfg.num_cpus_per_worker >= 1:
             torch.set_num_threads(int(cfg.num_cpus_per_worker))
         self.cfg = cfg
         self.device = device
         self.runner = ModelRunner(resolve_model_path(cfg.model), device,
                                   resolve_dtype(cfg.dtype, device), max_model_len,
-                                  cfg.block_size, max_num_seqs, cfg.seed)
+                                  cfg.block_size, cfg.max_num_seqs, cfg.seed,
+                                  use_cuda_graphs=not cfg.enforce_eager)
+        self._next_step = 0
+        self._turn: asyncio.Condition | None = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -39,25 +46,34 @@ class Worker:
             return cdiv(CPU_KV_TOKENS, self.cfg.block_size)
         free, total = torch.cuda.mem_get_info()
         used = total - free  # weights, the CUDA context and anything else on the GPU
-        activations = self._profile_activation_bytes()
-        budget = total * self.cfg.gpu_memory_utilization - used - activations
+        # activations of the largest eager step, plus the decode graphs' memory pool
+        # (bounded by one eager decode step at the largest graph batch)
+        activations = self._profile_peak_bytes(min(self.cfg.max_num_batched_tokens,
+                                                   self.runner.max_model_len), 1)
+        graphs = 0 if self.cfg.enforce_eager else self._profile_peak_bytes(
+            1, min(self.cfg.max_batch_size, self.cfg.max_num_seqs, 512))
+        budget = total * self.cfg.gpu_memory_utilization - used - activations - graphs
         blocks = int(budget // self.runner.kv_bytes_per_block())
         if blocks < 1:
             raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} "
                                "GiB); raise gpu_memory_utilization or use a smaller model")
         return blocks
 
-    def _profile_activation_bytes(self) -> int:
-        """Peak memory of the largest iteration (one prompt of max_num_batched_tokens)."""
-        n = min(self.cfg.max_num_batched_tokens, self.runner.max_model_len)
-        blocks = cdiv(n, self.cfg.block_size)
-        self.runner.allocate_kv_cache(blocks)
+    def _profile_peak_bytes(self, tokens_per_request: int, num_requests: int) -> int:
+        """Peak memory of one eager step of num_requests prompts of tokens_per_request."""
+        blocks_each = cdiv(tokens_per_request, self.cfg.block_size)
+        self.runner.allocate_kv_cache(blocks_each * num_requests)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        step = StepInput(step_id=-1, rows=[0], context_lens=[0], query_lens=[n], sample=[True],
-                         token_ids=[0] * n, table_rows=[0] * blocks, table_cols=list(range(blocks)),
-                         table_blocks=list(range(blocks)))
+        rows = list(range(num_requests))
+        step = StepInput(rows=rows, context_lens=[0] * num_requests,
+                         query_lens=[tokens_per_request] * num_requests,
+                         sample=[True] * num_requests,
+                         token_ids=[0] * (tokens_per_request * num_requests),
+                         table_rows=[r for r in rows for _ in range(blocks_each)],
+                         table_cols=list(range(blocks_each)) * num_requests,
+                         table_blocks=list(range(blocks_each * num_requests)))
         self.runner.execute(step)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
@@ -67,6 +83,15 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs(self.cfg.max_batch_size)
 
-    def execute(self, step: StepInput) -> list[int]:
-        return self.runner.execute(step)
+    async def execute(self, step: StepInput) -> list[int]:
+        if self._turn is None:
+            self._turn = asyncio.Condition()
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._next_step == step.step_id)
+            pending = self.runner.launch(step)
+            self._next_step += 1
+            self._turn.notify_all()
+        await asyncio.to_thread(pending.wait)
+        return pending.result()

@@ -1,33 +1,39 @@
 """Attention over a flattened iteration, reading keys/values from the paged KV pool.
 
 Interface (shared by the reference and the Triton kernel):
-  q            [T, Hq, D]   queries of every new token of the iteration, requests concatenated
-  k_cache      [S, Hkv, D]  the layer's key pool, S = num_blocks * block_size token slots
-  v_cache      [S, Hkv, D]
-  cu_seqlens_q [B+1]        request i owns q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]
-  seq_lens     [B]          tokens of request i in the cache, the new ones included
-  block_tables [B, M]       block ids of request i, in position order
+  q             [T, Hq, D]   queries of every new token of the iteration, requests concatenated
+  k_cache       [S, Hkv, D]  the layer's key pool, S = num_blocks * block_size token slots
+  v_cache       [S, Hkv, D]
+  cu_seqlens_q  [B+1] int32  request i owns q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]
+  seq_lens      [B] int32    tokens of request i in the cache, the new ones included
+  block_tables  [B, M] int32 block ids of request i, in position order
+  max_query_len int          the longest q_len (host value: sizes the launch grid)
 A request's new tokens are the last ones of its sequence: query j of request i sits at
 position seq_lens[i] - q_len_i + j and attends causally to positions 0..that position.
 Prefill, chunked prefill and decode (q_len 1) are the same case. GQA: Hq % Hkv == 0.
+
+The Triton kernel runs every request in one launch (ORCA fuses the per-request attention
+blocks into one kernel): program (i, j, h) takes query tile j of request i for KV head h,
+with the GROUP query heads that share that KV head stacked as rows, so K/V are read once
+per group. It streams K/V through the block table with an online softmax (flash
+attention), up to the causal limit of its tile.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        cu_seqlens_q: list[int], seq_lens: list[int], block_tables: torch.Tensor,
-                        block_size: int, scale: float) -> torch.Tensor:
-    """Per-request attention in plain torch (ORCA's split -> attention -> merge).
-
-    Takes cu_seqlens_q and seq_lens as host lists: it loops over requests.
-    """
+def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                        block_size: int, scale: float, max_query_len: int = 0) -> torch.Tensor:
+    """Per-request attention in plain torch (ORCA's split -> attention -> merge)."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
-    for i, seq_len in enumerate(seq_lens):
-        start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
+    for i, seq_len in enumerate(lens):
+        start, end = cu[i], cu[i + 1]
         q_len = end - start
         pos = torch.arange(seq_len, device=q.device)
         slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
@@ -41,6 +47,87 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size, scale):
-    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                               block_size, scale)
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+        block_tables_ptr, scale_log2e,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr):
+    req = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + req)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    first_pos = seq_len - q_len  # position of the request's first new token
+
+    rows = tl.arange(0, ROWS)  # row = (token of the tile, head of the group), padded to 2^k
+    tok = tile * BLOCK_M + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_M * GROUP) & (tok < q_len)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + dims[None, :], mask=row_ok[:, None], other=0.0)  # [R, D]
+    q_pos = first_pos + tok
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    # keys past the tile's last query position are masked for every row: skip them
+    kv_end = tl.minimum(seq_len, first_pos + (tile + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+        kv_offs = slot[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=n_ok[:, None], other=0.0)  # [N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [R, N]
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs, mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                           block_size: int, scale: float, max_query_len: int) -> torch.Tensor:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    assert num_q_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert cu_seqlens_q.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
+    # rows per program = BLOCK_M tokens x GROUP heads: at least 16 for tl.dot, and a
+    # larger tile when prompts are being prefilled
+    rows = 16 if max_query_len == 1 else (64 if head_dim > 64 else 128)
+    block_m = max(rows // group, 1)
+    out = torch.empty_like(q)
+    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        ROWS=triton.next_power_of_2(block_m * group), BLOCK_N=64 if head_dim <= 128 else 32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size,
+                    scale, max_query_len):
+    fn = paged_attention_triton if q.is_cuda else paged_attention_ref
+    return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size, scale,
+              max_query_len)

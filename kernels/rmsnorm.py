@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -19,5 +21,34 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, stride_x, stride_r, eps,
+                    H: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0)  # in x's dtype
+        tl.store(new_r_ptr + t * H + offs, x, mask=mask)
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + t * H + offs, w * h.to(x.dtype), mask=mask)
+
+
+def rmsnorm_triton(x, weight, eps, residual=None):
+    num_tokens, hidden = x.shape
+    assert x.stride(1) == 1 and weight.is_contiguous()
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(out) if residual is not None else out
+    r = residual if residual is not None else x
+    _rmsnorm_kernel[(num_tokens,)](x, r, weight, out, new_residual, x.stride(0), r.stride(0), eps,
+                                   H=hidden, BLOCK=triton.next_power_of_2(hidden),
+                                   HAS_RESIDUAL=residual is not None)
+    return out if residual is None else (out, new_residual)
+
+
 def rmsnorm(x, weight, eps, residual=None):
-    return rmsnorm_ref(x, weight, eps, residual)
+    fn = rmsnorm_triton if x.is_cuda else rmsnorm_ref
+    return fn(x, weight, eps, residual)

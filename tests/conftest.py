@@ -10,6 +10,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Triton has no CPU backend: its interpreter runs the kernels on CPU tensors (fp32 only;
+    # it computes bf16 arithmetic wrongly). Must be set before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,6 +1,8 @@
 """An in-process engine (scheduler + a real worker, no Ray) and transformers references."""
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from engine_actors.checkpoint import model_info
@@ -13,34 +15,43 @@ from engine_actors.worker import Worker
 
 
 class InProcessEngine:
-    def __init__(self, **args):
+    """The scheduler actor's loop without Ray: up to max_steps_in_flight steps are launched
+    before the oldest one's tokens are processed, as in the actor."""
+
+    def __init__(self, device: str = "cpu", **args):
         self.cfg = EngineConfig.from_args(args)
         info = model_info(self.cfg)
-        max_num_seqs = self.cfg.max_batch_size
-        self.worker = Worker(self.cfg, "cpu", info.max_model_len, max_num_seqs)
+        self.worker = Worker(self.cfg, device, info.max_model_len)
         num_blocks = self.worker.num_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
-        kv = KVCacheManager(num_blocks, self.cfg.block_size, max_num_seqs)
+        kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.max_num_seqs)
         budget = Budget(self.cfg.max_batch_size, self.cfg.max_num_batched_tokens)
         self.scheduler = Scheduler(kv, make_policy(self.cfg.scheduling_policy), budget,
-                                   info.max_model_len, set(info.eos_token_ids))
+                                   info.max_model_len, set(info.eos_token_ids),
+                                   allow_continuation=self.cfg.async_scheduling)
         self.steps = []
 
     def run(self, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]):
-        """arrivals: iteration -> requests added before it. Returns request id -> tokens."""
+        """arrivals: loop round -> requests added before it. Returns request id -> tokens."""
         outputs: dict[str, list[int]] = {}
+        in_flight = collections.deque()
         it = 0
         while it <= max(arrivals) or self.scheduler.pool:
             for rid, prompt, sampling in arrivals.get(it, []):
                 self.scheduler.add(Request(rid, prompt, sampling, float(it)))
                 outputs[rid] = []
             it += 1
-            batch = self.scheduler.schedule()
-            if batch is None:
-                continue
-            self.steps.append(batch.step)
-            for out in self.scheduler.process(batch, self.worker.execute(batch.step)):
-                outputs[out.request_id].extend(out.new_token_ids)
+            while len(in_flight) < self.cfg.max_steps_in_flight:
+                batch = self.scheduler.schedule()
+                if batch is None:
+                    break
+                batch.step.step_id = len(self.steps)
+                self.steps.append(batch.step)
+                in_flight.append((batch, self.worker.runner.launch(batch.step)))
+            if in_flight:
+                batch, pending = in_flight.popleft()
+                for out in self.scheduler.process(batch, pending.result()):
+                    outputs[out.request_id].extend(out.new_token_ids)
         return outputs
 
 

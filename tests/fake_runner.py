@@ -18,6 +18,7 @@ class FakeRunner:
         self.block_size = block_size
         self.seqs: dict[int, list[int]] = {}  # row -> tokens whose KV exists
         self.tables: dict[int, dict[int, int]] = {}  # row -> col -> block
+        self.last_sample: dict[int, int] = {}  # row -> token it sampled last (placeholders)
         self.steps: list[StepInput] = []
 
     def execute(self, step: StepInput) -> list[int]:
@@ -32,12 +33,15 @@ class FakeRunner:
         for row, ctx, n, sample in zip(step.rows, step.context_lens, step.query_lens, step.sample):
             seq = self.seqs[row]
             assert ctx == len(seq), f"row {row}: context {ctx} but {len(seq)} tokens cached"
-            seq.extend(step.token_ids[offset:offset + n])
+            new = step.token_ids[offset:offset + n]
+            assert all(t >= 0 for t in new[:-1]), "only the last new token can be a placeholder"
+            seq.extend(self.last_sample[row] if t < 0 else t for t in new)
             offset += n
             needed = -(-len(seq) // self.block_size)
             assert all(c in self.tables[row] for c in range(needed)), "KV block missing"
             if sample:
                 out.append(next_token(seq))
+                self.last_sample[row] = out[-1]
         assert offset == len(step.token_ids)
         return out
 

@@ -56,7 +56,8 @@ def test_paged_attention_ref_matches_dense(block_size, heads):
     query_lens = [1, 7, 5, 1, 50]  # decode, full prefill, chunk, decode, prefill
     q, k_cache, v_cache, tables, cu, ks, vs = random_paged_batch(
         seq_lens, query_lens, heads[0], heads[1], 16, block_size)
-    out = paged_attention_ref(q, k_cache, v_cache, cu, seq_lens, tables, block_size, 0.25)
+    out = paged_attention_ref(q, k_cache, v_cache, torch.tensor(cu), torch.tensor(seq_lens),
+                              tables, block_size, 0.25)
     for i in range(len(seq_lens)):
         ref = dense_causal_attention(q[cu[i]:cu[i + 1]], ks[i], vs[i], 0.25)
         torch.testing.assert_close(out[cu[i]:cu[i + 1]], ref, rtol=1e-5, atol=1e-5)
@@ -102,3 +103,84 @@ def test_rotary_ref_matches_transformers():
 def test_silu_mul_ref():
     x = torch.randn(5, 12)
     torch.testing.assert_close(silu_mul_ref(x), F.silu(x[:, :6]) * x[:, 6:])
+
+
+# ---- Triton kernels against their references ------------------------------------------
+# CPU: the Triton interpreter in fp32. GPU: compiled, in bf16 and fp32.
+from kernels.attention import paged_attention_triton  # noqa: E402
+from kernels.kv_write import kv_write_triton  # noqa: E402
+from kernels.rmsnorm import rmsnorm_triton  # noqa: E402
+from kernels.rotary import rotary_triton  # noqa: E402
+from kernels.silu_mul import silu_mul_triton  # noqa: E402
+
+TARGETS = [pytest.param("cpu", torch.float32, id="interpreter-fp32"),
+           pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu),
+           pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.gpu)]
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("heads,block_size,q_lens,s_lens", [
+    ((4, 4), 16, [1, 1, 1, 1], [5, 70, 1, 16]),  # decode only
+    ((8, 2), 1, [1, 7, 5, 1, 50], [1, 7, 33, 16, 50]),  # mixed, token-level blocks
+    ((6, 2), 4, [3, 1, 130], [40, 9, 200]),  # group of 3, chunked prefill
+    ((4, 1), 16, [65], [65]),  # MQA, one prompt over a tile boundary
+])
+def test_paged_attention_kernel(device, dtype, heads, block_size, q_lens, s_lens):
+    q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, q_lens, heads[0],
+                                                               heads[1], 64, block_size)
+    args = [t.to(device) for t in (q, k_cache, v_cache)]
+    args = [a.to(dtype) for a in args]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    lens = torch.tensor(s_lens, dtype=torch.int32, device=device)
+    tables = tables.to(device)
+    out = paged_attention_triton(*args, cu_t, lens, tables, block_size, 0.125, max(q_lens))
+    ref = paged_attention_ref(*[a.float() for a in args], cu_t, lens, tables, block_size, 0.125)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("num_tokens,heads,dim", [(1, 1, 16), (13, 2, 64), (7, 8, 128)])
+def test_kv_write_kernel(device, dtype, num_tokens, heads, dim):
+    k = torch.randn(num_tokens, heads, dim, device=device).to(dtype)
+    v = torch.randn(num_tokens, heads, dim, device=device).to(dtype)
+    slots = torch.randperm(64, device=device)[:num_tokens]
+    caches = [torch.randn(64, heads, dim, device=device).to(dtype) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    kv_write_triton(k, v, caches[0], caches[1], slots)
+    kv_write_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (9, 100), (33, 2048)])
+def test_rmsnorm_kernel(device, dtype, num_tokens, hidden):
+    x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    r = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    w = torch.randn(hidden, device=device).to(dtype)
+    torch.testing.assert_close(rmsnorm_triton(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6), **TOL[dtype])
+    out, res = rmsnorm_triton(x, w, 1e-6, r)
+    ref_out, ref_res = rmsnorm_ref(x, w, 1e-6, r)
+    torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("num_tokens,width", [(1, 32), (5, 344), (17, 2 * 1408)])
+def test_silu_mul_kernel(device, dtype, num_tokens, width):
+    x = torch.randn(num_tokens, width, device=device).to(dtype)
+    torch.testing.assert_close(silu_mul_triton(x), silu_mul_ref(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("num_tokens,q_heads,k_heads,dim", [(1, 1, 1, 16), (11, 6, 2, 64),
+                                                            (5, 32, 8, 128)])
+def test_rotary_kernel(device, dtype, num_tokens, q_heads, k_heads, dim):
+    qkv = torch.randn(num_tokens, (q_heads + 2 * k_heads) * dim, device=device).to(dtype)
+    q = qkv[:, :q_heads * dim].view(num_tokens, q_heads, dim)  # strided views, as in the model
+    k = qkv[:, q_heads * dim:(q_heads + k_heads) * dim].view(num_tokens, k_heads, dim)
+    angles = torch.rand(num_tokens, dim // 2, device=device) * 100
+    q_out, k_out = rotary_triton(q, k, angles.cos(), angles.sin())
+    q_ref, k_ref = rotary_ref(q, k, angles.cos(), angles.sin())
+    torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k_out, k_ref, **TOL[dtype])

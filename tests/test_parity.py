@@ -54,11 +54,15 @@ def check_parity(model: str, engine: InProcessEngine, arrivals):
     assert len(ends) > 3, "requests should finish at different lengths"
 
 
-@pytest.mark.parametrize("block_size,budget", [(16, 4096), (1, 4096), (4, 24)])
-def test_greedy_matches_transformers(checkpoint, block_size, budget):
+@pytest.mark.parametrize("block_size,budget,overlap", [(16, 4096, True), (1, 4096, True),
+                                                       (4, 24, True), (16, 4096, False)])
+def test_greedy_matches_transformers(checkpoint, block_size, budget, overlap):
     engine = InProcessEngine(model=checkpoint, max_batch_size=8, block_size=block_size,
-                             max_num_batched_tokens=budget, max_num_tokens=4096)
+                             max_num_batched_tokens=budget, max_num_tokens=4096,
+                             async_scheduling=overlap)
     check_parity(checkpoint, engine, ragged_workload(seed=block_size))
+    placeholders = any(-1 in s.token_ids for s in engine.steps)
+    assert placeholders == overlap  # overlapped steps continue from the worker's samples
     if budget < 60:
         assert any(q == budget for s in engine.steps for q in s.query_lens), "no chunked prefill"
     kv = engine.scheduler.kv

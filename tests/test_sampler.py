@@ -18,7 +18,7 @@ def frequencies(sampler, logits, row, n=20000):
     batch = logits.expand(n, -1).clone()
     # one big batch of the same row is n independent draws from the shared generator
     sampler.is_greedy[row] = False
-    ids = sampler(batch, [row] * n)
+    ids = sampler(batch, [row] * n, torch.full((n,), row))
     counts += torch.bincount(ids, minlength=logits.shape[-1])
     return counts / n
 
@@ -26,7 +26,7 @@ def frequencies(sampler, logits, row, n=20000):
 def test_greedy_and_degenerate_truncation_pick_the_argmax():
     logits = torch.randn(3, 50)
     s = make_sampler({0: (0.0, 1.0, 0, None), 1: (1.0, 1.0, 1, None), 2: (0.7, 1e-6, 0, None)})
-    assert torch.equal(s(logits, [0, 1, 2]), logits.argmax(-1))
+    assert torch.equal(s(logits, [0, 1, 2], torch.arange(3)), logits.argmax(-1))
 
 
 def test_temperature_sampling_follows_softmax():
@@ -57,8 +57,9 @@ def test_seeded_request_is_reproducible_in_any_batch():
     alone = make_sampler({0: (1.0, 0.95, 50, 1234)}, seed=1)
     crowd = make_sampler({3: (1.0, 0.95, 50, 1234), 1: (1.0, 1.0, 0, None),
                           5: (0.8, 1.0, 0, 99), 2: (0.0, 1.0, 0, None)}, seed=2)
-    a = [alone(x[2:3], [0]).item() for x in steps]
-    b = [crowd(x[[0, 1, 2, 3]], [1, 5, 3, 2])[2].item() for x in steps]
+    a = [alone(x[2:3], [0], torch.tensor([0])).item() for x in steps]
+    b = [crowd(x[[0, 1, 2, 3]], [1, 5, 3, 2], torch.tensor([1, 5, 3, 2]))[2].item()
+         for x in steps]
     assert a == b
     other_seed = make_sampler({0: (1.0, 0.95, 50, 4321)}, seed=1)
-    assert [other_seed(x[2:3], [0]).item() for x in steps] != a
+    assert [other_seed(x[2:3], [0], torch.tensor([0])).item() for x in steps] != a

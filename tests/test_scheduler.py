@@ -140,6 +140,44 @@ def test_long_prompt_is_chunked_while_decodes_continue():
     assert outs["long"] == expected_output(list(range(1, 30)), 2)
 
 
+def test_overlapped_steps_continue_from_the_workers_last_sample():
+    """Two steps in flight: a running request is scheduled again before its token is back."""
+    sched, runner = make_scheduler(num_blocks=64, max_batch=4), FakeRunner(4)
+    sched.allow_continuation = True
+    outs, in_flight = {}, []
+    prompts = {f"r{i}": [i + 3] * (2 + 3 * i) for i in range(5)}
+    for rid, prompt in prompts.items():
+        sched.add(make_req(rid, prompt, max_tokens=3 + int(rid[1:])))
+    while sched.pool or in_flight:
+        while len(in_flight) < 2 and (batch := sched.schedule()) is not None:
+            in_flight.append((batch, runner.execute(batch.step)))
+        batch, sampled = in_flight.pop(0)
+        for out in sched.process(batch, sampled):
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for rid, prompt in prompts.items():
+        assert outs[rid] == expected_output(prompt, 3 + int(rid[1:]))  # never over max_tokens
+    assert any(-1 in s.token_ids for s in runner.steps)
+    assert sched.kv.num_free_blocks == 64 and sched.kv.num_reserved_blocks == 0
+
+
+def test_eos_while_the_next_step_is_in_flight_drops_its_token():
+    sched, runner = make_scheduler(num_blocks=32), FakeRunner(4)
+    sched.allow_continuation = True
+    prompt = [5, 6, 7]
+    first = expected_output(prompt, 1)[0]
+    sched.eos_token_ids = {first}  # the very first sampled token is EOS
+    sched.add(Request("e", prompt, SamplingParams(max_tokens=10), 0.0))
+    b1 = sched.schedule()
+    r1 = runner.execute(b1.step)
+    b2 = sched.schedule()  # continues with a placeholder before r1 is known
+    assert b2 is not None and b2.step.token_ids == [-1]
+    r2 = runner.execute(b2.step)
+    outs = sched.process(b1, r1)
+    assert outs[0].finish_reason == "stop" and outs[0].new_token_ids == [first]
+    assert sched.process(b2, r2) == []  # the in-flight token of a finished request is dropped
+    assert sched.kv.num_free_blocks == 32
+
+
 def test_random_workload_fcfs_property_and_no_deadlock():
     rng = random.Random(1)
     sched, runner, outs = make_scheduler(num_blocks=40, block_size=4, max_batch=5,

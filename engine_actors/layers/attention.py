@@ -18,8 +18,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, M] int32, block ids per request
     slot_mapping: torch.Tensor  # [T] int64, KV pool slot of each new token
     block_size: int
-    cu_seqlens_q_host: list[int]
-    seq_lens_host: list[int]
+    max_query_len: int  # sizes the attention launch; 1 for a decode-only step
 
 
 class Attention(nn.Module):
@@ -33,5 +32,5 @@ class Attention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         k_cache, v_cache = kv_cache  # [S, Hkv, D] each
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q_host, meta.seq_lens_host,
-                               meta.block_tables, meta.block_size, self.scale)
+        return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                               meta.block_tables, meta.block_size, self.scale, meta.max_query_len)
