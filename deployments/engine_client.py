@@ -97,14 +97,19 @@ class EngineClient:
             self._lock = asyncio.Lock()
         async with self._lock:
             if self._actor is None:
+                # a fresh id per connection: a stale stream of an earlier one can not
+                # steal (or drop, when it ends) this connection's outputs
+                self.client_id = uuid.uuid4().hex
                 actor = ray.remote(SchedulerActor).options(
                     name=actor_name(self.cfg), namespace=NAMESPACE, get_if_exists=True,
                     lifetime="detached", num_cpus=0, max_concurrency=10_000,
                 ).remote(self.cfg)
                 try:
                     self.info = await actor.ready.remote()
-                except ray.exceptions.RayActorError as e:
-                    raise EngineUnavailable(f"scheduler unavailable: {e}") from None
+                except ray.exceptions.RayActorError:
+                    raise EngineUnavailable("scheduler unavailable") from None
+                except ray.exceptions.RayTaskError as e:  # start failed: say why, no traceback
+                    raise EngineUnavailable(str(getattr(e, "cause", None) or e)) from None
                 self._actor = actor
                 self._stream_task = asyncio.get_running_loop().create_task(self._consume(actor))
         return self.info
@@ -172,8 +177,12 @@ class EngineClient:
         if self._stream_task is not None:
             self._stream_task.cancel()
         actor, self._actor = self._actor, None
-        if actor is not None:
+        if actor is None:  # maybe still starting: it must not outlive the application
             try:
-                await asyncio.wait_for(actor.unregister.remote(self.client_id), timeout=10)
-            except Exception:  # the scheduler is gone already, or tearing down
-                pass
+                actor = ray.get_actor(actor_name(self.cfg), namespace=NAMESPACE)
+            except ValueError:
+                return
+        try:
+            await asyncio.wait_for(actor.unregister.remote(self.client_id), timeout=10)
+        except Exception:  # the scheduler is gone already, or tearing down
+            pass

@@ -16,6 +16,7 @@ import uuid
 import ray
 from ray import serve
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -40,14 +41,15 @@ class OpenAIIngress:
         self.client = EngineClient(cfg)
         self.tokenizer = None
         self._starting: asyncio.Task | None = None
+        self._announced = False
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"])]
-        return Starlette(routes=routes, exception_handlers={Exception: self._internal_error},
-                         lifespan=self._lifespan)
+        handlers = {HTTPException: self._http_error, Exception: self._internal_error}
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -68,7 +70,9 @@ class OpenAIIngress:
         except EngineUnavailable as e:
             raise APIError(503, f"engine unavailable: {e}", err_type="service_unavailable")
         except Exception as e:
-            raise APIError(503, f"engine failed to start: {e}", err_type="service_unavailable")
+            logger.exception("engine start failed")
+            raise APIError(503, f"engine failed to start: {type(e).__name__}",
+                           err_type="service_unavailable")
         if not self.client.is_connected:  # the scheduler died since: bring a new one up
             self._starting = None
             return await self._ready()
@@ -77,9 +81,9 @@ class OpenAIIngress:
     async def _start(self) -> None:
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
-        was_connected = self.client.is_connected
         await self.client.connect()
-        if not was_connected:
+        if not self._announced:
+            self._announced = True
             logger.warning("orca-serve ready: model %s, OpenAI API at %s/v1", self.cfg.model_name,
                            await _http_url())
 
@@ -92,7 +96,7 @@ class OpenAIIngress:
 
     # ---- routes -------------------------------------------------------------------------
     async def health(self, request: Request):
-        if self._starting is None:
+        if self._starting is None or (self._starting.done() and self._starting.exception()):
             self._starting = asyncio.get_running_loop().create_task(self._start())
         if not (self._starting.done() and self.client.is_connected):
             return JSONResponse({"status": "starting"}, status_code=503)
@@ -113,8 +117,8 @@ class OpenAIIngress:
     async def completions(self, request: Request):
         try:
             req = parse_body(await self._body(request), CompletionRequest)
-            info = await self._ready()
             self._check_model(req)
+            info = await self._ready()
             prompts = self._completion_prompts(req.prompt, info)
             return await self._generate(req, prompts, req.max_tokens, info, chat=False)
         except APIError as e:
@@ -123,8 +127,8 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         try:
             req = parse_body(await self._body(request), ChatCompletionRequest)
-            info = await self._ready()
             self._check_model(req)
+            info = await self._ready()
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             try:
                 ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -219,8 +223,7 @@ class OpenAIIngress:
                    for rid, index, text, ids, _ in subs}
         sse = SSEWriter(base_id, self.cfg.model_name, chat, req) if req.stream else None
         if sse is not None:
-            return StreamingResponse(self._stream(group, choices, sse),
-                                     media_type="text/event-stream")
+            return SSEResponse(self._stream(group, choices, sse), on_close=group.close)
         try:
             async for rid, item in group:
                 choice = choices[rid]
@@ -268,6 +271,11 @@ class OpenAIIngress:
             group.close()
         yield sse.done()
 
+    async def _http_error(self, request: Request, exc: HTTPException):
+        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                        None, None, err_type).response()
+
     async def _internal_error(self, request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
         return APIError(500, "internal server error", None, "internal_error").response()
@@ -282,6 +290,22 @@ async def _http_url() -> str:
         return f"http://{host}:{http.port}"
     except Exception:  # only the log line depends on it
         return "this Serve application's HTTP address"
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose request group is closed (its unfinished requests aborted)
+    however the response ends, even when the client leaves before the body starts."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 class Choice:

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.responses import JSONResponse
 
 MAX_N = 16
+MAX_STOP = 16  # stop strings per request, each at most MAX_STOP_CHARS (OpenAI allows 4)
+MAX_STOP_CHARS = 512
+MAX_SEED = 2**63 - 1 - MAX_N  # torch generators take 64-bit seeds; choice j uses seed + j
 
 
 class APIError(Exception):
@@ -45,12 +48,12 @@ class SamplingFields(_Base):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # extension (vLLM): 0 or -1 disables
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = 0  # extension (vLLM): 0 or -1 disables
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
     ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
     user: str | None = None
     # accepted only at their neutral values
@@ -63,8 +66,10 @@ class SamplingFields(_Base):
     @classmethod
     def _stop_strings(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
         return v
 
     def stop_list(self) -> list[str]:
@@ -145,6 +150,8 @@ def parse_body(raw: bytes, schema: type[_Base]) -> Any:
         raise APIError(400, "request body is not valid UTF-8", None, "invalid_encoding") from None
     except ValueError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", None, "invalid_type")
     try:

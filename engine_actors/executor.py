@@ -46,10 +46,11 @@ class Executor:
             ).remote(cfg, device, max_model_len)
             for i in range(cfg.num_workers)]
 
-    async def start(self, timeout_s: float = 600.0) -> int:
+    async def start(self, num_blocks: int | None = None, timeout_s: float = 600.0) -> int:
         """Wait for the workers to load the model; size and allocate the KV pool.
 
-        Returns the number of KV blocks, the smallest any worker can hold.
+        Returns the number of KV blocks: `num_blocks` if given (a replacement group must
+        match the scheduler's bookkeeping), else the smallest any worker can hold.
         """
         ready = self.placement_group.ready()
         try:
@@ -58,7 +59,9 @@ class Executor:
             raise RuntimeError(
                 f"placement group of {len(self.workers)} x {self.placement_group.bundle_specs[0]} "
                 f"not placed after {timeout_s:.0f}s: the cluster lacks those resources") from None
-        num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote() for w in self.workers]))
+        if num_blocks is None:
+            num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote()
+                                                    for w in self.workers]))
         await asyncio.gather(*[w.init_kv_cache.remote(num_blocks) for w in self.workers])
         return num_blocks
 
@@ -68,6 +71,9 @@ class Executor:
         step_ref = ray.put(step)  # one copy, shared by every worker
         refs = [w.execute.remote(step_ref) for w in self.workers]
         return refs[-1]
+
+    async def gpu_timeline(self, reset: bool = False) -> list[dict]:
+        return await asyncio.gather(*[w.gpu_timeline.remote(reset) for w in self.workers])
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -62,6 +62,8 @@ class ModelRunner:
         self.sampler = Sampler(max_num_seqs, self.device, seed)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[int, _Graph] = {}
+        self.num_graph_replays = 0
+        self.timeline = StepTimeline() if self.device.type == "cuda" else None
 
     def _load_model(self, path: str) -> LlamaForCausalLM:
         default_dtype = torch.get_default_dtype()
@@ -97,6 +99,20 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, step: StepInput) -> PendingStep:
         """Enqueue one iteration; the PendingStep yields one token per row with sample=True."""
+        if self.timeline is not None:
+            self.timeline.begin()
+        logits, inputs = self.forward(step)
+        sampled = self.sampler(logits, inputs.sample_rows_host, inputs.sample_rows)
+        self.last_sampled[inputs.sample_rows] = sampled.to(torch.int32)
+        pending = PendingStep(sampled)
+        if self.timeline is not None:
+            self.timeline.end()
+        return pending
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> tuple[torch.Tensor, _Inputs]:
+        """Apply the step's table deltas and run the model: fp32 logits [N, V] of the N
+        sampling requests (graph replay for decode-only steps that fit a captured bucket)."""
         self.sampler.add(step.new_requests)
         num_reqs = len(step.rows)
         bucket = self._graph_bucket(step)
@@ -112,13 +128,12 @@ class ModelRunner:
             slot_mapping=self._slot_mapping(inputs.token_rows, inputs.positions),
             block_size=self.block_size, max_query_len=inputs.max_query_len)
         if bucket:
+            self.num_graph_replays += 1
             logits = self._replay(bucket, input_ids, inputs.positions, meta)[:num_reqs]
         else:
             logits = self.model(input_ids, inputs.positions, self.kv_caches, meta,
                                 inputs.logits_indices)
-        sampled = self.sampler(logits, inputs.sample_rows_host, inputs.sample_rows)
-        self.last_sampled[inputs.sample_rows] = sampled.to(torch.int32)
-        return PendingStep(sampled)
+        return logits, inputs
 
     def execute(self, step: StepInput) -> list[int]:
         return self.launch(step).result()
@@ -180,7 +195,9 @@ class ModelRunner:
             cu_seqlens_q=torch.zeros(largest + 1, dtype=torch.int32, device=self.device),
             seq_lens=torch.zeros(largest, dtype=torch.int32, device=self.device),
             block_tables=self.block_table[pad].clone(),
-            slot_mapping=torch.zeros(largest, dtype=torch.int64, device=self.device))
+            slot_mapping=torch.zeros(largest, dtype=torch.int64, device=self.device),
+            logits_indices=torch.arange(largest, device=self.device))
+        # graphs read these buffers by address: they live as long as the graphs
         self._graph_in["slot_mapping"].fill_(self.block_size * int(self.block_table[self.pad_row, 0]))
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
@@ -201,8 +218,7 @@ class ModelRunner:
             cu_seqlens_q=g["cu_seqlens_q"][:size + 1], seq_lens=g["seq_lens"][:size],
             block_tables=g["block_tables"][:size], slot_mapping=g["slot_mapping"][:size],
             block_size=self.block_size, max_query_len=1)
-        idx = torch.arange(size, device=self.device)
-        return meta, g["input_ids"][:size], g["positions"][:size], idx
+        return meta, g["input_ids"][:size], g["positions"][:size], g["logits_indices"][:size]
 
     def _replay(self, bucket: int, input_ids, positions, meta: AttentionMetadata):
         g = self._graph_in
@@ -214,6 +230,47 @@ class ModelRunner:
         g["slot_mapping"][:bucket].copy_(meta.slot_mapping)
         self.graphs[bucket].graph.replay()
         return self.graphs[bucket].logits
+
+
+class StepTimeline:
+    """GPU time spent in steps, and GPU time idle between consecutive steps (waiting on the
+    control plane), from CUDA events recorded around each step's work."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._prev_stop: torch.cuda.Event | None = None
+        self.busy_ms = self.idle_ms = 0.0
+        self.num_steps = 0
+
+    def begin(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def end(self) -> None:
+        stop = torch.cuda.Event(enable_timing=True)
+        stop.record()
+        self.events.append((self._start, stop))
+        if len(self.events) > 64:  # bound memory: fold in what has finished, without waiting
+            self._fold(wait=False)
+
+    def _fold(self, wait: bool) -> None:
+        while self.events and (wait or self.events[0][1].query()):
+            start, stop = self.events.pop(0)
+            stop.synchronize()
+            self.busy_ms += start.elapsed_time(stop)
+            if self._prev_stop is not None:
+                self.idle_ms += self._prev_stop.elapsed_time(start)
+            self._prev_stop = stop
+            self.num_steps += 1
+
+    def collect(self) -> dict:
+        """Fold in the steps recorded so far (waits for them to finish)."""
+        self._fold(wait=True)
+        return {"num_steps": self.num_steps, "gpu_busy_ms": self.busy_ms,
+                "gpu_idle_between_steps_ms": self.idle_ms}
 
 
 @dataclass(slots=True)

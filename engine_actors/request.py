@@ -15,6 +15,22 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
 
+    def check(self) -> str | None:
+        """Why these parameters cannot run, or None. The ingress validates its own inputs;
+        this guards the engine against any other caller (one bad request must not take a
+        step, and with it every request in the batch, down)."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            return "max_tokens must be an integer >= 1"
+        if not 0.0 <= self.temperature < float("inf"):
+            return "temperature must be a finite number >= 0"
+        if not 0.0 < self.top_p <= 1.0:
+            return "top_p must be in (0, 1]"
+        if not 0 <= self.top_k < 2**31:
+            return "top_k must be in [0, 2^31)"
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            return "seed must be a 64-bit integer"
+        return None
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # in the pool, not in an in-flight batch (started or not)

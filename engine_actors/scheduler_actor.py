@@ -7,12 +7,15 @@ overhead independent of the number of requests.
 
 Lifetime: created on first use by an ingress replica (a named, detached actor, one per
 distinct configuration); it tears itself down, workers and placement group included, when
-its last client unregisters or its last stream breaks.
+its last client unregisters, when the last stream breaks (or none ever opens) and no client
+comes back within ORPHAN_GRACE_S, or when the engine fails in a way it cannot recover from.
+The next request then brings a new one up.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import asdict
@@ -31,6 +34,7 @@ logger = logging.getLogger("orca_serve.scheduler")
 NAMESPACE = "orca-serve"
 ORPHAN_GRACE_S = 30.0
 HEARTBEAT_S = 2.0
+WORKER_FAILURE = "the engine's workers failed; the request was aborted (see the server log)"
 
 
 def actor_name(cfg: EngineConfig) -> str:
@@ -40,6 +44,8 @@ def actor_name(cfg: EngineConfig) -> str:
 async def _is_alive(actor) -> bool:
     try:
         await asyncio.wait_for(actor.__ray_ready__.remote(), HEARTBEAT_S)
+        return True
+    except ray.exceptions.ActorUnavailableError:  # transient (e.g. restarting): not dead
         return True
     except ray.exceptions.RayActorError:
         return False
@@ -64,18 +70,20 @@ class SchedulerActor:
         self.executor: Executor | None = None
         self.clients: dict[str, _Client] = {}
         self.depth = cfg.max_steps_in_flight
+        self.num_steps = 0
         self._wake = asyncio.Event()
         self._started: asyncio.Task | None = None
-        self._loop_task: asyncio.Task | None = None
         self._start_error: str | None = None
-        self.num_steps = 0
-        self._early_aborts: dict[str, None] = {}
+        self._tasks: set[asyncio.Task] = set()  # background tasks, kept alive
+        self._adding: set[str] = set()  # request ids whose add_request waits for the engine
+        self._early_aborts: set[str] = set()  # ... and were aborted meanwhile
 
     # ---- life cycle -------------------------------------------------------------------
     async def ready(self) -> dict:
         """Start the engine on first call; returns the model info once workers are ready."""
         if self._started is None:
-            self._started = asyncio.get_running_loop().create_task(self._start())
+            self._started = self._spawn(self._start())
+            self._spawn(self._teardown_if_unused())  # nobody may ever connect
         await asyncio.shield(self._started)
         if self._start_error is not None:
             raise RuntimeError(self._start_error)
@@ -87,18 +95,39 @@ class SchedulerActor:
             device = resolve_device(self.cfg)
             self.executor = Executor(self.cfg, device, self.info.max_model_len)
             num_blocks = await self.executor.start()
+            self._fit_context_to_kv(num_blocks * self.cfg.block_size)
             kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.max_num_seqs)
             budget = Budget(self.cfg.max_batch_size, self.cfg.max_num_batched_tokens)
             continuation = self.cfg.async_scheduling and self.cfg.pipeline_parallel_size == 1
             self.scheduler = Scheduler(kv, make_policy(self.cfg.scheduling_policy), budget,
                                        self.info.max_model_len, set(self.info.eos_token_ids),
                                        allow_continuation=continuation)
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._spawn(self._run())
             logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.info.name,
                         device, num_blocks, self.cfg.block_size)
-        except Exception as e:  # reported to every caller of ready()
+        except Exception as e:
             logger.exception("engine start failed")
             self._start_error = f"engine failed to start: {type(e).__name__}: {e}"
+            # every waiting caller gets the error; then go, so a retry starts from scratch
+            self._spawn(self._teardown(delay_s=1.0))
+
+    def _fit_context_to_kv(self, capacity: int) -> None:
+        """A context longer than the KV pool could never be used: cap it (or refuse an
+        explicit max_model_len), as vLLM refuses to start in that case."""
+        if capacity >= self.info.max_model_len:
+            return
+        if self.cfg.max_model_len is not None:
+            raise ValueError(f"max_model_len {self.cfg.max_model_len} exceeds the KV cache "
+                             f"capacity of {capacity} tokens; lower it or raise max_num_tokens")
+        logger.warning("max_model_len capped from %d to the KV cache capacity, %d tokens",
+                       self.info.max_model_len, capacity)
+        self.info = dataclasses.replace(self.info, max_model_len=capacity)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def unregister(self, client_id: str) -> None:
         """An ingress replica is shutting down; the last one takes the engine with it."""
@@ -107,15 +136,17 @@ class SchedulerActor:
             await self._teardown()
 
     async def _teardown_if_unused(self) -> None:
-        """A stream broke without an unregister (a replica died): wait for a replacement."""
+        """No client (a replica died, or none connected): wait for one, else go. The time
+        the engine takes to start does not count."""
+        if self._started is not None:
+            await asyncio.shield(self._started)
         await asyncio.sleep(ORPHAN_GRACE_S)
         if not self.clients:
             await self._teardown()
 
-    async def _teardown(self) -> None:
-        logger.info("no ingress replica left: shutting the engine down")
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+    async def _teardown(self, delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
+        logger.info("shutting the engine down")
         if self.executor is not None:
             self.executor.shutdown()
         # exit_actor() would wait for the open stream calls; nothing here needs a goodbye
@@ -125,10 +156,18 @@ class SchedulerActor:
     async def add_request(self, client_id: str, request_id: str, prompt_token_ids: list[int],
                           sampling: SamplingParams) -> str | None:
         """Queue a request; returns None, or why it was refused (it could never run)."""
-        await self.ready()
-        client = self.clients.setdefault(client_id, _Client())
-        if self._early_aborts.pop(request_id, None) is not None:
+        self._adding.add(request_id)
+        try:
+            await self.ready()
+        finally:
+            self._adding.discard(request_id)
+        if request_id in self._early_aborts:
+            self._early_aborts.discard(request_id)
             return None  # aborted while this call was waiting for the engine to start
+        refusal = sampling.check()
+        if refusal is not None:
+            return refusal
+        client = self.clients.setdefault(client_id, _Client())
         req = Request(request_id, prompt_token_ids, sampling, time.monotonic(), client_id)
         try:
             self.scheduler.add(req)
@@ -138,13 +177,18 @@ class SchedulerActor:
         self._wake.set()
         return None
 
+    async def add_requests(self, client_id: str,
+                           requests: list[tuple[str, list[int], SamplingParams]]) -> list[str | None]:
+        """Queue several requests in one call (they join the same iteration)."""
+        return [await self.add_request(client_id, *r) for r in requests]
+
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             out = self.scheduler.abort(rid) if self.scheduler else None
             if out is not None:
                 self._forget(out)
-            elif self._started is None or not self._started.done():
-                self._early_aborts[rid] = None
+            elif rid in self._adding:
+                self._early_aborts.add(rid)
 
     async def stream(self, client_id: str, owner=None):
         """Yields {request_id: output} with every output for this client since the last yield.
@@ -172,7 +216,7 @@ class SchedulerActor:
             # the replica is gone (or cancelled its stream): nobody can receive these tokens
             self._drop_client(client_id)
             if not self.clients:
-                asyncio.get_running_loop().create_task(self._teardown_if_unused())
+                self._spawn(self._teardown_if_unused())
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -184,8 +228,21 @@ class SchedulerActor:
                 "num_steps": self.num_steps,
                 "num_clients": len(self.clients)}
 
+    async def gpu_timeline(self, reset: bool = False) -> list[dict]:
+        """Per worker: GPU busy time and idle time between steps (see StepTimeline)."""
+        await self.ready()
+        return await self.executor.gpu_timeline(reset)
+
     # ---- the iteration loop (ORCA Algorithm 1) ------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._iterate()
+        except Exception:  # a bug or an unrecoverable failure: never leave requests hanging
+            logger.exception("scheduler loop failed")
+            self._publish(self.scheduler.fail_all(), error=WORKER_FAILURE)
+            await self._teardown()
+
+    async def _iterate(self) -> None:
         in_flight: collections.deque = collections.deque()
         while True:
             while len(in_flight) < self.depth:
@@ -201,20 +258,19 @@ class SchedulerActor:
             batch, ref = in_flight.popleft()
             try:
                 sampled = await ref
-            except Exception as e:
+            except ray.exceptions.RayError:
                 logger.exception("worker failed")
                 in_flight.clear()
-                self._publish(self.scheduler.fail_all(), error=f"worker failure: {e}")
+                self._publish(self.scheduler.fail_all(), error=WORKER_FAILURE)
                 await self._restart_workers()
                 continue
             self._publish(self.scheduler.process(batch, sampled))
 
     async def _restart_workers(self) -> None:
-        """Replace the worker group after a failure; the KV pool starts empty again."""
+        """Replace the worker group after a failure, with the same KV pool size."""
         self.executor.shutdown()
-        device = resolve_device(self.cfg)
-        self.executor = Executor(self.cfg, device, self.info.max_model_len)
-        await self.executor.start()
+        self.executor = Executor(self.cfg, resolve_device(self.cfg), self.info.max_model_len)
+        await self.executor.start(num_blocks=self.scheduler.kv.num_blocks)
 
     def _publish(self, outputs: list[RequestOutput], error: str | None = None) -> None:
         for out in outputs:

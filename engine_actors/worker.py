@@ -85,6 +85,16 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs(self.cfg.max_batch_size)
 
+    def gpu_timeline(self, reset: bool = False) -> dict:
+        """GPU busy time and idle time between steps since the last reset (CUDA only)."""
+        timeline = self.runner.timeline
+        if timeline is None:
+            return {}
+        stats = timeline.collect()
+        if reset:
+            timeline.reset()
+        return stats
+
     async def execute(self, step: StepInput) -> list[int]:
         if self._turn is None:
             self._turn = asyncio.Condition()

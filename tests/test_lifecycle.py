@@ -116,3 +116,31 @@ def test_deleting_the_application_tears_the_engine_down(app):
         pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"]), live_pgs
     workers = [a for a in ray.util.list_named_actors(all_namespaces=True)]
     assert not [a for a in workers if a["namespace"] == NAMESPACE]
+
+
+def test_engine_that_cannot_start_reports_why_and_leaves_nothing(app, tmp_path):
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from engine_actors.checkpoint import save_random_llama
+    url, _ = app
+    save_random_llama(str(tmp_path))
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()  # a checkpoint directory without its weights
+    args = {"model": str(tmp_path), "max_num_tokens": 4096}
+    serve.run(build_app(args), name="broken", route_prefix="/broken")
+    r = httpx.post(f"{url}/broken/v1/completions", json={"prompt": "x"}, timeout=120)
+    assert r.status_code == 503
+    message = r.json()["error"]["message"]
+    assert "safetensors" in message and "Traceback" not in message
+
+    def gone():
+        try:
+            ray.get_actor(actor_name(EngineConfig.from_args(args)), namespace=NAMESPACE)
+            return False
+        except ValueError:
+            return True
+
+    assert wait_until(gone, timeout=20), "a scheduler that failed to start stayed alive"
+    serve.delete("broken")

@@ -42,12 +42,12 @@ def ragged_workload(seed: int, num_requests: int = 18):
     return arrivals
 
 
-def check_parity(model: str, engine: InProcessEngine, arrivals):
+def check_parity(model: str, engine: InProcessEngine, arrivals, device="cpu"):
     outputs = engine.run(arrivals)
     requests = [r for reqs in arrivals.values() for r in reqs]
     assert len(requests) >= 16
     for rid, prompt, sampling in requests:
-        assert outputs[rid] == hf_greedy(model, prompt, sampling.max_tokens), rid
+        assert outputs[rid] == hf_greedy(model, prompt, sampling.max_tokens, device), rid
     mixed = [s for s in engine.steps if 1 in s.query_lens and max(s.query_lens) > 1]
     assert mixed, "no iteration mixed prefill and decode"
     ends = {len(outputs[rid]) for rid, _, _ in requests}
@@ -67,6 +67,15 @@ def test_greedy_matches_transformers(checkpoint, block_size, budget, overlap):
         assert any(q == budget for s in engine.steps for q in s.query_lens), "no chunked prefill"
     kv = engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks and kv.num_reserved_blocks == 0
+
+
+@pytest.mark.gpu
+def test_greedy_matches_transformers_on_gpu_fp32(checkpoint):
+    """Triton kernels, CUDA graphs and overlapped steps, in fp32: exactly transformers'."""
+    engine = InProcessEngine(device="cuda", model=checkpoint, dtype="float32", max_batch_size=8,
+                             max_num_batched_tokens=24, max_num_tokens=4096)
+    check_parity(checkpoint, engine, ragged_workload(seed=11), device="cuda")
+    assert engine.worker.runner.num_graph_replays > 0
 
 
 def test_builtin_default_model_matches_transformers():

@@ -1,0 +1,206 @@
+"""Offline throughput on ORCA's trace, systems side by side in one run.
+
+    python -m load_tests.bench_offline --model llama-8b --out bench.json
+
+Systems (all on the same weights and trace, EOS ignored, greedy):
+  orca         this engine, through the scheduler actor and the worker actor (Ray), as served
+  hf-static    transformers generate() on FCFS batches of 32 (request-level scheduling)
+  hf-cb        transformers continuous batching, library defaults
+  hf-cb-tuned  transformers continuous batching with CUDA graphs and 16384-token batches
+Per system: elapsed seconds, generated tokens/s, requests/s, and MFU =
+2 * params * (prompt + generated tokens) / elapsed / measured bf16 matmul rate.
+The CPU smoke run (`--device cpu --model tiny-random-llama`) exercises the same code.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+import uuid
+
+import torch
+
+from load_tests.traces import TraceRequest, orca_trace
+
+SYSTEMS = ["orca", "hf-static", "hf-cb", "hf-cb-tuned"]
+TUNED_CB = dict(use_cuda_graph=True, max_batch_tokens=16384, default_compile_level=1)
+
+
+def _sampling(r: TraceRequest):
+    from engine_actors.request import SamplingParams
+    return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def _replay(actor, trace: list[TraceRequest]) -> tuple[float, list[list[int]]]:
+    """Submit every request at t=0 in one call, wait for the last token; (seconds, outputs)."""
+    client = uuid.uuid4().hex
+    outputs = {f"r{i}": [] for i in range(len(trace))}
+    stream = actor.stream.remote(client)
+    start = time.perf_counter()
+    refusals = await actor.add_requests.remote(
+        client, [(f"r{i}", r.prompt_token_ids, _sampling(r)) for i, r in enumerate(trace)])
+    assert not any(refusals), refusals
+    unfinished = set(outputs)
+    async for ref in stream:
+        for rid, item in (await ref).items():
+            outputs[rid].extend(item["token_ids"])
+            if item["finish_reason"] is not None:
+                unfinished.discard(rid)
+        if not unfinished:
+            break
+    return time.perf_counter() - start, [outputs[f"r{i}"] for i in range(len(trace))]
+
+
+def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceRequest]) -> dict:
+    import ray
+
+    from engine_actors.config import EngineConfig
+    from engine_actors.scheduler_actor import SchedulerActor
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, log_to_driver=True)
+    try:
+        cfg = EngineConfig.from_args(engine_args)
+        actor = ray.remote(SchedulerActor).options(num_cpus=0, max_concurrency=10_000).remote(cfg)
+
+        async def run():
+            started = time.perf_counter()
+            info = await actor.ready.remote()
+            startup = time.perf_counter() - started
+            await _replay(actor, warmup)
+            await actor.gpu_timeline.remote(reset=True)
+            elapsed, outputs = await _replay(actor, trace)
+            timeline = await actor.gpu_timeline.remote()
+            stats = await actor.stats.remote()
+            return info, startup, elapsed, outputs, timeline, stats
+
+        info, startup, elapsed, outputs, timeline, stats = asyncio.run(run())
+        ray.kill(actor)
+    finally:
+        ray.shutdown()
+    result = {"system": "orca", "elapsed_s": elapsed, "startup_s": startup,
+              "kv_blocks": stats["num_blocks"], "engine_args": engine_args}
+    if timeline and timeline[0]:
+        t = timeline[-1]  # the sampling worker
+        result.update(num_steps=t["num_steps"], gpu_busy_s=t["gpu_busy_ms"] / 1e3,
+                      gpu_idle_between_steps_s=t["gpu_idle_between_steps_ms"] / 1e3)
+    return result, outputs
+
+
+def load_hf_model(model: str, device: str):
+    """The transformers model with exactly the engine's weights."""
+    from transformers import AutoModelForCausalLM
+
+    from engine_actors.checkpoint import (RANDOM_MARKER, iter_checkpoint_tensors,
+                                          load_hf_config, resolve_model_path)
+    path = resolve_model_path(model)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if not os.path.isfile(os.path.join(path, RANDOM_MARKER)):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(load_hf_config(path), dtype=dtype)
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, tensor in iter_checkpoint_tensors(path, device):
+            params[name].copy_(tensor)
+    return hf.eval()
+
+
+def run_hf(system: str, model, trace, warmup: int) -> tuple[dict, list[list[int]]]:
+    from load_tests.hf_baselines import run_continuous_batching, run_static_batches
+    if system == "hf-static":
+        res = run_static_batches(model, trace, batch_size=32, warmup=warmup)
+    else:
+        res = run_continuous_batching(model, trace, TUNED_CB if system == "hf-cb-tuned" else None,
+                                      warmup=warmup)
+    return {"system": system, "elapsed_s": res.elapsed_s}, res.outputs
+
+
+def summarise(result: dict, trace, outputs, num_params: int, ceilings: dict) -> dict:
+    prompt = sum(len(r.prompt_token_ids) for r in trace)
+    generated = sum(len(o) for o in outputs)
+    expected = sum(r.max_tokens for r in trace)
+    elapsed = result["elapsed_s"]
+    result.update(num_requests=len(trace), prompt_tokens=prompt, generated_tokens=generated,
+                  all_tokens_generated=generated == expected,
+                  generated_tok_s=generated / elapsed, requests_s=len(trace) / elapsed)
+    if ceilings.get("matmul_bf16_tflops"):
+        flops = 2 * num_params * (prompt + generated)
+        result["mfu"] = flops / elapsed / (ceilings["matmul_bf16_tflops"] * 1e12)
+        result["compute_floor_s"] = flops / (ceilings["matmul_bf16_tflops"] * 1e12)
+    return result
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama-8b")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
+    p.add_argument("--output-len", type=int, nargs=2, default=(1, 128))
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--warmup", type=int, default=32, help="untimed requests before each system")
+    p.add_argument("--out", help="write the JSON results here")
+    args = p.parse_args(argv)
+
+    from engine_actors.checkpoint import load_hf_config, resolve_model_path
+    vocab = load_hf_config(resolve_model_path(args.model)).vocab_size
+    trace = orca_trace(args.num_requests, vocab, seed=0, prompt_len=tuple(args.prompt_len),
+                       output_len=tuple(args.output_len))
+    warmup = orca_trace(args.warmup, vocab, seed=1, prompt_len=tuple(args.prompt_len),
+                        output_len=tuple(args.output_len))
+    ceilings = {}
+    if args.device == "cuda":
+        from load_tests.gpu_ceilings import measure
+        ceilings = measure()
+    results, outputs = [], {}
+    systems = args.systems.split(",")
+    if "orca" in systems:
+        engine_args = dict(model=args.model, device=args.device, max_batch_size=args.max_batch_size,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
+        res, outputs["orca"] = run_orca(engine_args, trace, warmup)
+        results.append(res)
+    hf_systems = [s for s in systems if s.startswith("hf-")]
+    num_params = 0
+    if hf_systems or "orca" in systems:
+        model = load_hf_model(args.model, args.device)
+        num_params = sum(p.numel() for p in model.parameters())
+        for system in hf_systems:
+            res, outputs[system] = run_hf(system, model, trace, args.warmup)
+            results.append(res)
+        del model
+    for res in results:
+        summarise(res, trace, outputs[res["system"]], num_params, ceilings)
+    report = {"model": args.model, "num_params": num_params, "ceilings": ceilings,
+              "trace": {"name": "orca", "num_requests": len(trace), "seed": 0,
+                        "prompt_len": args.prompt_len, "output_len": args.output_len},
+              "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(format_table(report))
+    return report
+
+
+def format_table(report: dict) -> str:
+    base = {r["system"]: r["elapsed_s"] for r in report["results"]}
+    ref = base.get("hf-cb")
+    lines = [f"model {report['model']} ({report['num_params'] / 1e9:.2f}B params), "
+             f"{report['trace']['num_requests']} requests; ceilings {report['ceilings']}",
+             "| system | elapsed s | gen tok/s | req/s | MFU | vs hf-cb | GPU idle between steps |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        mfu = f"{r['mfu']:.3f}" if "mfu" in r else "-"
+        speedup = f"{ref / r['elapsed_s']:.2f}x" if ref else "-"
+        idle = (f"{r['gpu_idle_between_steps_s'] * 1e3:.0f} ms over {r['num_steps']} steps"
+                if "gpu_idle_between_steps_s" in r else "-")
+        lines.append(f"| {r['system']} | {r['elapsed_s']:.2f} | {r['generated_tok_s']:.0f} | "
+                     f"{r['requests_s']:.1f} | {mfu} | {speedup} | {idle} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

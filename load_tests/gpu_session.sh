@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the carried Ray wheels, run the GPU tests, then the
+# benchmarks named in $BENCH (default: all). Logs and JSON go to $OUT (or ./out).
+#   bash load_tests/gpu_session.sh            # tests + decode + offline benchmarks
+#   BENCH="decode" bash load_tests/gpu_session.sh
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers, ray; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" | tee -a "$OUT/gpu.txt"
+BENCH=${BENCH:-"tests decode offline-1b offline-8b"}
+for part in $BENCH; do
+  echo "=== $part"
+  case $part in
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    decode) python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --out "$OUT/decode-8b.json" 2>&1 | tail -15 ;;
+    offline-1b) python3 -m load_tests.bench_offline --model llama-1b --systems "${SYSTEMS:-orca,hf-static,hf-cb,hf-cb-tuned}" --out "$OUT/offline-1b.json" > "$OUT/offline-1b.log" 2>&1; tail -8 "$OUT/offline-1b.log" ;;
+    offline-8b) python3 -m load_tests.bench_offline --model llama-8b --systems "${SYSTEMS:-orca,hf-static,hf-cb,hf-cb-tuned}" --out "$OUT/offline-8b.json" > "$OUT/offline-8b.log" 2>&1; tail -8 "$OUT/offline-8b.log" ;;
+  esac
+done
