@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import time
@@ -156,7 +157,7 @@ def main(argv=None) -> dict:
     if args.device == "cuda":
         from load_tests.gpu_ceilings import measure
         ceilings = measure()
-    results, outputs = [], {}
+    results, outputs, failed = [], {}, []
     systems = args.systems.split(",")
     if "orca" in systems:
         engine_args = dict(model=args.model, device=args.device, max_batch_size=args.max_batch_size,
@@ -169,15 +170,24 @@ def main(argv=None) -> dict:
         model = load_hf_model(args.model, args.device)
         num_params = sum(p.numel() for p in model.parameters())
         for system in hf_systems:
-            res, outputs[system] = run_hf(system, model, trace, args.warmup)
-            results.append(res)
+            try:
+                res, outputs[system] = run_hf(system, model, trace, args.warmup)
+                results.append(res)
+            except Exception as e:  # report it and go on with the other systems
+                failed.append({"system": system, "error": f"{type(e).__name__}: {e}"[:500]})
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
         del model
     for res in results:
         summarise(res, trace, outputs[res["system"]], num_params, ceilings)
+        if "hf-static" in outputs:  # informational: bf16 greedy on random weights is fragile
+            res["same_tokens_as_hf_static"] = sum(
+                a == b for a, b in zip(outputs[res["system"]], outputs["hf-static"])) / len(trace)
     report = {"model": args.model, "num_params": num_params, "ceilings": ceilings,
               "trace": {"name": "orca", "num_requests": len(trace), "seed": 0,
                         "prompt_len": args.prompt_len, "output_len": args.output_len},
-              "results": results}
+              "results": results, "failed": failed}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
@@ -199,6 +209,7 @@ def format_table(report: dict) -> str:
                 if "gpu_idle_between_steps_s" in r else "-")
         lines.append(f"| {r['system']} | {r['elapsed_s']:.2f} | {r['generated_tok_s']:.0f} | "
                      f"{r['requests_s']:.1f} | {mfu} | {speedup} | {idle} |")
+    lines += [f"| {f['system']} | failed: {f['error'][:200]} |" for f in report["failed"]]
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ Tolerance, and why: bf16 keeps 8 significant bits (relative rounding 2^-9), and 
 implementations round after every op, in different orders (fused kernels, merged
 projections). Neither is "exact", so the yardstick is the fp32 result of the same weights:
 our bf16 logits must be no further from it than transformers' own bf16 logits are, with a
-margin of 1.5x, and their relative L2 error must stay under 2%.
+margin of 1.5x, both in the largest logit error and in the relative L2 error.
 """
 from __future__ import annotations
 
@@ -45,7 +45,10 @@ def test_bf16_logits_as_close_to_fp32_as_transformers(tmp_path):
 
     ref = hf_last_logits(torch.float32)
     hf_bf16 = hf_last_logits(torch.bfloat16)
-    ours_err = (ours.float() - ref).abs().max().item()
-    hf_err = (hf_bf16 - ref).abs().max().item()
+    ours, hf_bf16 = ours.float(), hf_bf16.float()
+    ours_err, hf_err = (ours - ref).abs().max().item(), (hf_bf16 - ref).abs().max().item()
     assert ours_err <= 1.5 * hf_err + 1e-3, (ours_err, hf_err)
-    assert ((ours.float() - ref).norm() / ref.norm()).item() < 0.02
+    ours_rel, hf_rel = ((ours - ref).norm() / ref.norm()).item(), \
+        ((hf_bf16 - ref).norm() / ref.norm()).item()
+    assert ours_rel <= 1.5 * hf_rel + 1e-3, (ours_rel, hf_rel)
+    assert ours_rel < 0.05  # and small in absolute terms
