@@ -50,6 +50,7 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_cpus_per_worker: float = 1.0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    distributed_timeout_s: float = 600.0  # collectives that wait longer fail the step
 
     @classmethod
     def from_args(cls, args: dict | None) -> EngineConfig:
@@ -80,10 +81,8 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.num_cpus_per_worker < 0:
             raise ConfigError("num_cpus_per_worker must be >= 0")
-        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ConfigError(
-                "tensor_parallel_size and pipeline_parallel_size > 1 are not implemented yet; "
-                "use 1 for both")
+        if self.distributed_timeout_s <= 0:
+            raise ConfigError("distributed_timeout_s must be > 0")
 
     @property
     def num_workers(self) -> int:

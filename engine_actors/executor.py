@@ -1,4 +1,9 @@
-"""Placement group and worker actors; dispatches each step message to every worker."""
+"""Placement group and worker actors; dispatches each step message to every worker.
+
+One bundle (one GPU) per worker, P stages of T ranks: worker i is tensor-parallel rank
+i % T of stage i // T. Nothing here assumes one node or a bound on P x T:
+`placement_strategy` decides how bundles spread over nodes.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +29,18 @@ def resolve_device(cfg: EngineConfig) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= cfg.num_workers else "cpu"
 
 
+def _remove_stale_placement_group(name: str) -> None:
+    """A placement group belongs to the job, not to the actor that made it: one left by a
+    scheduler that died still holds its devices. Free it before asking for them again."""
+    try:
+        stale = ray.util.get_placement_group(name)
+    except ValueError:
+        return
+    remove_placement_group(stale)
+
+
 class Executor:
-    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int):
+    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int, name: str = ""):
         self.cfg = cfg
         self.device = device
         bundle = {"CPU": cfg.num_cpus_per_worker}
@@ -34,8 +49,10 @@ class Executor:
         elif cfg.num_cpus_per_worker <= 0:
             raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
         self._step_ids = itertools.count()
+        if name:
+            _remove_stale_placement_group(name)
         self.placement_group = placement_group([bundle] * cfg.num_workers,
-                                               strategy=cfg.placement_strategy)
+                                               strategy=cfg.placement_strategy, name=name)
         remote_worker = ray.remote(Worker)
         self.workers = [
             remote_worker.options(
@@ -43,8 +60,10 @@ class Executor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=i),
                 runtime_env={"env_vars": WORKER_ENV},
-            ).remote(cfg, device, max_model_len)
+            ).remote(cfg, device, max_model_len, i)
             for i in range(cfg.num_workers)]
+        # the last stage's first rank returns the sampled tokens
+        self.result_index = (cfg.pipeline_parallel_size - 1) * cfg.tensor_parallel_size
 
     async def start(self, num_blocks: int | None = None, timeout_s: float = 600.0) -> int:
         """Wait for the workers to load the model; size and allocate the KV pool.
@@ -59,18 +78,23 @@ class Executor:
             raise RuntimeError(
                 f"placement group of {len(self.workers)} x {self.placement_group.bundle_specs[0]} "
                 f"not placed after {timeout_s:.0f}s: the cluster lacks those resources") from None
+        if len(self.workers) > 1:
+            address = await self.workers[0].address.remote()
+            await asyncio.gather(*[w.setup.remote(address) for w in self.workers])
         if num_blocks is None:
             num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote()
                                                     for w in self.workers]))
         await asyncio.gather(*[w.init_kv_cache.remote(num_blocks) for w in self.workers])
         return num_blocks
 
-    def execute(self, step: StepInput) -> ray.ObjectRef:
-        """Send one step to every worker; returns the ref of the sampled token ids."""
+    async def execute(self, step: StepInput) -> list[int]:
+        """Send one step to every worker (one shared copy of the message); wait for all of
+        them, so a failure anywhere fails the step instead of leaving a stage waiting."""
         step.step_id = next(self._step_ids)
-        step_ref = ray.put(step)  # one copy, shared by every worker
+        step_ref = ray.put(step)
         refs = [w.execute.remote(step_ref) for w in self.workers]
-        return refs[-1]
+        results = await asyncio.gather(*refs)
+        return results[self.result_index]
 
     async def gpu_timeline(self, reset: bool = False) -> list[dict]:
         return await asyncio.gather(*[w.gpu_timeline.remote(reset) for w in self.workers])

@@ -5,6 +5,9 @@ non-blocking copy, the sampled ids come back in one non-blocking copy, and the r
 `PendingStep` is waited on separately, so the worker can accept and enqueue the next step
 while the device still runs this one. Decode-only steps replay a CUDA graph captured for
 the smallest batch-size bucket that fits; other steps run eagerly.
+
+As a pipeline stage, the runner receives the previous stage's hidden states and residual,
+runs its layers and sends them on; only the last stage samples.
 """
 from __future__ import annotations
 
@@ -14,16 +17,17 @@ import numpy as np
 import torch
 
 from engine_actors.checkpoint import iter_checkpoint_tensors, load_hf_config
+from engine_actors.cuda_graphs import DecodeGraphs
 from engine_actors.kv_cache import cdiv
 from engine_actors.layers.attention import AttentionMetadata
 from engine_actors.messages import StepInput
 from engine_actors.models.llama import LlamaForCausalLM
+from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.sampler import Sampler
+from engine_actors.timeline import StepTimeline
 from engine_actors.transfer import PendingStep, to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,
-                     448, 512]
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -32,25 +36,20 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-@dataclass(slots=True)
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # output buffer, [bucket, V]
-
-
 class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: torch.dtype, max_model_len: int,
-                 block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True):
+                 block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True,
+                 pg: ParallelGroup = SINGLE):
         self.device = torch.device(device)
+        self.pg = pg
         self.dtype = dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.hf_config = load_hf_config(model_path)
         self.model = self._load_model(model_path)
-        cfg = self.hf_config
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        attn = next(iter(self.model.layers.values())).self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # on this rank
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Row r holds the block ids of the request admitted at row r, in position order.
         # The extra last row is the padding row of CUDA-graph batches: every entry points
@@ -61,7 +60,7 @@ class ModelRunner:
         self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.sampler = Sampler(max_num_seqs, self.device, seed)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: DecodeGraphs | None = None
         self.num_graph_replays = 0
         self.timeline = StepTimeline() if self.device.type == "cuda" else None
 
@@ -70,7 +69,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.hf_config, self.max_model_len)
+                model = LlamaForCausalLM(self.hf_config, self.max_model_len, self.pg)
         finally:
             torch.set_default_dtype(default_dtype)
         loaded = {model.load_weight(name, tensor.to(self.dtype))
@@ -83,7 +82,7 @@ class ModelRunner:
     # ---- KV cache -----------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.hf_config.num_hidden_layers * self.block_size * self.num_kv_heads \
+        return 2 * len(self.model.layers) * self.block_size * self.num_kv_heads \
             * self.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -91,37 +90,48 @@ class ModelRunner:
         shape = ((num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.hf_config.num_hidden_layers)]
+                          for _ in range(len(self.model.layers))]
         self.block_table[self.pad_row] = num_blocks
-        self.graphs = {}
+        self.graphs = None
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, step: StepInput) -> PendingStep:
-        """Enqueue one iteration; the PendingStep yields one token per row with sample=True."""
+        """Enqueue one iteration. On the last stage the PendingStep yields one token per row
+        with sample=True; on other stages it only marks the step's end."""
         if self.timeline is not None:
             self.timeline.begin()
         logits, inputs = self.forward(step)
-        sampled = self.sampler(logits, inputs.sample_rows_host, inputs.sample_rows)
-        self.last_sampled[inputs.sample_rows] = sampled.to(torch.int32)
-        pending = PendingStep(sampled)
+        sampled = None
+        if logits is not None:
+            sampled = self.sampler(logits, inputs.sample_rows_host, inputs.sample_rows)
+            self.last_sampled[inputs.sample_rows] = sampled.to(torch.int32)
+        pending = PendingStep(sampled, self.device)
         if self.timeline is not None:
             self.timeline.end()
         return pending
 
+    def execute(self, step: StepInput) -> list[int]:
+        return self.launch(step).result()
+
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> tuple[torch.Tensor, _Inputs]:
-        """Apply the step's table deltas and run the model: fp32 logits [N, V] of the N
-        sampling requests (graph replay for decode-only steps that fit a captured bucket)."""
+    def forward(self, step: StepInput) -> tuple[torch.Tensor | None, _Inputs]:
+        """Apply the step's table deltas and run this stage: fp32 logits [N, V] of the N
+        sampling requests on the last stage, None elsewhere (hidden states are sent on)."""
         self.sampler.add(step.new_requests)
-        num_reqs = len(step.rows)
-        bucket = self._graph_bucket(step)
+        num_reqs, num_tokens = len(step.rows), len(step.token_ids)
+        bucket = self.graphs.bucket_for(num_reqs) if self._is_graphable(step) else 0
         inputs = self._prepare(step, pad_to=bucket or num_reqs)
         if inputs.table_rows.numel():
             self.block_table[inputs.table_rows, inputs.table_cols] = inputs.table_blocks
-        # -1 placeholders: the token this row's previous step sampled, still on the device
-        input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids,
-                                self.last_sampled[inputs.token_rows])
+        input_ids = hidden = residual = None
+        if self.pg.is_first_stage:
+            # -1 placeholders: the token this row's previous step sampled, still on the device
+            input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids,
+                                    self.last_sampled[inputs.token_rows])
+        else:
+            hidden, residual = self.pg.recv_prev(
+                (2, num_tokens, self.hf_config.hidden_size), self.dtype, self.device)
         meta = AttentionMetadata(
             cu_seqlens_q=inputs.cu_seqlens_q, seq_lens=inputs.seq_lens,
             block_tables=self.block_table[inputs.rows],
@@ -129,14 +139,17 @@ class ModelRunner:
             block_size=self.block_size, max_query_len=inputs.max_query_len)
         if bucket:
             self.num_graph_replays += 1
-            logits = self._replay(bucket, input_ids, inputs.positions, meta)[:num_reqs]
+            out = self.graphs.replay(bucket, input_ids, inputs.positions, meta, hidden, residual)
         else:
-            logits = self.model(input_ids, inputs.positions, self.kv_caches, meta,
-                                inputs.logits_indices)
-        return logits, inputs
+            out = self.model(input_ids, inputs.positions, self.kv_caches, meta,
+                             inputs.logits_indices, hidden, residual)
+        if not self.pg.is_last_stage:
+            self.pg.send_next(torch.stack([out[0][:num_tokens], out[1][:num_tokens]]))
+            return None, inputs
+        return out[:num_reqs], inputs
 
-    def execute(self, step: StepInput) -> list[int]:
-        return self.launch(step).result()
+    def _is_graphable(self, step: StepInput) -> bool:
+        return self.graphs is not None and max(step.query_lens) == 1 and all(step.sample)
 
     def _slot_mapping(self, token_rows, positions):
         blocks = self.block_table[token_rows, positions // self.block_size]
@@ -176,101 +189,14 @@ class ModelRunner:
                        sample_rows_host=sample_rows.tolist())
 
     # ---- CUDA graphs for decode-only steps ------------------------------------------------
-    def _graph_bucket(self, step: StepInput) -> int:
-        if not self.graphs or max(step.query_lens) != 1 or not all(step.sample):
-            return 0
-        return next((b for b in sorted(self.graphs) if b >= len(step.rows)), 0)
-
     def capture_cuda_graphs(self, max_batch_size: int) -> None:
-        """Capture the model's forward for decode batches of each bucket size (largest first,
-        sharing one memory pool). Needs the KV cache allocated."""
+        """Capture decode graphs for every bucket up to max_batch_size (needs the KV cache)."""
         if not self.use_cuda_graphs:
             return
-        sizes = [b for b in GRAPH_BATCH_SIZES if b <= min(max_batch_size, self.max_num_seqs)]
-        largest = max(sizes)
-        pad = torch.full((largest,), self.pad_row, dtype=torch.int32, device=self.device)
-        self._graph_in = dict(
-            input_ids=torch.zeros(largest, dtype=torch.int32, device=self.device),
-            positions=torch.zeros(largest, dtype=torch.int32, device=self.device),
-            cu_seqlens_q=torch.zeros(largest + 1, dtype=torch.int32, device=self.device),
-            seq_lens=torch.zeros(largest, dtype=torch.int32, device=self.device),
-            block_tables=self.block_table[pad].clone(),
-            slot_mapping=torch.zeros(largest, dtype=torch.int64, device=self.device),
-            logits_indices=torch.arange(largest, device=self.device))
-        # graphs read these buffers by address: they live as long as the graphs
-        self._graph_in["slot_mapping"].fill_(self.block_size * int(self.block_table[self.pad_row, 0]))
-        pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for size in sorted(sizes, reverse=True):
-                meta, ids, pos, idx = self._graph_views(size)
-                for _ in range(2):  # warm up: compiles the Triton kernels for this shape
-                    self.model(ids, pos, self.kv_caches, meta, idx)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model(ids, pos, self.kv_caches, meta, idx)
-                self.graphs[size] = _Graph(graph, logits)
-        torch.cuda.synchronize()
-
-    def _graph_views(self, size: int):
-        g = self._graph_in
-        meta = AttentionMetadata(
-            cu_seqlens_q=g["cu_seqlens_q"][:size + 1], seq_lens=g["seq_lens"][:size],
-            block_tables=g["block_tables"][:size], slot_mapping=g["slot_mapping"][:size],
-            block_size=self.block_size, max_query_len=1)
-        return meta, g["input_ids"][:size], g["positions"][:size], g["logits_indices"][:size]
-
-    def _replay(self, bucket: int, input_ids, positions, meta: AttentionMetadata):
-        g = self._graph_in
-        g["input_ids"][:bucket].copy_(input_ids)
-        g["positions"][:bucket].copy_(positions)
-        g["cu_seqlens_q"][:bucket + 1].copy_(meta.cu_seqlens_q)
-        g["seq_lens"][:bucket].copy_(meta.seq_lens)
-        g["block_tables"][:bucket].copy_(meta.block_tables)
-        g["slot_mapping"][:bucket].copy_(meta.slot_mapping)
-        self.graphs[bucket].graph.replay()
-        return self.graphs[bucket].logits
-
-
-class StepTimeline:
-    """GPU time spent in steps, and GPU time idle between consecutive steps (waiting on the
-    control plane), from CUDA events recorded around each step's work."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._prev_stop: torch.cuda.Event | None = None
-        self.busy_ms = self.idle_ms = 0.0
-        self.num_steps = 0
-
-    def begin(self) -> None:
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._start.record()
-
-    def end(self) -> None:
-        stop = torch.cuda.Event(enable_timing=True)
-        stop.record()
-        self.events.append((self._start, stop))
-        if len(self.events) > 64:  # bound memory: fold in what has finished, without waiting
-            self._fold(wait=False)
-
-    def _fold(self, wait: bool) -> None:
-        while self.events and (wait or self.events[0][1].query()):
-            start, stop = self.events.pop(0)
-            stop.synchronize()
-            self.busy_ms += start.elapsed_time(stop)
-            if self._prev_stop is not None:
-                self.idle_ms += self._prev_stop.elapsed_time(start)
-            self._prev_stop = stop
-            self.num_steps += 1
-
-    def collect(self) -> dict:
-        """Fold in the steps recorded so far (waits for them to finish)."""
-        self._fold(wait=True)
-        return {"num_steps": self.num_steps, "gpu_busy_ms": self.busy_ms,
-                "gpu_idle_between_steps_ms": self.idle_ms}
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_table[self.pad_row],
+                              self.block_size, min(max_batch_size, self.max_num_seqs), self.dtype)
+        graphs.capture()
+        self.graphs = graphs
 
 
 @dataclass(slots=True)

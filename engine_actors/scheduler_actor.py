@@ -93,7 +93,8 @@ class SchedulerActor:
         try:
             self.info = model_info(self.cfg)
             device = resolve_device(self.cfg)
-            self.executor = Executor(self.cfg, device, self.info.max_model_len)
+            self.executor = Executor(self.cfg, device, self.info.max_model_len,
+                                     name=self._workers_name())
             num_blocks = await self.executor.start()
             self._fit_context_to_kv(num_blocks * self.cfg.block_size)
             kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.max_num_seqs)
@@ -123,11 +124,20 @@ class SchedulerActor:
                        self.info.max_model_len, capacity)
         self.info = dataclasses.replace(self.info, max_model_len=capacity)
 
+    def _workers_name(self) -> str:
+        return f"{actor_name(self.cfg)}-workers"
+
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def shutdown(self) -> None:
+        """Fail what is left, stop the workers, free their devices, and exit."""
+        if self.scheduler is not None:
+            self._publish(self.scheduler.fail_all(), error="the engine was shut down")
+        await self._teardown()
 
     async def unregister(self, client_id: str) -> None:
         """An ingress replica is shutting down; the last one takes the engine with it."""
@@ -228,6 +238,11 @@ class SchedulerActor:
                 "num_steps": self.num_steps,
                 "num_clients": len(self.clients)}
 
+    async def workers(self) -> list:
+        """The worker actor handles, stage-major (for operations and tests)."""
+        await self.ready()
+        return list(self.executor.workers)
+
     async def gpu_timeline(self, reset: bool = False) -> list[dict]:
         """Per worker: GPU busy time and idle time between steps (see StepTimeline)."""
         await self.ready()
@@ -249,17 +264,20 @@ class SchedulerActor:
                 batch = self.scheduler.schedule()
                 if batch is None:
                     break
-                in_flight.append((batch, self.executor.execute(batch.step)))
+                step = asyncio.ensure_future(self.executor.execute(batch.step))
+                in_flight.append((batch, step))
                 self.num_steps += 1
             if not in_flight:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch, ref = in_flight.popleft()
+            batch, step = in_flight.popleft()
             try:
-                sampled = await ref
+                sampled = await step
             except ray.exceptions.RayError:
                 logger.exception("worker failed")
+                for _, other in in_flight:
+                    other.cancel()
                 in_flight.clear()
                 self._publish(self.scheduler.fail_all(), error=WORKER_FAILURE)
                 await self._restart_workers()
@@ -269,7 +287,8 @@ class SchedulerActor:
     async def _restart_workers(self) -> None:
         """Replace the worker group after a failure, with the same KV pool size."""
         self.executor.shutdown()
-        self.executor = Executor(self.cfg, resolve_device(self.cfg), self.info.max_model_len)
+        self.executor = Executor(self.cfg, resolve_device(self.cfg), self.info.max_model_len,
+                                 name=self._workers_name())
         await self.executor.start(num_blocks=self.scheduler.kv.num_blocks)
 
     def _publish(self, outputs: list[RequestOutput], error: str | None = None) -> None:

@@ -15,17 +15,18 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class PendingStep:
-    """A step's sampled ids on their way back to the host."""
+    """A step's sampled ids on their way back to the host (none on a stage that does not
+    sample: then it only marks the end of the step's device work)."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor | None, device: torch.device):
         self.event = None
-        if ids.is_cuda:
-            self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self.host.copy_(ids, non_blocking=True)
+        self.host = ids if ids is not None else torch.empty(0, dtype=torch.long)
+        if device.type == "cuda":
+            if ids is not None:
+                self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                self.host.copy_(ids, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        else:
-            self.host = ids
 
     def wait(self) -> None:
         if self.event is not None:

@@ -3,13 +3,16 @@
 An async actor: `execute` enqueues the step on the device and then awaits its result in a
 thread, so the next step message is accepted and enqueued while the device still runs this
 one (the control plane never leaves the GPU idle). Steps run in step_id order whatever
-order Ray delivers them in. The executor wraps this class with `ray.remote`; tests can use
-it in-process.
+order Ray delivers them in. With pipeline stages every worker gets every step message at
+once: a stage enqueues its receive of the previous stage's activations and moves on,
+without waiting for that stage (ORCA's control/data plane separation). The executor wraps
+this class with `ray.remote`; tests can use it in-process.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 import torch
 
@@ -18,28 +21,55 @@ from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import cdiv
 from engine_actors.messages import StepInput
 from engine_actors.model_runner import ModelRunner, resolve_dtype
+from engine_actors.parallel import SINGLE, init_parallel
 
 CPU_KV_TOKENS = 16384  # default KV pool on CPU when max_num_tokens is not given
 
 
 class Worker:
-    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int):
-        if device == "cpu" and cfg.num_cpus_per_worker >= 1:
-            torch.set_num_threads(int(cfg.num_cpus_per_worker))
-        self.cfg = cfg
-        self.device = device
-        self.runner = ModelRunner(resolve_model_path(cfg.model), device,
-                                  resolve_dtype(cfg.dtype, device), max_model_len,
-                                  cfg.block_size, cfg.max_num_seqs, cfg.seed,
-                                  use_cuda_graphs=not cfg.enforce_eager)
+    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int, rank: int = 0):
+        if device == "cpu":
+            torch.set_num_threads(max(1, int(cfg.num_cpus_per_worker)))
+        self.cfg, self.device, self.rank = cfg, device, rank
+        self.max_model_len = max_model_len
+        self.runner: ModelRunner | None = None
         self._next_step = 0
         self._turn: asyncio.Condition | None = None
+        if cfg.num_workers == 1:
+            self.setup("")
+
+    def address(self) -> str:
+        """host:port for the process group's rendezvous (asked of rank 0)."""
+        host = socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"{host}:{s.getsockname()[1]}"
+
+    def setup(self, address: str) -> None:
+        """Join the process group (all workers at once), then load this shard of the model."""
+        cfg = self.cfg
+        pg = init_parallel(address, self.rank, cfg.tensor_parallel_size,
+                           cfg.pipeline_parallel_size, self.device,
+                           cfg.distributed_timeout_s) if cfg.num_workers > 1 else SINGLE
+        self.runner = ModelRunner(resolve_model_path(cfg.model), self.device,
+                                  resolve_dtype(cfg.dtype, self.device), self.max_model_len,
+                                  cfg.block_size, cfg.max_num_seqs, cfg.seed,
+                                  use_cuda_graphs=not cfg.enforce_eager, pg=pg)
 
     def pid(self) -> int:
         return os.getpid()
 
+    def shard_info(self) -> dict:
+        """Which layers and which slice of each weight this worker holds (for tests)."""
+        pg = self.runner.pg
+        return {"tp_rank": pg.tp_rank, "pp_rank": pg.pp_rank,
+                "layers": list(self.runner.model.layer_ids),
+                "params": {name: tuple(p.shape)
+                           for name, p in self.runner.model.named_parameters()}}
+
     def num_kv_blocks(self) -> int:
-        """How many KV blocks this worker can hold."""
+        """How many KV blocks this worker can hold (collective with several workers: the
+        profiling pass runs a real step through every stage)."""
         if self.cfg.max_num_tokens is not None:
             return cdiv(self.cfg.max_num_tokens, self.cfg.block_size)
         if self.device == "cpu":

@@ -77,7 +77,10 @@ def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceReq
             return info, startup, elapsed, outputs, timeline, stats
 
         info, startup, elapsed, outputs, timeline, stats = asyncio.run(run())
-        ray.kill(actor)
+        try:
+            ray.get(actor.shutdown.remote())  # frees the workers' GPUs for the next system
+        except ray.exceptions.RayActorError:
+            pass
     finally:
         ray.shutdown()
     result = {"system": "orca", "elapsed_s": elapsed, "startup_s": startup,

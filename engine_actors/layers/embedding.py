@@ -1,26 +1,45 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the rows.
+
+The vocabulary is padded to a multiple of tp_size; padded rows are zero and their logits
+are cut off after the gather.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_actors.parallel import SINGLE, ParallelGroup
 
-class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, pg: ParallelGroup = SINGLE):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.pg = pg
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // pg.tp_size)  # rows per rank
+        self.start = pg.tp_rank * self.rows
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        if self.pg.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None]
+        return self.pg.all_reduce(out)  # exactly one rank contributes each row
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        if tensor.shape != self.weight.shape:
-            raise ValueError(f"shape mismatch: {tuple(self.weight.shape)} vs {tuple(tensor.shape)}")
-        self.weight.data.copy_(tensor)
+        if tensor.shape[0] != self.vocab_size or tensor.shape[1] != self.weight.shape[1]:
+            raise ValueError(f"shape mismatch: vocab {self.vocab_size} x {self.weight.shape[1]} "
+                             f"vs checkpoint {tuple(tensor.shape)}")
+        mine = tensor[self.start:self.start + self.rows]
+        self.weight.data[:mine.shape[0]].copy_(mine)
 
 
-class LMHead(Embedding):
-    """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits; may share its weight with the embedding (same sharding)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        return F.linear(hidden, self.weight)
+        logits = self.pg.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[:, :self.vocab_size]

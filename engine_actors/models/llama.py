@@ -1,9 +1,11 @@
-"""Llama for flattened batches (ORCA selective batching).
+"""Llama for flattened batches (ORCA selective batching), as one pipeline stage.
 
 Every op except attention sees all tokens of the iteration as one [T, H] tensor, prefill
 and decode requests mixed, no padding; attention splits per request inside the kernel.
 Reads like the architecture: embed -> layers (norm, qkv, rope, attention, out, norm, mlp)
--> norm -> head. Only the tokens that sample go through the head.
+-> norm -> head. A stage holds a contiguous range of layers: only the first embeds, only
+the last has the final norm and the head, and only the tokens that sample reach the head.
+Tensor parallelism lives in the layers (ParallelGroup); this file stays plain.
 """
 from __future__ import annotations
 
@@ -11,25 +13,28 @@ import torch
 from torch import nn
 
 from engine_actors.layers.attention import Attention, AttentionMetadata
-from engine_actors.layers.embedding import Embedding, LMHead
-from engine_actors.layers.linear import Linear, MergedLinear
+from engine_actors.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine_actors.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine_actors.layers.norm import RMSNorm
 from engine_actors.layers.rotary import RotaryEmbedding
+from engine_actors.parallel import SINGLE, ParallelGroup, stage_layers
 from kernels.silu_mul import silu_mul
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding):
+    def __init__(self, cfg, rotary: RotaryEmbedding, pg: ParallelGroup):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         bias = getattr(cfg, "attention_bias", False)
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [(heads, head_dim), (kv_heads, head_dim), (kv_heads, head_dim)],
+            bias, pg)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads[:2]  # on this rank
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, bias, pg)
         self.rotary = rotary  # shared by all layers
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
@@ -42,24 +47,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, pg: ParallelGroup):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
         inter = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], bias)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, 1), (inter, 1)],
+                                                 bias, pg)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, pg)
 
     def forward(self, x):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding):
+    def __init__(self, cfg, rotary: RotaryEmbedding, pg: ParallelGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, pg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, pg)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         # The residual add of the previous sublayer is fused into the next norm.
@@ -77,42 +83,54 @@ class LlamaForCausalLM(nn.Module):
     merged_parts = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg, max_positions: int):
+    def __init__(self, cfg, max_positions: int, pg: ParallelGroup = SINGLE):
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.config, self.pg = cfg, pg
+        self.layer_ids = stage_layers(cfg.num_hidden_layers, pg.pp_rank, pg.pp_size)
+        tied = cfg.tie_word_embeddings
+        if pg.is_first_stage or (tied and pg.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pg)
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, self.rotary, pg)
+                                     for i in self.layer_ids})  # keyed by checkpoint index
+        if pg.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pg)
+            if tied:
+                self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [N, V] for the N tokens in logits_indices."""
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
-        for layer, kv_cache in zip(self.layers, kv_caches):
+                logits_indices: torch.Tensor, hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None):
+        """First stage: input_ids [T]; later stages: hidden, residual [T, H] from the previous.
+        Returns (hidden, residual) [T, H], or on the last stage fp32 logits [N, V] of the N
+        tokens in logits_indices."""
+        if self.pg.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if not self.pg.is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
-        return self.lm_head(hidden[logits_indices]).float()  # [N, V]
+        return self.lm_head(hidden[logits_indices]).float()
 
     def weight_keys(self) -> set[str]:
-        """Every (module.param, part) that a complete checkpoint fills."""
+        """Every (module.param, part) that a complete checkpoint fills on this stage/rank."""
         keys = set()
         for path, module in self.named_modules():
             tied = path == "lm_head" and self.config.tie_word_embeddings
             if tied or not hasattr(module, "load"):
                 continue
-            parts = range(len(module.part_sizes)) if isinstance(module, MergedLinear) else [None]
+            parts = range(len(module.parts)) if isinstance(module, ColumnParallelLinear) \
+                else [None]
             for param, _ in module.named_parameters(recurse=False):
                 keys.update(f"{path}.{param}[{p}]" for p in parts)
         return keys
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
-        """Load one checkpoint tensor (Hugging Face names); returns the key it filled, if any."""
+        """Load this stage's and rank's share of one checkpoint tensor (Hugging Face names);
+        returns the key it filled, or None if it is not for this worker."""
         if name.startswith("model."):
             name = name[len("model."):]
         if "rotary_emb" in name:
@@ -128,6 +146,6 @@ class LlamaForCausalLM(nn.Module):
         try:
             module = self.get_submodule(module_path)
         except AttributeError:
-            return None
+            return None  # another stage's layer, or a module this model does not have
         module.load(param, tensor, shard)
         return f"{module_path}.{param}[{shard}]"

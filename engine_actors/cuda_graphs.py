@@ -1,0 +1,86 @@
+"""CUDA graphs of one stage's forward for decode-only steps, one graph per batch-size bucket.
+
+A step of B decode requests replays the graph of the smallest bucket >= B: the step's inputs
+are copied into static buffers, padding requests have no query tokens (attention skips them)
+and write their one key/value into a scratch block. Graphs share one memory pool and read
+their buffers by address, so the buffers live as long as the graphs.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine_actors.layers.attention import AttentionMetadata
+
+BATCH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, pad_block_table_row: torch.Tensor, block_size: int,
+                 max_batch_size: int, dtype: torch.dtype):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.first, self.last = model.pg.is_first_stage, model.pg.is_last_stage
+        self.sizes = [b for b in BATCH_SIZES if b <= max_batch_size]
+        n, dev = max(self.sizes), pad_block_table_row.device
+        hidden = model.config.hidden_size
+        self.buf = dict(
+            input_ids=torch.zeros(n, dtype=torch.int32, device=dev),
+            positions=torch.zeros(n, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.zeros(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.zeros(n, dtype=torch.int32, device=dev),
+            block_tables=pad_block_table_row.expand(n, -1).clone(),
+            # padding tokens write their keys/values into the scratch block
+            slot_mapping=torch.full((n,), int(pad_block_table_row[0]) * block_size,
+                                    dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(n, device=dev),
+            hidden=torch.zeros(n, hidden, dtype=dtype, device=dev),
+            residual=torch.zeros(n, hidden, dtype=dtype, device=dev))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
+
+    def bucket_for(self, num_reqs: int) -> int:
+        return next((b for b in self.sizes if b >= num_reqs and b in self.graphs), 0)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest first, so smaller graphs reuse the pool. Collective: with tensor
+        parallelism every rank of the stage captures the same buckets in the same order."""
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.sizes, reverse=True):
+            args = self._args(size)
+            for _ in range(2):  # warm up: compiles the Triton kernels for this shape
+                self.model(*args)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(*args)
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+
+    def replay(self, bucket: int, input_ids, positions, meta: AttentionMetadata, hidden=None,
+               residual=None):
+        """Outputs of the first `bucket` rows: logits, or (hidden, residual) mid-pipeline."""
+        b = self.buf
+        n = positions.shape[0]  # real tokens; the rest of the bucket keeps padding values
+        if self.first:
+            b["input_ids"][:n].copy_(input_ids)
+        else:
+            b["hidden"][:hidden.shape[0]].copy_(hidden)
+            b["residual"][:residual.shape[0]].copy_(residual)
+        b["positions"][:n].copy_(positions)
+        b["cu_seqlens_q"][:bucket + 1].copy_(meta.cu_seqlens_q)
+        b["seq_lens"][:bucket].copy_(meta.seq_lens)
+        b["block_tables"][:bucket].copy_(meta.block_tables)
+        b["slot_mapping"][:bucket].copy_(meta.slot_mapping)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out
+
+    def _args(self, size: int):
+        b = self.buf
+        meta = AttentionMetadata(
+            cu_seqlens_q=b["cu_seqlens_q"][:size + 1], seq_lens=b["seq_lens"][:size],
+            block_tables=b["block_tables"][:size], slot_mapping=b["slot_mapping"][:size],
+            block_size=self.block_size, max_query_len=1)
+        hidden, residual = (None, None) if self.first else (b["hidden"][:size],
+                                                             b["residual"][:size])
+        return (b["input_ids"][:size], b["positions"][:size], self.kv_caches, meta,
+                b["logits_indices"][:size], hidden, residual)

@@ -1,0 +1,97 @@
+"""A worker's place in the P x T grid, and the collectives between workers.
+
+Worker rank r is tensor-parallel rank r % T of pipeline stage r // T. Activations move only
+here, over torch.distributed (NCCL on GPU, gloo on CPU): all-reduce / all-gather inside a
+stage, send / recv of hidden states between neighbouring stages. Control messages never do.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelGroup:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: object = None  # the stage's torch ProcessGroup when tp_size > 1
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the stage's tensor-parallel ranks (in place)."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., tp_size * n], ranks in order."""
+        if self.tp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    def send_next(self, x: torch.Tensor) -> None:
+        """To the same tensor-parallel rank of the next stage."""
+        dist.send(x.contiguous(), dst=self.rank + self.tp_size)
+
+    def recv_prev(self, shape, dtype, device) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src=self.rank - self.tp_size)
+        return x
+
+
+SINGLE = ParallelGroup()
+
+
+def init_parallel(address: str, rank: int, tp_size: int, pp_size: int, device: str,
+                  timeout_s: float) -> ParallelGroup:
+    """Join the worker group's process group (collective: every worker calls it)."""
+    world = tp_size * pp_size
+    if world == 1:
+        return SINGLE
+    backend = "nccl" if device == "cuda" else "gloo"
+    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} \
+        if device == "cuda" else {}
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+                            **kwargs)
+    # every rank creates every stage's group, in the same order, members or not
+    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+              for s in range(pp_size)]
+    pp_rank = rank // tp_size
+    return ParallelGroup(rank % tp_size, tp_size, pp_rank, pp_size,
+                         groups[pp_rank] if tp_size > 1 else None)
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The contiguous layers of a stage; sizes differ by at most one (earlier stages larger)."""
+    if num_layers < pp_size:
+        raise ValueError(f"{num_layers} layers cannot fill {pp_size} pipeline stages")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
+    """(start, length) of rank's equal share of `size` (which world must divide)."""
+    if size % world:
+        raise ValueError(f"{size} does not split evenly over {world} tensor-parallel ranks")
+    length = size // world
+    return rank * length, length
