@@ -43,8 +43,13 @@ class ParallelGroup:
         """[..., n] on each rank -> [..., tp_size * n], ranks in order."""
         if self.tp_size == 1:
             return x
+        x = x.contiguous()
+        if x.is_cuda:  # one NCCL all-gather along dim 0, then the ranks' columns side by side
+            out = torch.empty((self.tp_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.tp_group)
+            return torch.cat(out.unbind(0), dim=-1)
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        dist.all_gather(parts, x, group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
     def send_next(self, x: torch.Tensor) -> None:

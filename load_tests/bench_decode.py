@@ -1,11 +1,14 @@
 """Decode step time at a given batch size against its memory floor.
 
     python -m load_tests.bench_decode --model llama-8b --batch-size 64 --context-len 512
+    python -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp 2   # via Ray
 
 A decode step must read every weight once and every cached key/value of the batch once,
 so (weight bytes + KV bytes) / measured copy bandwidth is its floor. Steps are launched
 back to back through ModelRunner.launch, as the worker does (CUDA graph when captured),
-and timed with CUDA events over many steps.
+and timed with CUDA events over many steps. With --tp, the same runs on every rank of a
+tensor-parallel worker group (Ray actors in a placement group, NCCL all-reduces), and the
+floor counts each rank's share of the weights and KV.
 """
 from __future__ import annotations
 
@@ -55,36 +58,92 @@ def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int) -
     return start.elapsed_time(stop) / iters
 
 
+def _bench_worker_class():
+    """A worker (same setup: process group, shard loading) that times decode steps."""
+    from engine_actors.worker import Worker
+
+    class DecodeBenchWorker(Worker):
+        def run_decode(self, batch: int, context_len: int, iters: int) -> dict:
+            runner = self.runner
+            runner.allocate_kv_cache(batch * cdiv(context_len + iters + 8, runner.block_size))
+            for k, v in runner.kv_caches:
+                k.normal_()
+                v.normal_()
+            eager = time_decode(runner, batch, context_len, iters)
+            runner.capture_cuda_graphs(batch)
+            graph = time_decode(runner, batch, context_len, iters)
+            kv = batch * (context_len + iters // 2) * runner.kv_bytes_per_block() \
+                // runner.block_size
+            return {"eager_ms": eager, "graph_ms": graph, "weight_bytes": weight_bytes(runner.model),
+                    "kv_bytes": kv}
+
+    return DecodeBenchWorker
+
+
+def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int) -> dict:
+    import asyncio
+    import os
+
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from engine_actors.config import EngineConfig
+    from engine_actors.executor import WORKER_ENV
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False)
+    cfg = EngineConfig.from_args(dict(model=model, device="cuda", tensor_parallel_size=tp,
+                                      max_batch_size=batch))
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
+    ray.get(pg.ready())
+    cls = ray.remote(_bench_worker_class())
+    workers = [cls.options(num_gpus=1, num_cpus=1, runtime_env={"env_vars": WORKER_ENV},
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i))
+               .remote(cfg, "cuda", 8192, i) for i in range(tp)]
+    address = ray.get(workers[0].address.remote())
+    ray.get([w.setup.remote(address) for w in workers])
+    results = ray.get([w.run_decode.remote(batch, ctx, iters) for w in workers])
+    ray.shutdown()
+    return {"eager_ms": max(r["eager_ms"] for r in results),
+            "graph_ms": max(r["graph_ms"] for r in results),
+            "weight_bytes": results[0]["weight_bytes"], "kv_bytes": results[0]["kv_bytes"]}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--out")
     args = p.parse_args(argv)
     bandwidth = copy_bandwidth_gbs()
     batch, ctx = args.batch_size, args.context_len
-    runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16, batch, 0)
-    num_blocks = batch * cdiv(ctx + args.iters + 8, 16)
-    runner.allocate_kv_cache(num_blocks)
-    for k, v in runner.kv_caches:  # never time on zeros
-        k.normal_()
-        v.normal_()
-    eager_ms = time_decode(runner, batch, ctx, args.iters)
-    runner.capture_cuda_graphs(batch)
-    graph_ms = time_decode(runner, batch, ctx, args.iters)
-    kv_bytes = batch * (ctx + args.iters // 2) * runner.kv_bytes_per_block() // runner.block_size
-    floor_ms = (weight_bytes(runner.model) + kv_bytes) / (bandwidth * 1e9) * 1e3
-    report = {"model": args.model, "batch_size": batch, "context_len": ctx,
-              "copy_gbs": bandwidth, "weight_gb": weight_bytes(runner.model) / 1e9,
-              "kv_gb": kv_bytes / 1e9, "floor_ms": floor_ms, "eager_ms": eager_ms,
-              "graph_ms": graph_ms, "graph_over_floor": graph_ms / floor_ms}
+    if args.tp > 1:
+        r = run_tensor_parallel(args.model, batch, ctx, args.iters, args.tp)
+    else:
+        runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
+                             batch, 0)
+        r = _bench_worker_class().run_decode.__get__(_Holder(runner))(batch, ctx, args.iters)
+    floor_ms = (r["weight_bytes"] + r["kv_bytes"]) / (bandwidth * 1e9) * 1e3
+    report = {"model": args.model, "batch_size": batch, "context_len": ctx, "tp": args.tp,
+              "copy_gbs": bandwidth, "weight_gb_per_rank": r["weight_bytes"] / 1e9,
+              "kv_gb_per_rank": r["kv_bytes"] / 1e9, "floor_ms": floor_ms,
+              "eager_ms": r["eager_ms"], "graph_ms": r["graph_ms"],
+              "graph_over_floor": r["graph_ms"] / floor_ms}
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+class _Holder:
+    """Lets the single-GPU path call run_decode on a bare runner."""
+
+    def __init__(self, runner):
+        self.runner = runner
 
 
 if __name__ == "__main__":

@@ -146,6 +146,9 @@ def main(argv=None) -> dict:
     p.add_argument("--output-len", type=int, nargs=2, default=(1, 128))
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of this engine")
+    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size of this engine")
+    p.add_argument("--label", default="orca", help="name of this engine's row")
     p.add_argument("--warmup", type=int, default=32, help="untimed requests before each system")
     p.add_argument("--out", help="write the JSON results here")
     args = p.parse_args(argv)
@@ -164,8 +167,10 @@ def main(argv=None) -> dict:
     systems = args.systems.split(",")
     if "orca" in systems:
         engine_args = dict(model=args.model, device=args.device, max_batch_size=args.max_batch_size,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
-        res, outputs["orca"] = run_orca(engine_args, trace, warmup)
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
+        res, outputs[args.label] = run_orca(engine_args, trace, warmup)
+        res["system"] = args.label
         results.append(res)
     hf_systems = [s for s in systems if s.startswith("hf-")]
     num_params = 0

@@ -110,19 +110,21 @@ async def run_in_waves(actor, requests, waves=3):
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(2, torch.cuda.device_count()),
+             include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
 
-def start_engine(model, tp, pp, **extra):
+def start_engine(model, tp, pp, device="cpu", **extra):
     import ray
 
     from engine_actors.scheduler_actor import SchedulerActor
-    cfg = EngineConfig.from_args(dict(model=model, device="cpu", tensor_parallel_size=tp,
+    cpus = 2 / (tp * pp) if device == "cpu" else 1
+    cfg = EngineConfig.from_args(dict(model=model, device=device, tensor_parallel_size=tp,
                                       pipeline_parallel_size=pp, max_batch_size=6,
                                       max_num_batched_tokens=40, max_num_tokens=2048,
-                                      num_cpus_per_worker=2 / (tp * pp), **extra))
+                                      num_cpus_per_worker=cpus, **extra))
     actor = ray.remote(SchedulerActor).options(num_cpus=0, max_concurrency=1000).remote(cfg)
     ray.get(actor.ready.remote())
     return actor
@@ -136,14 +138,18 @@ def stop_engine(actor):
         pass  # it kills itself on the way out
 
 
-def test_tp_pp_outputs_equal_a_single_worker(ray_cluster, checkpoint):
-    import ray
+def compare_configs(checkpoint, configs, **engine_args):
     requests = workload()
     results = {}
-    for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
-        actor = start_engine(checkpoint, tp, pp)
+    for tp, pp in configs:
+        actor = start_engine(checkpoint, tp, pp, **engine_args)
         results[(tp, pp)] = asyncio.run(run_in_waves(actor, requests))
         stop_engine(actor)
+    return requests, results
+
+
+def test_tp_pp_outputs_equal_a_single_worker(ray_cluster, checkpoint):
+    requests, results = compare_configs(checkpoint, [(1, 1), (2, 1), (1, 2), (2, 2)])
     for _, _, sampling in requests:
         assert sampling.max_tokens > 0
     assert all(len(results[(1, 1)][rid]) == s.max_tokens for rid, _, s in requests)
@@ -176,3 +182,13 @@ def test_worker_death_fails_in_flight_requests_and_recovers(ray_cluster):
     after = asyncio.run(run_in_waves(actor, workload(seed=5, n=4), waves=1))
     assert all(len(v) > 0 for v in after.values())
     stop_engine(actor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_tp_pp_on_gpus_equal_one_gpu_in_fp32(ray_cluster, checkpoint):
+    """NCCL all-reduces (inside CUDA graphs) and send/recv: same greedy tokens as one GPU."""
+    requests, results = compare_configs(checkpoint, [(1, 1), (2, 1), (1, 2), (2, 2)],
+                                        device="cuda", dtype="float32")
+    for key, outputs in results.items():
+        assert outputs == results[(1, 1)], key
