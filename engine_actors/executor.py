@@ -96,6 +96,9 @@ class Executor:
         results = await asyncio.gather(*refs)
         return results[self.result_index]
 
+    async def step_traces(self) -> list[list[tuple]]:
+        return await asyncio.gather(*[w.step_trace.remote() for w in self.workers])
+
     async def gpu_timeline(self, reset: bool = False) -> list[dict]:
         return await asyncio.gather(*[w.gpu_timeline.remote(reset) for w in self.workers])
 

@@ -243,6 +243,12 @@ class SchedulerActor:
         await self.ready()
         return list(self.executor.workers)
 
+    async def step_traces(self) -> list[list[tuple]]:
+        """Per worker: (step, arrived, launched, enqueued, done) wall-clock times of its
+        latest steps (diagnosis of pipelining)."""
+        await self.ready()
+        return await self.executor.step_traces()
+
     async def gpu_timeline(self, reset: bool = False) -> list[dict]:
         """Per worker: GPU busy time and idle time between steps (see StepTimeline)."""
         await self.ready()

@@ -11,8 +11,10 @@ this class with `ray.remote`; tests can use it in-process.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import socket
+import time
 
 import torch
 
@@ -35,6 +37,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self._next_step = 0
         self._turn: asyncio.Condition | None = None
+        # wall-clock (arrived, launched, enqueued, done) of the latest steps, for diagnosis
+        self.trace: collections.deque = collections.deque(maxlen=256)
         if cfg.num_workers == 1:
             self.setup("")
 
@@ -128,10 +132,17 @@ class Worker:
     async def execute(self, step: StepInput) -> list[int]:
         if self._turn is None:
             self._turn = asyncio.Condition()
+        arrived = time.time()
         async with self._turn:
             await self._turn.wait_for(lambda: self._next_step == step.step_id)
+            launched = time.time()
             pending = self.runner.launch(step)
             self._next_step += 1
             self._turn.notify_all()
+        enqueued = time.time()
         await asyncio.to_thread(pending.wait)
+        self.trace.append((step.step_id, arrived, launched, enqueued, time.time()))
         return pending.result()
+
+    def step_trace(self) -> list[tuple]:
+        return list(self.trace)

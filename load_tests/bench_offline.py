@@ -74,9 +74,10 @@ def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceReq
             elapsed, outputs = await _replay(actor, trace)
             timeline = await actor.gpu_timeline.remote()
             stats = await actor.stats.remote()
-            return info, startup, elapsed, outputs, timeline, stats
+            traces = await actor.step_traces.remote()
+            return info, startup, elapsed, outputs, timeline, stats, traces
 
-        info, startup, elapsed, outputs, timeline, stats = asyncio.run(run())
+        info, startup, elapsed, outputs, timeline, stats, traces = asyncio.run(run())
         try:
             ray.get(actor.shutdown.remote())  # frees the workers' GPUs for the next system
         except ray.exceptions.RayActorError:
@@ -84,12 +85,21 @@ def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceReq
     finally:
         ray.shutdown()
     result = {"system": "orca", "elapsed_s": elapsed, "startup_s": startup,
-              "kv_blocks": stats["num_blocks"], "engine_args": engine_args}
+              "kv_blocks": stats["num_blocks"], "engine_args": engine_args,
+              "worker_step_trace": _trace_summary(traces)}
     if timeline and timeline[0]:
         t = timeline[-1]  # the sampling worker
         result.update(num_steps=t["num_steps"], gpu_busy_s=t["gpu_busy_ms"] / 1e3,
                       gpu_idle_between_steps_s=t["gpu_idle_between_steps_ms"] / 1e3)
     return result, outputs
+
+
+def _trace_summary(traces: list[list[tuple]]) -> list[list[list[float]]]:
+    """Per worker, the first and last 8 recorded steps: (step, arrived, launched, enqueued,
+    done) in ms since the earliest of them, to see whether pipeline stages overlap."""
+    recent = [t[:8] + t[-8:] for t in traces]
+    t0 = min((s[1] for t in recent for s in t), default=0.0)
+    return [[[s[0]] + [round((x - t0) * 1e3, 2) for x in s[1:]] for s in t] for t in recent]
 
 
 def load_hf_model(model: str, device: str):

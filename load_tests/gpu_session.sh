@@ -26,6 +26,6 @@ for part in $BENCH; do
     offline-8b) python3 -m load_tests.bench_offline --model llama-8b --systems "${SYSTEMS:-orca,hf-static,hf-cb,hf-cb-tuned}" --out "$OUT/offline-8b.json" > "$OUT/offline-8b.log" 2>&1; tail -8 "$OUT/offline-8b.log" ;;
     dist-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tee "$OUT/dist-tests.log" | tail -5 ;;
     dist-decode) for tp in 1 2; do timeout 240 python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp $tp --out "$OUT/decode-8b-tp$tp.json" > "/tmp/decode-tp$tp.log" 2>&1; tail -14 "/tmp/decode-tp$tp.log"; done ;;
-    dist-offline) for c in "1 1" "1 2" "2 1" "2 2"; do set -- $c; timeout 300 python3 -m load_tests.bench_offline --model llama-8b --systems orca --tp $1 --pp $2 --label "orca-tp$1-pp$2" --out "$OUT/offline-8b-tp$1-pp$2.json" > "/tmp/offline-tp$1-pp$2.log" 2>&1; tail -1 "/tmp/offline-tp$1-pp$2.log"; done ;;
+    dist-offline) for c in ${CONFIGS:-1,1 1,2 2,1 2,2}; do tp=${c%,*}; pp=${c#*,}; timeout 300 python3 -m load_tests.bench_offline --model llama-8b --systems orca --tp $tp --pp $pp --label "orca-tp$tp-pp$pp" --out "$OUT/offline-8b-tp$tp-pp$pp.json" > "/tmp/offline-tp$tp-pp$pp.log" 2>&1; tail -1 "/tmp/offline-tp$tp-pp$pp.log"; done ;;
   esac
 done
