@@ -24,6 +24,7 @@ from engine_actors.messages import StepInput
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.sampler import Sampler
+from engine_actors.stage_link import StageLink
 from engine_actors.timeline import StepTimeline
 from engine_actors.transfer import PendingStep, to_device
 
@@ -63,6 +64,13 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.num_graph_replays = 0
         self.timeline = StepTimeline() if self.device.type == "cuda" else None
+        self.link: StageLink | None = None
+
+    def allocate_stage_buffers(self, max_tokens: int, num_in_flight: int) -> None:
+        """The pipeline link to the neighbouring stages (see StageLink)."""
+        if self.pg.pp_size > 1:
+            self.link = StageLink(self.pg, max_tokens, self.hf_config.hidden_size, self.dtype,
+                                  self.device, num_in_flight)
 
     def _load_model(self, path: str) -> LlamaForCausalLM:
         default_dtype = torch.get_default_dtype()
@@ -130,8 +138,7 @@ class ModelRunner:
             input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids,
                                     self.last_sampled[inputs.token_rows])
         else:
-            hidden, residual = self.pg.recv_prev(
-                (2, num_tokens, self.hf_config.hidden_size), self.dtype, self.device)
+            hidden, residual = self.link.recv(step.step_id, num_tokens)
         meta = AttentionMetadata(
             cu_seqlens_q=inputs.cu_seqlens_q, seq_lens=inputs.seq_lens,
             block_tables=self.block_table[inputs.rows],
@@ -143,8 +150,10 @@ class ModelRunner:
         else:
             out = self.model(input_ids, inputs.positions, self.kv_caches, meta,
                              inputs.logits_indices, hidden, residual)
+        if not self.pg.is_first_stage:
+            self.link.release_recv(step.step_id)
         if not self.pg.is_last_stage:
-            self.pg.send_next(torch.stack([out[0][:num_tokens], out[1][:num_tokens]]))
+            self.link.send(step.step_id, out[0][:num_tokens], out[1][:num_tokens])
             return None, inputs
         return out[:num_reqs], inputs
 

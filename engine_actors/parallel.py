@@ -53,11 +53,11 @@ class ParallelGroup:
         return torch.cat(parts, dim=-1)
 
     def send_next(self, x: torch.Tensor) -> None:
-        """To the same tensor-parallel rank of the next stage."""
-        dist.send(x.contiguous(), dst=self.rank + self.tp_size)
+        """To the same tensor-parallel rank of the next stage (x contiguous)."""
+        dist.send(x, dst=self.rank + self.tp_size)
 
-    def recv_prev(self, shape, dtype, device) -> torch.Tensor:
-        x = torch.empty(shape, dtype=dtype, device=device)
+    def recv_prev(self, x: torch.Tensor) -> torch.Tensor:
+        """Into x (contiguous), from the same tensor-parallel rank of the previous stage."""
         dist.recv(x, src=self.rank - self.tp_size)
         return x
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import os
 import socket
 import time
@@ -37,6 +38,9 @@ class Worker:
         self.runner: ModelRunner | None = None
         self._next_step = 0
         self._turn: asyncio.Condition | None = None
+        # launches run here, one at a time in step order: a launch may block its thread (a
+        # collective, an allocation) without stalling the loop that returns finished steps
+        self._launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         # wall-clock (arrived, launched, enqueued, done) of the latest steps, for diagnosis
         self.trace: collections.deque = collections.deque(maxlen=256)
         if cfg.num_workers == 1:
@@ -59,6 +63,8 @@ class Worker:
                                   resolve_dtype(cfg.dtype, self.device), self.max_model_len,
                                   cfg.block_size, cfg.max_num_seqs, cfg.seed,
                                   use_cuda_graphs=not cfg.enforce_eager, pg=pg)
+        self.runner.allocate_stage_buffers(max(cfg.max_num_batched_tokens, cfg.max_batch_size),
+                                           cfg.max_steps_in_flight)
 
     def pid(self) -> int:
         return os.getpid()
@@ -136,9 +142,11 @@ class Worker:
         async with self._turn:
             await self._turn.wait_for(lambda: self._next_step == step.step_id)
             launched = time.time()
-            pending = self.runner.launch(step)
+            launch = asyncio.get_running_loop().run_in_executor(self._launcher,
+                                                                self.runner.launch, step)
             self._next_step += 1
             self._turn.notify_all()
+        pending = await launch
         enqueued = time.time()
         await asyncio.to_thread(pending.wait)
         self.trace.append((step.step_id, arrived, launched, enqueued, time.time()))
