@@ -26,7 +26,7 @@ from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.sampler import Sampler
 from engine_actors.stage_link import StageLink
 from engine_actors.timeline import StepTimeline
-from engine_actors.transfer import PendingStep, to_device
+from engine_actors.transfer import PendingStep, Staging
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,7 +59,8 @@ class ModelRunner:
         self.block_table = torch.zeros(max_num_seqs + 1, cdiv(max_model_len, block_size),
                                        dtype=torch.int32, device=self.device)
         self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=self.device)
-        self.sampler = Sampler(max_num_seqs, self.device, seed)
+        self.staging = Staging(self.device)
+        self.sampler = Sampler(max_num_seqs, self.device, seed, self.staging)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.num_graph_replays = 0
@@ -114,7 +115,7 @@ class ModelRunner:
         if logits is not None:
             sampled = self.sampler(logits, inputs.sample_rows_host, inputs.sample_rows)
             self.last_sampled[inputs.sample_rows] = sampled.to(torch.int32)
-        pending = PendingStep(sampled, self.device)
+        pending = self.staging.to_host(sampled)
         if self.timeline is not None:
             self.timeline.end()
         return pending
@@ -192,7 +193,7 @@ class ModelRunner:
         parts = [token_ids, positions, token_rows, cu_seqlens_q, context_lens + query_lens, rows,
                  logits_indices, sample_rows, np.asarray(step.table_rows, np.int32),
                  np.asarray(step.table_cols, np.int32), np.asarray(step.table_blocks, np.int32)]
-        device_buf = to_device(np.concatenate(parts), self.device)
+        device_buf = self.staging.to_device(np.concatenate(parts))
         views = torch.split(device_buf, [len(p) for p in parts])
         return _Inputs(*views, max_query_len=int(query_lens.max()),
                        sample_rows_host=sample_rows.tolist())

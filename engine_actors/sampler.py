@@ -11,12 +11,14 @@ import numpy as np
 import torch
 
 from engine_actors.messages import NewRequest
-from engine_actors.transfer import to_device
+from engine_actors.transfer import Staging
 
 
 class Sampler:
-    def __init__(self, max_num_seqs: int, device: torch.device, seed: int):
+    def __init__(self, max_num_seqs: int, device: torch.device, seed: int,
+                 staging: Staging | None = None):
         self.device = device
+        self.staging = staging or Staging(device)
         self.temperature = torch.zeros(max_num_seqs, device=device)
         self.top_p = torch.ones(max_num_seqs, device=device)
         self.top_k = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
@@ -32,7 +34,7 @@ class Sampler:
             return
         values = np.array([(r.row, r.temperature, r.top_p, r.top_k) for r in reqs],
                           dtype=np.float64).T.copy()
-        rows, temperature, top_p, top_k = to_device(values, self.device)
+        rows, temperature, top_p, top_k = self.staging.to_device(values)
         rows = rows.long()
         self.temperature[rows] = temperature.float()
         self.top_p[rows] = top_p.float()
