@@ -1,0 +1,170 @@
+"""`orca-serve`: the command-line client of a running orca-serve server (HTTP only).
+
+    orca-serve chat                                interactive chat, streamed, high priority
+    orca-serve batch prompts.jsonl                 submit a batch; prints its id and returns
+    orca-serve batch --wait prompts.jsonl          ... and follow it: progress bar, then the
+                                                   results of each batch as it finishes
+    orca-serve batch '["Hi", "Tell me"] [32, 64]'  FineInfer's inline form (one argument)
+    orca-serve results ID... | status ID... | cancel ID...
+
+The server is `--url`, or $ORCA_SERVE_URL, or http://127.0.0.1:8000. Exit status: 0 on
+success, 1 when the server is unreachable or refuses a request or a request failed, 2 for
+bad input, 130 after Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from deployments.cli_batch import (ResultSink, Submitted, follow, get_status, status_line,
+                                   submit)
+from deployments.cli_batch_input import USAGE_ERROR, read_sources
+from deployments.cli_chat import ChatOptions, run_chat
+from deployments.cli_http import DEFAULT_URL, CLIError
+
+JSONL_HELP = """\
+Each SOURCE is a JSON Lines file (one request per line: {"prompt": "...", "max_tokens": 32}
+plus optional temperature, top_p, top_k, seed, stop, ignore_eos; a bare JSON string is a
+prompt), "-" for stdin, or an inline list in FineInfer's form, quoted as one argument:
+'["prompt 1", "prompt 2"] [32, 64]' (the max_tokens list is optional). Each source is one
+batch (split further with --batch-size). Without --wait the batch ids are printed, one per
+line, and the command returns at once: follow them later with `orca-serve results ID...`."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orca-serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=os.environ.get("ORCA_SERVE_URL", DEFAULT_URL),
+                   help="server address: $ORCA_SERVE_URL if set, else "
+                        f"{DEFAULT_URL} (now: %(default)s)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    chat = sub.add_parser("chat", help="interactive chat, streamed, at high priority")
+    chat.add_argument("--model", help="model name to send (default: whatever is served)")
+    chat.add_argument("--system", help="a system message that starts the conversation")
+    chat.add_argument("--max-tokens", type=_positive, default=256,
+                      help="longest answer in tokens (default %(default)s)")
+    chat.add_argument("--temperature", type=float, help="sampling temperature (server default)")
+    chat.add_argument("--priority", type=int, default=1,
+                      help="scheduling priority sent with each message (default %(default)s, "
+                           "interactive; batches default to low)")
+
+    batch = sub.add_parser("batch", help="submit prompts as batches without waiting",
+                           description=JSONL_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    batch.add_argument("sources", nargs="+", metavar="SOURCE")
+    batch.add_argument("--max-tokens", type=_positive, default=128,
+                       help="for requests that do not set it (default %(default)s)")
+    batch.add_argument("--batch-size", type=_positive,
+                       help="split each source into batches of at most this many requests")
+    batch.add_argument("--priority", type=int, help="batch priority (default: the server's, low)")
+    batch.add_argument("--model", help="model name to send")
+    batch.add_argument("--wait", action="store_true",
+                       help="follow the batches: progress bar, results as each batch finishes")
+    _add_output_flags(batch, "; implies --wait")
+
+    results = sub.add_parser("results", help="follow batches and print their results")
+    results.add_argument("ids", nargs="+", metavar="ID")
+    _add_output_flags(results, "")
+    for name, text in [("status", "show batches' progress"),
+                       ("cancel", "cancel batches' unfinished requests")]:
+        sub.add_parser(name, help=text).add_argument("ids", nargs="+", metavar="ID")
+    return p
+
+
+def _add_output_flags(parser: argparse.ArgumentParser, note: str) -> None:
+    parser.add_argument("--out", metavar="FILE",
+                        help=f"write results to FILE as JSON Lines instead of printing{note}")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def cmd_chat(args) -> int:
+    return run_chat(args.url, ChatOptions(args.model, args.system, args.max_tokens,
+                                          args.temperature, args.priority))
+
+
+def cmd_batch(args) -> int:
+    batches = read_sources(args.sources, args.max_tokens, args.batch_size)
+    submitted = submit(args.url, batches, args.model, args.priority)
+    if not (args.wait or args.out):
+        for b in submitted:
+            print(b.id)
+        ids = " ".join(b.id for b in submitted)
+        print(f"submitted {len(submitted)} batch(es), {sum(b.num_requests for b in submitted)} "
+              f"requests; follow with: orca-serve results {ids}", file=sys.stderr)
+        return 0
+    return _follow(args, submitted)
+
+
+def cmd_results(args) -> int:
+    batches = []
+    for batch_id in args.ids:
+        obj = get_status(args.url, batch_id)
+        batches.append(Submitted(batch_id, int(obj.get("num_requests", 0))))
+    return _follow(args, batches)
+
+
+def _follow(args, batches: list[Submitted]) -> int:
+    sink = ResultSink(args.out)
+    try:
+        follow(args.url, batches, sink, show_progress=not args.no_progress and sys.stderr.isatty())
+    except KeyboardInterrupt:
+        ids = " ".join(b.id for b in batches)
+        print(f"\nstopped following; the batches keep running on the server.\n"
+              f"  results: orca-serve results {ids}\n  stop them: orca-serve cancel {ids}",
+              file=sys.stderr)
+        return 130
+    finally:
+        sink.close()
+    if sink.num_failed:
+        print(f"orca-serve: {sink.num_failed} request(s) failed or have no result",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args) -> int:
+    for batch_id in args.ids:
+        print(status_line(get_status(args.url, batch_id)))
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    for batch_id in args.ids:
+        print(status_line(get_status(args.url, batch_id, method="DELETE")))
+    return 0
+
+
+COMMANDS = {"chat": cmd_chat, "batch": cmd_batch, "results": cmd_results,
+            "status": cmd_status, "cancel": cmd_cancel}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.url = args.url.rstrip("/")
+    try:
+        if not args.url.startswith(("http://", "https://")):
+            raise CLIError(f"--url must start with http:// or https://, got {args.url!r}",
+                           USAGE_ERROR)
+        return COMMANDS[args.command](args)
+    except CLIError as e:
+        print(f"orca-serve: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("\norca-serve: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`orca-serve chat`: an interactive conversation, streamed as the tokens arrive.
+
+Chat requests carry `"priority": 1` (interactive), so the server schedules them ahead of
+batch work submitted with `orca-serve batch`. The conversation is kept client-side and sent
+in full with every turn (the server is stateless). Ctrl-C while an answer streams closes the
+HTTP stream, which makes the server abort the request at once; the unfinished turn is then
+dropped from the conversation, so the next question does not build on half an answer.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import httpx
+
+from deployments.cli_http import CLIError, check, printable, server_errors, sse_events
+
+PROMPT = "you> "
+ANSWER_PREFIX = "assistant> "
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    model: str | None = None
+    system: str | None = None
+    max_tokens: int = 256
+    temperature: float | None = None
+    priority: int = 1
+
+
+def run_chat(url: str, opts: ChatOptions) -> int:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:  # not on every platform; input() still works without it
+        readline = None
+    # No read timeout while streaming: a long answer under load may pause between tokens.
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(30.0, read=None)) as client:
+        model = _served_model(client, url)
+        print(f"Chatting with {model} at {url}. Ctrl-C stops an answer; Ctrl-C or Ctrl-D on "
+              "an empty line quits; /reset forgets the conversation.", file=sys.stderr)
+        start = [{"role": "system", "content": opts.system}] if opts.system else []
+        history = list(start)
+        while True:
+            try:
+                line = input(PROMPT)
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+            except KeyboardInterrupt:
+                # Like a shell: Ctrl-C discards a half-typed line, and quits on an empty one.
+                if readline is not None and readline.get_line_buffer().strip():
+                    print(file=sys.stderr)
+                    continue
+                print(file=sys.stderr)
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text == "/reset":
+                history = list(start)
+                print("(conversation cleared)", file=sys.stderr)
+                continue
+            messages = history + [{"role": "user", "content": text}]
+            try:
+                answer = _stream_answer(client, url, messages, opts)
+            except KeyboardInterrupt:
+                print("\n[cancelled; this turn is not kept]", file=sys.stderr)
+                continue
+            except CLIError as e:  # shown, and the conversation goes on without this turn
+                print(f"orca-serve: {e}", file=sys.stderr)
+                continue
+            history = messages + [{"role": "assistant", "content": answer}]
+
+
+def _served_model(client: httpx.Client, url: str) -> str:
+    """The model the server serves; also the first contact, so a server that is down is
+    reported before the user types anything."""
+    with server_errors(url):
+        resp = client.get("/v1/models")
+    check(resp, "listing the served model")
+    try:
+        return resp.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise CLIError(f"{url}/v1/models did not list a model; is this an orca-serve server?")
+
+
+def _stream_answer(client: httpx.Client, url: str, messages: list[dict],
+                   opts: ChatOptions) -> str:
+    body: dict = {"messages": messages, "stream": True, "max_tokens": opts.max_tokens,
+                  "priority": opts.priority}
+    if opts.model is not None:
+        body["model"] = opts.model
+    if opts.temperature is not None:
+        body["temperature"] = opts.temperature
+    parts: list[str] = []
+    out = sys.stdout
+    is_tty = out.isatty()
+    with server_errors(url), client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code >= 400:
+            resp.read()
+            check(resp, "the message")
+        out.write(ANSWER_PREFIX)
+        out.flush()
+        try:
+            for event in sse_events(resp.iter_lines()):
+                if "error" in event:
+                    err = event["error"]
+                    raise CLIError("the answer failed: "
+                                   + (err.get("message", str(err)) if isinstance(err, dict)
+                                      else str(err)))
+                for choice in event.get("choices") or []:
+                    delta = (choice.get("delta") or {}).get("content")
+                    if delta:
+                        parts.append(delta)
+                        out.write(printable(delta) if is_tty else delta)
+                        out.flush()
+        finally:
+            out.write("\n")
+            out.flush()
+    return "".join(parts)

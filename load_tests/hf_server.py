@@ -1,0 +1,204 @@
+"""The transformers baselines behind a tiny OpenAI-style HTTP server, so the load client
+measures them exactly as it measures orca-serve.
+
+    python -m load_tests.hf_server --model llama-8b --device cuda --mode cb --port 8100
+    python -m load_tests.hf_server --model llama-8b --device cuda --mode static --max-batch-size 32
+
+Only the subset the load client uses: POST /v1/completions with one prompt (token ids, or
+text), max_tokens, ignore_eos, stream (+ stream_options.include_usage), greedy only;
+GET /v1/models and /health. Weights are the engine's (`bench_offline.load_hf_model`).
+
+Modes (a small interface, two implementations):
+  static  request-level scheduling, the FasterTransformer-style baseline of ORCA's paper:
+          whatever is queued when the model is free (FCFS, up to --max-batch-size) becomes
+          one batch, run with model.generate until its longest request is done; each request
+          gets all its tokens when its batch ends, so its TTFT equals its end-to-end latency.
+          The batch runs with EOS disabled; a request without ignore_eos is cut at its first
+          EOS afterwards (its batch still ran to the longest max_tokens).
+  cb      transformers' continuous batching (init_continuous_batching), requests added as
+          they arrive and streamed token by token; --cb-config takes ContinuousBatchingConfig
+          keys as JSON (e.g. '{"use_cuda_graph": true, "max_batch_tokens": 16384}').
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from deployments.text_stream import TextStream
+from load_tests.hf_backends import Backend, ContinuousBackend, GenRequest, StaticBackend
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self), "type": "invalid_request_error",
+                                       "param": self.param, "code": None}}, status_code=400)
+
+
+def parse_request(body, tokenizer, vocab_size: int, max_model_len: int) -> tuple[GenRequest, bool, bool]:
+    """(request, stream, include_usage) from a /v1/completions body, or BadRequest."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        ids = tokenizer.encode(prompt)
+    elif (isinstance(prompt, list) and prompt
+          and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        ids = list(prompt)
+    else:
+        raise BadRequest("prompt must be a non-empty string or list of token ids (one prompt "
+                         "per request here)", "prompt")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise BadRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    max_tokens = body.get("max_tokens", 16)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadRequest("max_tokens must be a positive integer", "max_tokens")
+    if len(ids) + max_tokens > max_model_len:
+        raise BadRequest(f"prompt ({len(ids)}) + max_tokens ({max_tokens}) is over the "
+                         f"model's {max_model_len} tokens", "max_tokens")
+    if body.get("temperature") not in (None, 0, 0.0):
+        raise BadRequest("the transformers baselines are greedy: temperature must be 0",
+                         "temperature")
+    if body.get("n", 1) != 1:
+        raise BadRequest("n must be 1", "n")
+    stream = body.get("stream", False) is True
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    return GenRequest(ids, max_tokens, body.get("ignore_eos", False) is True), stream, \
+        include_usage
+
+
+def build_app(backend: Backend, tokenizer, model_name: str, vocab_size: int,
+              max_model_len: int) -> Starlette:
+    async def completions(request: Request):
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return BadRequest("the body is not valid JSON").response()
+        try:
+            req, stream, include_usage = parse_request(body, tokenizer, vocab_size, max_model_len)
+        except BadRequest as e:
+            return e.response()
+        await backend.submit(req)
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": model_name}
+        if stream:
+            return StreamingResponse(_sse(backend, req, tokenizer, base, include_usage),
+                                     media_type="text/event-stream")
+        text, finish, error = [], None, None
+        async for delta, finish, error in _deltas(backend, req, tokenizer):
+            text.append(delta)
+        if error:
+            return JSONResponse({"error": {"message": error, "type": "server_error",
+                                           "param": None, "code": None}}, status_code=500)
+        return JSONResponse({**base, "choices": [{"index": 0, "text": "".join(text),
+                                                  "logprobs": None, "finish_reason": finish}],
+                             "usage": _usage(req)})
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "transformers",
+             "max_model_len": max_model_len}]})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "mode": backend.name})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/models", models), Route("/health", health)],
+                     lifespan=lifespan)
+
+
+async def _deltas(backend: Backend, req: GenRequest, tokenizer):
+    """(text delta, finish_reason or None, error or None) as the backend produces tokens;
+    the request is cancelled if the consumer stops early (client gone)."""
+    text = TextStream(tokenizer)
+    try:
+        while True:
+            update = await req.updates.get()
+            if update.error:
+                yield "", None, update.error
+                return
+            req.num_output_tokens += len(update.token_ids)
+            is_final = update.finish_reason is not None
+            delta = text.add(update.token_ids, is_final)
+            if delta or is_final:
+                yield delta, update.finish_reason, None
+            if is_final:
+                return
+    finally:
+        if not req.is_finished:
+            backend.cancel(req)
+
+
+async def _sse(backend: Backend, req: GenRequest, tokenizer, base: dict, include_usage: bool):
+    async for delta, finish, error in _deltas(backend, req, tokenizer):
+        if error:
+            body = {"error": {"message": error, "type": "server_error", "param": None,
+                              "code": None}}
+        else:
+            body = {**base, "choices": [{"index": 0, "text": delta, "logprobs": None,
+                                         "finish_reason": finish}]}
+        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    if include_usage:
+        yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(req)})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _usage(req: GenRequest) -> dict:
+    n_prompt = len(req.prompt_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": req.num_output_tokens,
+            "total_tokens": n_prompt + req.num_output_tokens}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from engine_actors.checkpoint import resolve_model_path
+    from load_tests.bench_offline import load_hf_model
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-random-llama")
+    p.add_argument("--served-model-name", help="name in /v1/models (default: --model)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--mode", required=True, choices=["static", "cb"])
+    p.add_argument("--max-batch-size", type=int, default=32, help="static: requests per batch")
+    p.add_argument("--cb-config", type=json.loads,
+                   help="cb: ContinuousBatchingConfig keys as JSON. The defaults size the KV "
+                        "cache from free memory (~15 GB of RAM on CPU); on CPU pass e.g. "
+                        "'{\"num_blocks\": 64, \"max_batch_tokens\": 256}'")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    args = p.parse_args(argv)
+
+    model = load_hf_model(args.model, args.device)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    backend = (StaticBackend(model, args.max_batch_size) if args.mode == "static"
+               else ContinuousBackend(model, args.cb_config))
+    app = build_app(backend, tokenizer, args.served_model_name or args.model,
+                    model.config.vocab_size, model.config.max_position_embeddings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

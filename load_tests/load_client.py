@@ -1,0 +1,257 @@
+"""Load generator over the OpenAI HTTP API, for orca-serve and for the transformers
+baselines behind load_tests/hf_server.py (the same client, so curves compare directly).
+
+    python -m load_tests.load_client --url http://127.0.0.1:8000 --system orca \\
+        --trace sharegpt --rates 1,2,4,8,16 --duration 60 --out results/orca.json
+
+Every request is POST /v1/completions with the trace's token ids as the prompt,
+max_tokens from the trace, `ignore_eos: true` (so each yields exactly max_tokens tokens),
+greedy, `stream: true` with usage. Requests arrive with gamma-distributed gaps at each
+offered rate (Poisson with --burstiness 1), cycling through the trace, for --duration
+seconds (or --max-requests); the client then waits for the last answers (--drain-timeout)
+before the next rate. --rates trace replays the trace's own arrival times. A few warm-up
+requests go first and are not measured. After every rate the JSON report is rewritten, so
+an interrupted sweep keeps what it measured. Metrics: load_tests/metrics.py.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+from load_tests.metrics import SLO, RequestOutcome, summarize
+from load_tests.traces import TraceRequest, arrival_times, make_trace
+
+
+class WarmupFailed(RuntimeError):
+    """No warm-up request succeeded: measuring would only record failures."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    url: str
+    model: str | None = None
+    temperature: float = 0.0
+    duration_s: float = 60.0
+    max_requests: int | None = None
+    burstiness: float = 1.0
+    seed: int = 0
+    num_warmup: int = 8
+    drain_timeout_s: float = 600.0
+    slo: SLO = field(default_factory=SLO)
+    show_progress: bool = True
+
+
+async def send_request(client: httpx.AsyncClient, cfg: LoadConfig,
+                       req: TraceRequest) -> RequestOutcome:
+    """One streamed completion, timed from just before it is sent."""
+    body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
+            "temperature": cfg.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if cfg.model is not None:
+        body["model"] = cfg.model
+    o = RequestOutcome(len(req.prompt_token_ids), req.max_tokens, req.deadline_s)
+    num_chunks, usage_tokens, last = 0, None, None
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                o.error = _http_error(resp.status_code, await resp.aread())
+                return o
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    o.error = str(event["error"].get("message", event["error"]))
+                    return o
+                now = time.perf_counter()
+                if event.get("usage"):
+                    usage_tokens = event["usage"].get("completion_tokens")
+                if any(c.get("text") for c in event.get("choices") or []):
+                    if last is None:
+                        o.ttft_s = now - start
+                    else:
+                        o.itl_s.append(now - last)
+                    last = now
+                    num_chunks += 1
+    except (httpx.HTTPError, ValueError) as e:
+        o.error = f"{type(e).__name__}: {e}"
+        return o
+    o.end_s = time.perf_counter()
+    o.latency_s = o.end_s - start
+    if last is None:
+        o.error = "no text was streamed"
+        return o
+    o.num_output_tokens = usage_tokens if usage_tokens is not None else num_chunks
+    o.is_success = True
+    return o
+
+
+def _http_error(status: int, body: bytes) -> str:
+    try:
+        return f"HTTP {status}: {json.loads(body)['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status}: {body[:200].decode(errors='replace')}"
+
+
+def schedule(trace: list[TraceRequest], rate: float | str, cfg: LoadConfig
+             ) -> list[tuple[float, TraceRequest]]:
+    """(offset s, request) pairs of one run: the trace cycled at `rate` within the duration."""
+    if rate == "trace":
+        pairs = [(r.arrival_s, r) for r in trace]
+    else:
+        n = cfg.max_requests or (len(trace) if math.isinf(rate)
+                                 else max(1, math.ceil(rate * cfg.duration_s)))
+        offsets = arrival_times(n, rate, cfg.burstiness, cfg.seed)
+        pairs = [(t, trace[i % len(trace)]) for i, t in enumerate(offsets)]
+    kept = [(t, r) for t, r in pairs if t <= cfg.duration_s]
+    return (kept or pairs[:1])[:cfg.max_requests or None]
+
+
+async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[TraceRequest],
+                   rate: float | str) -> dict:
+    """Offer `rate` requests/s for the configured duration; the run's metrics."""
+    plan = schedule(trace, rate, cfg)
+    bar = tqdm(total=len(plan), desc=f"rate {rate}", unit="req", disable=not cfg.show_progress)
+    tasks = []
+    start = time.perf_counter()
+    for offset, req in plan:
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(send_request(client, cfg, req))
+        task.add_done_callback(lambda _: bar.update(1))
+        tasks.append(task)
+    done, pending = await asyncio.wait(tasks, timeout=cfg.drain_timeout_s)
+    for task in pending:
+        task.cancel()
+    bar.close()
+    outcomes = []
+    for task, (_, req) in zip(tasks, plan):
+        if task in done:
+            outcomes.append(task.result())
+        else:
+            outcomes.append(RequestOutcome(len(req.prompt_token_ids), req.max_tokens,
+                                           req.deadline_s, error="unfinished at drain timeout"))
+    ends = [o.end_s for o in outcomes if o.is_success]
+    duration = (max(ends) if ends and not pending else time.perf_counter()) - start
+    result = {"rate": rate if isinstance(rate, str) or math.isfinite(rate) else "inf",
+              "burstiness": cfg.burstiness}
+    result.update(summarize(outcomes, duration, cfg.slo))
+    return result
+
+
+async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | str],
+                on_result=None) -> list[dict]:
+    """Warm up once, then one run per rate; `on_result(results so far)` after each."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+    timeout = httpx.Timeout(30.0, read=cfg.drain_timeout_s)
+    results: list[dict] = []
+    async with httpx.AsyncClient(base_url=cfg.url, limits=limits, timeout=timeout) as client:
+        if cfg.num_warmup:
+            # Reversed prompts: the same shapes, but nothing a prefix cache could reuse later.
+            warm_reqs = [TraceRequest(trace[i % len(trace)].prompt_token_ids[::-1],
+                                      trace[i % len(trace)].max_tokens)
+                         for i in range(cfg.num_warmup)]
+            warm = await asyncio.gather(*(send_request(client, cfg, r) for r in warm_reqs))
+            failed = [o.error for o in warm if not o.is_success]
+            if len(failed) == len(warm):
+                raise WarmupFailed(f"every warm-up request failed; first error: {failed[0]}")
+        for rate in rates:
+            results.append(await run_rate(client, cfg, trace, rate))
+            if on_result is not None:
+                on_result(results)
+    return results
+
+
+def parse_rates(text: str) -> list[float | str]:
+    """'1,2,4' -> [1.0, 2.0, 4.0]; 'inf' sends everything at once; 'trace' replays arrivals."""
+    rates: list[float | str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "trace":
+            rates.append(part)
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad rate {part!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"rates must be positive, got {part}")
+        rates.append(value)
+    return rates
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from load_tests.report import markdown_table
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--system", default="orca", help="label of this system in reports/plots")
+    p.add_argument("--model", help="`model` field to send (default: none)")
+    p.add_argument("--trace", default="sharegpt", help="orca, tcb, sharegpt or a .jsonl file")
+    p.add_argument("--num-prompts", type=int, default=1000, help="size of a generated trace")
+    p.add_argument("--vocab-size", type=int, default=256,
+                   help="prompt ids are drawn below this (256 fits every model here)")
+    p.add_argument("--max-context", type=int, default=2048, help="sharegpt length cap")
+    p.add_argument("--tcb-variance", type=float, default=20.0)
+    p.add_argument("--tcb-rate", type=float, default=100.0,
+                   help="Poisson rate baked into a generated tcb trace (for --rates trace)")
+    p.add_argument("--tcb-per-token-ms", type=float, default=20.0, help="tcb deadline unit")
+    p.add_argument("--rates", type=parse_rates, default=parse_rates("1,2,4,8"),
+                   help="offered request rates, req/s, comma-separated (or inf, trace)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 = Poisson, < 1 burstier")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    p.add_argument("--max-requests", type=int, help="cap on requests per rate")
+    p.add_argument("--warmup", type=int, default=8, help="unmeasured requests first")
+    p.add_argument("--drain-timeout", type=float, default=600.0,
+                   help="seconds to wait for the last answers of a rate")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float)
+    p.add_argument("--slo-tpot-ms", type=float)
+    p.add_argument("--slo-e2e-ms", type=float)
+    p.add_argument("--out", help="JSON report (rewritten after every rate)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    trace = make_trace(args.trace, args.num_prompts, args.vocab_size, args.seed,
+                       rate=args.tcb_rate, variance=args.tcb_variance, per_token_s=args.tcb_per_token_ms / 1e3,
+                       max_context=args.max_context)
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    cfg = LoadConfig(args.url.rstrip("/"), args.model, args.temperature, args.duration,
+                     args.max_requests, args.burstiness, args.seed, args.warmup,
+                     args.drain_timeout, slo, not args.no_progress)
+    report = {"system": args.system, "url": cfg.url, "model": args.model,
+              "trace": {"name": args.trace, "num_prompts": len(trace), "seed": args.seed,
+                        "vocab_size": args.vocab_size},
+              "config": {k: v for k, v in asdict(cfg).items() if k not in ("url", "model")},
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
+
+    def save(results: list[dict]) -> None:
+        report["runs"] = results
+        print(markdown_table([{**report, "runs": results[-1:]}]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+
+    try:
+        return asyncio.run(sweep(cfg, trace, args.rates, save))
+    except WarmupFailed as e:
+        raise SystemExit(f"load_client: {e} (is the server at {cfg.url} up?)") from None
+
+
+if __name__ == "__main__":
+    main()

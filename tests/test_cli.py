@@ -1,0 +1,228 @@
+"""The `orca-serve` CLI against a fake server (tests/fake_orca.py) that implements the batch
+API and streaming chat with timings the test controls (no engine, no Ray).
+
+The fake answers each request with its prompt upper-cased, after a delay set per batch, so
+the expected output is known without running the code under test; a prompt "FAIL" fails.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+
+from deployments.cli import main
+from deployments.cli_http import printable
+from tests.fake_orca import FakeOrca
+from tests.http_thread import ServerThread
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _TTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def run_cli(monkeypatch, *args: str, tty: bool = False) -> tuple[int, str, str]:
+    out, err = io.StringIO(), (_TTY() if tty else io.StringIO())
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    code = main(list(args))
+    monkeypatch.undo()
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def fake():
+    server = FakeOrca(delays=[0.6, 0.05])
+    with ServerThread(server.app) as url:
+        server.url = url
+        yield server
+
+
+def test_batch_returns_at_once_with_ids(fake, tmp_path, monkeypatch):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hello", "max_tokens": 5}\n\n"bare string"\n')
+    start = time.monotonic()
+    code, out, err = run_cli(monkeypatch, "--url", fake.url, "batch", str(f))
+    assert code == 0 and time.monotonic() - start < 0.6  # before any request could finish
+    assert out.split() == list(fake.batches)
+    assert fake.bodies == [{"requests": [{"prompt": "hello", "max_tokens": 5},
+                                         {"prompt": "bare string", "max_tokens": 128}]}]
+    assert f"orca-serve results {out.split()[0]}" in err
+
+
+def test_wait_prints_each_batch_when_it_finishes(fake, tmp_path, monkeypatch):
+    f = tmp_path / "slow.jsonl"
+    f.write_text('{"prompt": "first"}\n{"prompt": "second", "temperature": 0.5}\n')
+    code, out, err = run_cli(monkeypatch, "--url", fake.url, "batch", "--wait", "--priority",
+                             "0", str(f), '["quick one"] [7]', tty=True)
+    assert code == 0, err
+    # The inline batch (submitted second) finishes first, and is printed first, whole.
+    ids = list(fake.batches)
+    assert out.index(f"=== {ids[1]}: completed, 1 ok") < out.index(f"=== {ids[0]}: completed")
+    assert out.index("QUICK ONE") < out.index("FIRST") < out.index("SECOND")
+    assert '--- [0] "quick one" (finish: length, 7 tokens)' in out
+    assert fake.bodies[1] == {"requests": [{"prompt": "quick one", "max_tokens": 7}],
+                              "priority": 0}
+    assert "3/3" in err and "2/2 batches" in err  # the progress bar reached the end
+
+
+def test_out_writes_grouped_jsonl_and_failures_set_the_exit_status(fake, tmp_path,
+                                                                   monkeypatch):
+    out_file = tmp_path / "res.jsonl"
+    code, out, err = run_cli(monkeypatch, "--url", fake.url, "batch", "--out", str(out_file),
+                             "--batch-size", "2", '["a", "FAIL", "c"]')
+    assert code == 1 and "1 request(s) failed" in err
+    rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+    ids = list(fake.batches)
+    assert len(ids) == 2 and [len(b["reqs"]) for b in fake.batches.values()] == [2, 1]
+    # second batch (faster) first, then the first batch in index order
+    assert [(r["batch_id"], r["index"]) for r in rows] == [(ids[1], 0), (ids[0], 0),
+                                                           (ids[0], 1)]
+    assert [r["text"] for r in rows] == ["C", "A", None]
+    assert rows[2]["prompt"] == "FAIL" and rows[2]["error"]["message"] == "engine failed"
+    assert out == ""
+
+
+def test_status_cancel_and_results(fake, monkeypatch):
+    code, out, _ = run_cli(monkeypatch, "--url", fake.url, "batch", '["x", "y"]')
+    bid = out.strip()
+    code, out, _ = run_cli(monkeypatch, "--url", fake.url, "status", bid)
+    assert code == 0 and out.split() == [bid, "in_progress", "0/2", "finished,", "0", "failed"]
+    code, out, _ = run_cli(monkeypatch, "--url", fake.url, "cancel", bid)
+    assert out.split()[1] == "cancelled"
+    code, out, err = run_cli(monkeypatch, "--url", fake.url, "results", bid)
+    assert code == 1 and f"=== {bid}: cancelled, 0 ok, 2 failed" in out
+    assert out.count("error: cancelled") == 2
+    code, _, err = run_cli(monkeypatch, "--url", fake.url, "status", "batch-nope")
+    assert code == 1 and "no batch batch-nope (param: id) [HTTP 404]" in err
+
+
+@pytest.mark.parametrize("content, where", [
+    ('{"prompt": "ok"}\n{"prompt": "ok"}\n{"prompt": "broken",\n', ":3: not valid JSON"),
+    ('{"prompt": "ok"}\n[1, 2]\n', ":2: expected an object"),
+    ('{"prompt": "ok", "max_token": 3}\n', ":1: unknown field 'max_token'"),
+    ('{"prompt": "ok", "max_tokens": 0}\n', ":1: \"max_tokens\" must be a positive integer"),
+    ('{"prompt": ""}\n', ":1: \"prompt\" must be a non-empty string"),
+])
+def test_malformed_file_names_the_line(fake, tmp_path, monkeypatch, content, where):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    code, out, err = run_cli(monkeypatch, "--url", fake.url, "batch", str(f))
+    assert code == 2 and f"{f}{where}" in err and err.count("\n") == 1
+    assert fake.bodies == []  # nothing was sent
+
+
+@pytest.mark.parametrize("arg, message", [
+    ('["a", "b"] [1]', "2 prompts but 1 max_tokens"),
+    ('["a" "b"]', "expected [\"prompt 1\""),
+    ("[3, 4]", "a max_tokens list must follow its prompts"),
+    ('["a"] [2] extra', "unexpected text after the lists"),
+])
+def test_malformed_inline_batch(fake, monkeypatch, arg, message):
+    code, _, err = run_cli(monkeypatch, "--url", fake.url, "batch", arg)
+    assert code == 2 and message in err and fake.bodies == []
+
+
+def test_rejected_batch_shows_the_server_message(fake, monkeypatch):
+    code, _, err = run_cli(monkeypatch, "--url", fake.url, "batch", "--wait",
+                           '["a"]', '["b"]', "--max-tokens", "3")
+    assert code == 0  # two accepted batches: the rejection below is not a blanket one
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt": "hot", "temperature": 9}\n'))
+    code, _, err = run_cli(monkeypatch, "--url", fake.url, "batch", "-")
+    assert code == 1
+    assert err.strip() == ("orca-serve: the batch from <stdin> was rejected: temperature must be at "
+                           "most 2 (param: requests[0].temperature) [HTTP 400]")
+
+
+@pytest.mark.parametrize("args", [["chat"], ["batch", '["a"]'], ["results", "batch-1"]])
+def test_server_down_is_one_clear_line(monkeypatch, args):
+    with ServerThread(Starlette()) as url:  # a port that was just free again
+        pass
+    code, out, err = run_cli(monkeypatch, "--url", url, *args)
+    assert code == 1 and out == ""
+    assert err == (f"orca-serve: cannot reach the orca-serve server at {url} (connection "
+                   "refused). Is it running (`make serve`)? Point the CLI elsewhere with --url "
+                   "or ORCA_SERVE_URL.\n")
+
+
+class _Child:
+    """The CLI in a subprocess (Ctrl-C needs a real signal), its output collected as it comes."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "deployments.cli", *args],
+                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.out, self.err = [], []
+        for stream, sink in [(self.proc.stdout, self.out), (self.proc.stderr, self.err)]:
+            threading.Thread(target=lambda s=stream, k=sink: [k.append(c) for c in
+                                                              iter(lambda: s.read(1), "")],
+                             daemon=True).start()
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, pred, what: str, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while not pred("".join(self.out), "".join(self.err)):
+            if time.monotonic() > end:
+                raise AssertionError(f"no {what}; stdout={''.join(self.out)!r} "
+                                     f"stderr={''.join(self.err)!r}")
+            time.sleep(0.02)
+
+
+def test_chat_streams_keeps_the_conversation_and_ctrl_c_cancels(monkeypatch):
+    server = FakeOrca()
+    with ServerThread(server.app) as url:
+        child = _Child("--url", url, "chat", "--max-tokens", "3")
+        child.wait_for(lambda o, e: o.endswith("you> "), "prompt")
+        assert "Chatting with fake-model" in "".join(child.err)
+        child.send("hello")
+        child.wait_for(lambda o, e: o.endswith("assistant> t0 t1 t2 \nyou> "), "first answer")
+        child.send("slow one")
+        child.wait_for(lambda o, e: o.endswith("assistant> t0 "), "streamed token")
+        child.proc.send_signal(signal.SIGINT)
+        child.wait_for(lambda o, e: "[cancelled" in e and o.endswith("you> "), "cancellation")
+        # the server saw the stream closed mid-answer
+        assert server.chat_streams[1]["completed"] is False
+        child.send("again")
+        child.wait_for(lambda o, e: len(server.chat_streams) == 3 and o.endswith("you> "),
+                       "third answer")
+        assert server.chat_streams[2]["body"] == {
+            "messages": [{"role": "user", "content": "hello"},
+                         {"role": "assistant", "content": "t0 t1 t2 "},
+                         {"role": "user", "content": "again"}],
+            "stream": True, "max_tokens": 3, "priority": 1}
+        child.proc.stdin.close()  # Ctrl-D
+        assert child.proc.wait(timeout=10) == 0
+
+        child = _Child("--url", url, "chat")
+        child.wait_for(lambda o, e: o.endswith("you> "), "prompt")
+        child.proc.send_signal(signal.SIGINT)  # Ctrl-C on the empty prompt quits
+        assert child.proc.wait(timeout=10) == 0
+
+
+def test_console_script_is_declared():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["orca-serve"] == "deployments.cli:main"
+    env = dict(os.environ, ORCA_SERVE_URL="http://example.invalid:1")
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "--help"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "now: http://example.invalid:1" in proc.stdout
+
+
+def test_model_output_cannot_drive_the_terminal():
+    # ESC, CR, DEL and C1 controls become visible symbols; newline and tab stay as they are
+    assert printable("a\x1b[2Jb\rc\n\td\x7f\x9b") == "a\u241b[2Jb\u240dc\n\td\u2421\ufffd"

@@ -1,0 +1,277 @@
+"""The load tooling: traces against their stated distributions, metrics on hand-computed
+examples, the load client against a fake server whose token timings the test sets, reports,
+and the transformers HTTP baselines against per-request model.generate."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import time
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from load_tests.load_client import LoadConfig, schedule, sweep
+from load_tests.metrics import SLO, RequestOutcome, distribution, percentile, summarize
+from load_tests.report import load_reports, markdown_table, plot, sustained_rate
+from load_tests.traces import (TraceRequest, arrival_times, load_jsonl, orca_trace, save_jsonl,
+                               sharegpt_trace, tcb_trace)
+from tests.http_thread import ServerThread
+
+
+# ---------------------------------------------------------------- traces
+
+def test_arrivals_are_poisson_or_gamma_at_the_rate():
+    for burstiness, cv2 in [(1.0, 1.0), (0.25, 4.0)]:
+        t = arrival_times(20000, rate=10.0, burstiness=burstiness, seed=1)
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        assert t[0] == 0.0 and statistics.fmean(gaps) == pytest.approx(0.1, rel=0.04)
+        assert statistics.pvariance(gaps) / statistics.fmean(gaps) ** 2 == pytest.approx(
+            cv2, rel=0.12)
+    assert arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
+    assert arrival_times(50, 5.0, seed=3) == arrival_times(50, 5.0, seed=3)
+
+
+@pytest.mark.parametrize("variance, var_range", [(20, (18, 22)), (100, (85, 102))])
+def test_tcb_trace(variance, var_range):
+    trace = tcb_trace(20000, rate=50.0, variance=variance, vocab_size=300, seed=0,
+                      per_token_s=0.01)
+    for lengths in ([len(r.prompt_token_ids) for r in trace], [r.max_tokens for r in trace]):
+        assert min(lengths) >= 3 and max(lengths) <= 100
+        assert statistics.fmean(lengths) == pytest.approx(20, abs=0.5)
+        assert var_range[0] <= statistics.pvariance(lengths) <= var_range[1]
+    slack = [r.deadline_s / ((len(r.prompt_token_ids) + r.max_tokens) * 0.01) for r in trace]
+    assert 1.5 <= min(slack) and max(slack) <= 4.0
+    assert statistics.fmean(slack) == pytest.approx(2.75, abs=0.03)  # U(1.5, 4)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(trace, trace[1:])]
+    assert statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.04)
+    assert all(0 <= t < 300 for r in trace[:50] for t in r.prompt_token_ids)
+
+
+def test_sharegpt_trace_is_long_tailed_and_capped():
+    trace = sharegpt_trace(20000, vocab_size=256, seed=0, max_context=2048)
+    prompts = [len(r.prompt_token_ids) for r in trace]
+    outputs = [r.max_tokens for r in trace]
+    assert statistics.fmean(prompts) == pytest.approx(160, rel=0.08)
+    assert statistics.fmean(outputs) == pytest.approx(340, rel=0.08)
+    assert all(p + o <= 2048 and p >= 4 and o >= 1 for p, o in zip(prompts, outputs))
+    # long tail: the mean is well above the median, and p99 far above it
+    assert statistics.median(outputs) < 0.8 * statistics.fmean(outputs)
+    assert sorted(outputs)[int(0.99 * len(outputs))] > 4 * statistics.median(outputs)
+
+
+def test_traces_are_seeded_and_round_trip_through_jsonl(tmp_path):
+    assert orca_trace(20, 100, seed=4) == orca_trace(20, 100, seed=4)
+    assert orca_trace(20, 100, seed=4) != orca_trace(20, 100, seed=5)
+    orca = orca_trace(200, 100, seed=0)
+    assert all(32 <= len(r.prompt_token_ids) <= 512 and 1 <= r.max_tokens <= 128 for r in orca)
+    for trace, has_deadlines in [(orca[:5], False), (tcb_trace(5, seed=2), True),
+                                 (sharegpt_trace(5, seed=2), False)]:
+        path = tmp_path / "t.jsonl"
+        save_jsonl(trace, str(path))
+        assert load_jsonl(str(path)) == trace
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(rows) == 5 and all(("deadline_s" in r) == has_deadlines for r in rows)
+
+
+# ---------------------------------------------------------------- metrics (hand-computed)
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)  # rank 2.7
+    assert percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert percentile([1, 2, 3, 4], 0) == 1 and percentile([1, 2, 3, 4], 100) == 4
+    assert percentile([7.0], 99) == 7.0
+    assert distribution([0.010, 0.030]) == pytest.approx(
+        {"mean": 20.0, "median": 20.0, "p90": 28.0, "p99": 29.8})
+    assert distribution([]) is None
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_summary_on_a_hand_computed_run():
+    a = RequestOutcome(20, 10, deadline_s=1.5, is_success=True, ttft_s=0.1, latency_s=1.0,
+                       num_output_tokens=10, itl_s=[0.1] * 9)
+    b = RequestOutcome(40, 5, deadline_s=2.0, is_success=True, ttft_s=0.3, latency_s=2.3,
+                       num_output_tokens=5, itl_s=[0.5] * 4)
+    c = RequestOutcome(30, 8, deadline_s=10.0, error="HTTP 500: boom")
+    s = summarize([a, b, c], duration_s=4.0, slo=SLO(ttft_ms=200, tpot_ms=200))
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["request_throughput"] == 0.5 and s["output_throughput"] == 3.75
+    assert s["total_token_throughput"] == 18.75  # (20 + 40 + 10 + 5) / 4
+    assert s["ttft_ms"] == pytest.approx({"mean": 200, "median": 200, "p90": 280, "p99": 298})
+    assert s["tpot_ms"]["median"] == pytest.approx(300)  # a: 0.9/9, b: 2.0/4
+    assert s["itl_ms"]["median"] == pytest.approx(100)  # nine 0.1 s gaps, four 0.5 s
+    assert s["e2e_latency_ms"]["mean"] == pytest.approx(1650)
+    assert s["normalized_latency_ms"]["median"] == pytest.approx(280)  # 100 and 460 ms/tok
+    assert s["goodput"] == 0.25 and s["slo_attainment"] == pytest.approx(1 / 3)  # only a
+    assert s["deadline_met"] == pytest.approx(1 / 3)  # a met, b late, c failed
+    assert s["num_short_outputs"] == 0
+    assert s["errors"] == [{"error": "HTTP 500: boom", "count": 1}]
+
+
+# ---------------------------------------------------------------- load client vs fake server
+
+TTFT_S, ITL_S = 0.25, 0.05
+
+
+class FakeStreamingServer:
+    """/v1/completions that streams one token every ITL_S after TTFT_S; prompt [999] fails."""
+
+    def __init__(self):
+        self.arrivals: list[float] = []
+        self.app = Starlette(routes=[Route("/v1/completions", self.completions,
+                                           methods=["POST"])])
+
+    async def completions(self, request):
+        self.arrivals.append(time.perf_counter())
+        body = await request.json()
+        ok = (body.get("ignore_eos") is True and body.get("stream") is True
+              and body.get("stream_options") == {"include_usage": True}
+              and body.get("temperature") == 0.0
+              and all(isinstance(t, int) for t in body["prompt"]))
+        if not ok:
+            return JSONResponse({"error": {"message": f"bad body {body}"}}, status_code=400)
+        if body["prompt"] == [999]:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+        async def events():
+            await asyncio.sleep(TTFT_S)
+            for i in range(body["max_tokens"]):
+                if i:
+                    await asyncio.sleep(ITL_S)
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f'w{i}'}]})}\n\n"
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def test_load_client_measures_the_timings_the_server_produces():
+    server = FakeStreamingServer()
+    trace = [TraceRequest([1, 2, 3], 4), TraceRequest([5] * 7, 6), TraceRequest([999], 5),
+             TraceRequest([4, 4], 8)]
+    with ServerThread(server.app) as url:
+        cfg = LoadConfig(url, num_warmup=0, show_progress=False, slo=SLO(ttft_ms=1000))
+        [res] = asyncio.run(sweep(cfg, trace, [math.inf]))
+    assert (res["completed"], res["failed"]) == (3, 1)
+    assert res["errors"] == [{"error": "HTTP 500: boom", "count": 1}]
+    assert res["total_output_tokens"] == 18 and res["total_prompt_tokens"] == 12
+    tol = 60  # ms: scheduling noise of a shared 2-core machine
+    assert abs(res["ttft_ms"]["median"] - TTFT_S * 1e3) < tol
+    assert abs(res["itl_ms"]["median"] - ITL_S * 1e3) < 25
+    assert abs(res["tpot_ms"]["median"] - ITL_S * 1e3) < 25
+    e2e = sorted(TTFT_S + (n - 1) * ITL_S for n in (4, 6, 8))  # 0.40, 0.50, 0.60 s
+    assert abs(res["e2e_latency_ms"]["median"] - e2e[1] * 1e3) < tol
+    norm = sorted((TTFT_S + (n - 1) * ITL_S) / n for n in (4, 6, 8))
+    assert abs(res["normalized_latency_ms"]["median"] - norm[1] * 1e3) < tol / 4
+    # all sent at t=0 and done after the longest request; every success met the TTFT SLO
+    assert abs(res["duration_s"] - e2e[-1]) < 0.1
+    assert res["goodput"] == pytest.approx(3 / res["duration_s"])
+
+
+def test_load_client_paces_requests_at_the_offered_rate():
+    server = FakeStreamingServer()
+    trace = [TraceRequest([1], 1)]
+    with ServerThread(server.app) as url:
+        cfg = LoadConfig(url, num_warmup=0, duration_s=0.9, show_progress=False, seed=7)
+        [res] = asyncio.run(sweep(cfg, trace, [10.0]))
+    expected = [t for t in arrival_times(9, 10.0, seed=7) if t <= 0.9]
+    assert res["completed"] == len(server.arrivals) == len(expected) and res["rate"] == 10.0
+    sent = [t - server.arrivals[0] for t in server.arrivals]
+    assert max(abs(a - b) for a, b in zip(sent, expected)) < 0.03
+
+
+def test_schedule_respects_duration_and_caps():
+    trace = [TraceRequest([1], 1, arrival_s=t) for t in (0.0, 0.5, 2.0)]
+    cfg = LoadConfig("http://x", duration_s=1.0)
+    assert [t for t, _ in schedule(trace, "trace", cfg)] == [0.0, 0.5]
+    plan = schedule(trace, 50.0, cfg)
+    assert 40 <= len(plan) <= 50 and all(t <= 1.0 for t, _ in plan)
+    assert len(schedule(trace, 50.0, LoadConfig("http://x", max_requests=7))) == 7
+
+
+# ---------------------------------------------------------------- reports
+
+def _report(system: str, points: list[tuple[float, float, float]]) -> dict:
+    return {"system": system, "runs": [
+        {"rate": rate, "completed": 10, "failed": 0, "request_throughput": x,
+         "output_throughput": 100.0, "normalized_latency_ms": {"median": y, "p99": y}}
+        for rate, x, y in points]}
+
+
+def test_sustained_rate_is_interpolated_at_twice_the_unloaded_latency():
+    s = sustained_rate(_report("a", [(1, 0.9, 10), (2, 1.8, 12), (4, 3.0, 30)])["runs"])
+    assert s["baseline_ms"] == 10 and s["threshold_ms"] == 20
+    assert s["rate"] == pytest.approx(2 + 2 * 8 / 18) and not s["is_lower_bound"]
+    assert s["throughput"] == pytest.approx(1.8 + 1.2 * 8 / 18)
+    never = sustained_rate(_report("b", [(1, 1, 10), (8, 7, 15)])["runs"])
+    assert never["rate"] == 8 and never["is_lower_bound"]
+    dead = _report("c", [(1, 1, 10), (2, 2, 11), (4, 0, 0)])
+    dead["runs"][2]["completed"] = 0
+    assert sustained_rate(dead["runs"])["rate"] == 2
+
+
+def test_plot_and_table_from_several_results(tmp_path):
+    paths = []
+    for name, report in [("a1", _report("orca", [(4, 3.9, 20), (1, 1.0, 10)])),
+                         ("a2", _report("orca", [(8, 7.5, 25)])),
+                         ("b", _report("hf-cb", [(1, 0.95, 30), (2, 1.5, 90)]))]:
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(report))
+    reports = load_reports([str(p) for p in paths])
+    assert [r["system"] for r in reports] == ["orca", "hf-cb"]
+    fig = plot(reports, str(tmp_path / "fig.png"))
+    assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    assert list(lines["orca"].get_xdata()) == [1.0, 3.9, 7.5]  # sorted by rate, merged
+    assert list(lines["orca"].get_ydata()) == [10, 20, 25]
+    assert list(lines["hf-cb"].get_ydata()) == [30, 90]
+    table = markdown_table(reports)
+    assert "| orca | 8 | 10/0 | 7.50 | 100 |" in table and table.count("\n") == 6
+
+
+# ---------------------------------------------------------------- transformers HTTP baselines
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoTokenizer
+
+    from engine_actors.checkpoint import resolve_model_path
+    from load_tests.bench_offline import load_hf_model
+    return (load_hf_model("tiny-random-llama", "cpu"),
+            AutoTokenizer.from_pretrained(resolve_model_path("tiny-random-llama")))
+
+
+@pytest.mark.parametrize("mode", ["static", "cb"])
+def test_hf_server_matches_generate_and_serves_the_load_client(hf_model, mode):
+    import httpx
+    import torch
+
+    from load_tests.hf_backends import ContinuousBackend, StaticBackend
+    from load_tests.hf_server import build_app
+    model, tokenizer = hf_model
+    backend = (StaticBackend(model, max_batch_size=4) if mode == "static" else
+               ContinuousBackend(model, {"num_blocks": 16, "max_batch_tokens": 64}))
+    app = build_app(backend, tokenizer, "tiny", model.config.vocab_size, 4096)
+    trace = orca_trace(5, vocab_size=256, seed=3, prompt_len=(3, 20), output_len=(2, 9))
+    with ServerThread(app, lifespan="on") as url:
+        for r in trace[:2]:
+            resp = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "ignore_eos": True})
+            ids = torch.tensor([r.prompt_token_ids])
+            ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 do_sample=False, max_new_tokens=r.max_tokens, eos_token_id=-1,
+                                 pad_token_id=0)[0, ids.shape[1]:].tolist()
+            assert resp.json()["choices"][0]["text"] == tokenizer.decode(
+                ref, skip_special_tokens=True)
+            assert resp.json()["usage"]["completion_tokens"] == r.max_tokens
+        bad = httpx.post(f"{url}/v1/completions", json={"prompt": [1], "temperature": 0.7})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+        cfg = LoadConfig(url, num_warmup=1, show_progress=False)
+        [res] = asyncio.run(sweep(cfg, trace, [math.inf]))
+    assert res["completed"] == 5 and res["num_short_outputs"] == 0
+    assert res["total_output_tokens"] == sum(r.max_tokens for r in trace)
