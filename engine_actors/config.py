@@ -31,7 +31,7 @@ class EngineConfig:
     seed: int = 0
 
     # Scheduling (ORCA Algorithm 1).
-    scheduling_policy: Literal["fcfs"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority", "das", "sjf", "edf"] = "fcfs"
     max_batch_size: int = 32  # requests per iteration
     max_num_batched_tokens: int = 4096  # tokens per iteration; longer prompts are prefilled in chunks
     # Overlap: schedule the next iteration while the current one runs (a running request

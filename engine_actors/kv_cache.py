@@ -91,6 +91,7 @@ class KVCacheManager:
         """Return every block, reservation and the row of `req` (idempotent)."""
         self._free_blocks.extend(reversed(req.blocks))
         req.blocks = []
+        req.num_blocks_sent = 0
         self.num_reserved_blocks -= req.num_reserved_blocks
         req.num_reserved_blocks = 0
         if req.row >= 0:

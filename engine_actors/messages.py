@@ -15,6 +15,7 @@ class NewRequest:
     top_p: float
     top_k: int
     seed: int | None
+    num_skip_draws: int = 0  # a recomputed seeded request resumes its random stream here
 
 
 @dataclass(slots=True)

@@ -60,7 +60,8 @@ class ModelRunner:
                                        dtype=torch.int32, device=self.device)
         self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.staging = Staging(self.device)
-        self.sampler = Sampler(max_num_seqs, self.device, seed, self.staging)
+        self.sampler = Sampler(max_num_seqs, self.device, seed, self.staging,
+                               self.hf_config.vocab_size)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.num_graph_replays = 0

@@ -42,6 +42,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the client or the server
+    DEADLINE = "deadline"  # its deadline passed before it could start
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +52,8 @@ class Request:
     sampling: SamplingParams
     arrival_time: float
     client_id: str = ""
+    priority: int = 0  # higher runs first under the priority policy
+    deadline: float = float("inf")  # absolute (arrival + deadline_ms); DAS/EDF order by it
     # prompt followed by the generated tokens received so far
     token_ids: list[int] = field(default_factory=list)
     # tokens whose keys/values are in the KV cache or being computed by an in-flight step
@@ -60,11 +63,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_iterations: int = 0  # iterations this request took part in
+    num_preemptions: int = 0  # times its KV was taken away (it is then recomputed)
 
     # KV bookkeeping, owned by KVCacheManager
     row: int = -1  # row in the workers' block table; -1 until admitted
     blocks: list[int] = field(default_factory=list)
     num_reserved_blocks: int = 0  # reserved for this request but not yet allocated
+    num_blocks_sent: int = 0  # blocks the workers' table row already holds
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -100,6 +105,16 @@ class Request:
     @property
     def is_admitted(self) -> bool:
         return self.row >= 0
+
+    @property
+    def is_started(self) -> bool:
+        """Holds KV (admitted and not preempted since)."""
+        return self.row >= 0
+
+    @property
+    def utility(self) -> float:
+        """TCB's utility: 1 / length, the length being all the tokens it can take."""
+        return 1.0 / self.max_num_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -16,8 +16,9 @@ from engine_actors.transfer import Staging
 
 class Sampler:
     def __init__(self, max_num_seqs: int, device: torch.device, seed: int,
-                 staging: Staging | None = None):
+                 staging: Staging | None = None, vocab_size: int = 0):
         self.device = device
+        self.vocab_size = vocab_size
         self.staging = staging or Staging(device)
         self.temperature = torch.zeros(max_num_seqs, device=device)
         self.top_p = torch.ones(max_num_seqs, device=device)
@@ -46,6 +47,11 @@ class Sampler:
             if r.seed is not None and r.temperature > 0.0:
                 g = torch.Generator(device=self.device)
                 g.manual_seed(r.seed)
+                # recomputed after preemption: replay its earlier draws (one per sampled
+                # token, drawn exactly as __call__ does) to resume the stream where it was
+                scratch = torch.empty(self.vocab_size, device=self.device)
+                for _ in range(r.num_skip_draws):
+                    scratch.exponential_(generator=g)
                 self.generators[r.row] = g
 
     def __call__(self, logits: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ class RequestOutput:
 class Batch:
     step: StepInput
     scheduled: list[Scheduled]
+    epochs: list[int]  # each request's num_preemptions when scheduled: later results are stale
 
 
 class Scheduler:
@@ -52,6 +53,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.allow_continuation = allow_continuation
         self.pool: dict[str, Request] = {}  # unfinished requests, in arrival order
+        self.num_preemptions = 0
 
     @property
     def num_requests(self) -> int:
@@ -90,20 +92,31 @@ class Scheduler:
             return None
         return self._finish(req, FinishReason.ABORT)
 
-    def schedule(self) -> Batch | None:
-        ready = (r for r in self.pool.values() if self.is_ready(r))
-        scheduled = self.policy.select(ready, self.kv, self.budget)
-        if not scheduled:
+    def expire(self, now: float) -> list[RequestOutput]:
+        """Finish the requests whose deadline passed before they could start."""
+        late = [r for r in self.pool.values() if not r.is_started and r.deadline < now]
+        return [self._finish(r, FinishReason.DEADLINE) for r in late]
+
+    def schedule(self, now: float = 0.0) -> Batch | None:
+        ready = [r for r in self.pool.values() if self.is_ready(r)]
+        admitted = [r for r in self.pool.values() if r.is_admitted]
+        selection = self.policy.select(ready, self.kv, self.budget, now, admitted)
+        for victim in selection.preempt:
+            self._preempt(victim)
+        if not selection.batch:
             return None
         step = StepInput()
-        for item in scheduled:
+        for item in selection.batch:
             req, n = item.request, item.num_tokens
             start = req.num_computed_tokens
             if start == 0:  # just admitted: the workers learn its row's sampling settings
                 s = req.sampling
-                step.new_requests.append(NewRequest(req.row, s.temperature, s.top_p, s.top_k, s.seed))
-            first_col = len(req.blocks)
-            new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
+                step.new_requests.append(NewRequest(req.row, s.temperature, s.top_p, s.top_k,
+                                                    s.seed, req.num_output_tokens))
+            self.kv.grow(req, req.num_computed_tokens + n)  # a no-op if the policy grew it
+            first_col = req.num_blocks_sent  # the workers' table row has blocks up to here
+            new_blocks = req.blocks[first_col:]
+            req.num_blocks_sent = len(req.blocks)
             step.table_rows.extend([req.row] * len(new_blocks))
             step.table_cols.extend(range(first_col, first_col + len(new_blocks)))
             step.table_blocks.extend(new_blocks)
@@ -120,17 +133,27 @@ class Scheduler:
             req.num_iterations += 1
             req.num_inflight_steps += 1
             req.status = RequestStatus.RUNNING
-        return Batch(step, scheduled)
+        return Batch(step, selection.batch, [s.request.num_preemptions for s in selection.batch])
+
+    def _preempt(self, req: Request) -> None:
+        """Its KV is gone (the policy freed it): it starts over from its prompt and the
+        tokens generated so far. Results of its steps still in flight are dropped."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_inflight_samples = req.num_inflight_steps = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
 
     def process(self, batch: Batch, sampled: list[int]) -> list[RequestOutput]:
         """Apply one step's sampled tokens (one per request with sample=True)."""
         outputs = []
         tokens = iter(sampled)
-        for item, do_sample in zip(batch.scheduled, batch.step.sample):
+        for item, epoch, do_sample in zip(batch.scheduled, batch.epochs, batch.step.sample):
             req = item.request
             token = next(tokens) if do_sample else None
-            if req.is_finished:
-                continue  # finished or aborted while this step was in flight
+            if req.is_finished or req.num_preemptions != epoch:
+                continue  # finished, aborted or preempted while this step was in flight
             req.num_inflight_steps -= 1
             req.num_inflight_samples -= do_sample
             if req.num_inflight_steps == 0:

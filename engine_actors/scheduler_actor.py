@@ -35,6 +35,7 @@ NAMESPACE = "orca-serve"
 ORPHAN_GRACE_S = 30.0
 HEARTBEAT_S = 2.0
 WORKER_FAILURE = "the engine's workers failed; the request was aborted (see the server log)"
+DEADLINE_MISSED = "the request's deadline passed before it could start"
 
 
 def actor_name(cfg: EngineConfig) -> str:
@@ -164,8 +165,13 @@ class SchedulerActor:
 
     # ---- requests ---------------------------------------------------------------------
     async def add_request(self, client_id: str, request_id: str, prompt_token_ids: list[int],
-                          sampling: SamplingParams) -> str | None:
-        """Queue a request; returns None, or why it was refused (it could never run)."""
+                          sampling: SamplingParams, priority: int = 0,
+                          deadline_ms: float | None = None) -> str | None:
+        """Queue a request; returns None, or why it was refused (it could never run).
+
+        priority: higher runs first under the priority policy. deadline_ms: the request must
+        start within this many milliseconds of arrival, or it ends with finish_reason
+        "deadline" (any policy; DAS and EDF also order by it)."""
         self._adding.add(request_id)
         try:
             await self.ready()
@@ -178,7 +184,10 @@ class SchedulerActor:
         if refusal is not None:
             return refusal
         client = self.clients.setdefault(client_id, _Client())
-        req = Request(request_id, prompt_token_ids, sampling, time.monotonic(), client_id)
+        now = time.monotonic()
+        deadline = now + deadline_ms / 1e3 if deadline_ms is not None else float("inf")
+        req = Request(request_id, prompt_token_ids, sampling, now, client_id,
+                      priority=priority, deadline=deadline)
         try:
             self.scheduler.add(req)
         except RequestRejected as e:
@@ -236,6 +245,7 @@ class SchedulerActor:
                 "num_free_blocks": s.kv.num_free_blocks if s else 0,
                 "num_blocks": s.kv.num_blocks if s else 0,
                 "num_steps": self.num_steps,
+                "num_preemptions": s.num_preemptions if s else 0,
                 "num_clients": len(self.clients)}
 
     async def workers(self) -> list:
@@ -266,8 +276,11 @@ class SchedulerActor:
     async def _iterate(self) -> None:
         in_flight: collections.deque = collections.deque()
         while True:
+            expired = self.scheduler.expire(time.monotonic())
+            if expired:
+                self._publish(expired, error=DEADLINE_MISSED)
             while len(in_flight) < self.depth:
-                batch = self.scheduler.schedule()
+                batch = self.scheduler.schedule(time.monotonic())
                 if batch is None:
                     break
                 step = asyncio.ensure_future(self.executor.execute(batch.step))
@@ -275,7 +288,10 @@ class SchedulerActor:
                 self.num_steps += 1
             if not in_flight:
                 self._wake.clear()
-                await self._wake.wait()
+                try:  # wake up for new work, or to expire deadlines of waiting requests
+                    await asyncio.wait_for(self._wake.wait(), HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             batch, step = in_flight.popleft()
             try:

@@ -42,7 +42,7 @@ class InProcessEngine:
                 outputs[rid] = []
             it += 1
             while len(in_flight) < self.cfg.max_steps_in_flight:
-                batch = self.scheduler.schedule()
+                batch = self.scheduler.schedule(float(it))
                 if batch is None:
                     break
                 batch.step.step_id = len(self.steps)

@@ -1,0 +1,192 @@
+"""Scheduling policies on hand-built pools, and preemption on the real model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_actors.kv_cache import KVCacheManager
+from engine_actors.policies import Budget, DeadlineAware, make_policy
+from engine_actors.request import Request, SamplingParams
+from engine_actors.scheduler import Scheduler
+from tests.engine_harness import InProcessEngine, hf_greedy
+from tests.fake_runner import FakeRunner, expected_output
+
+
+def make(policy, num_blocks=64, block_size=4, max_batch=4, max_tokens=64):
+    kv = KVCacheManager(num_blocks, block_size, max_batch * 2)
+    return Scheduler(kv, make_policy(policy), Budget(max_batch, max_tokens), 4096, {198})
+
+
+def req(rid, prompt_len, max_tokens, t=0.0, priority=0, deadline=float("inf"), token=1):
+    return Request(rid, [token] * prompt_len, SamplingParams(max_tokens=max_tokens,
+                                                              ignore_eos=True), t,
+                   priority=priority, deadline=deadline)
+
+
+def drain(sched, runner, outs, now=0.0, limit=10_000):
+    for _ in range(limit):
+        if not sched.pool:
+            return
+        step(sched, runner, outs, now)
+    raise AssertionError("requests left over: no progress")
+
+
+def step(sched, runner, outs, now=0.0):
+    for out in sched.expire(now):
+        outs[out.request_id + ":finish"] = out.finish_reason
+    batch = sched.schedule(now)
+    if batch is None:
+        return None
+    for out in sched.process(batch, runner.execute(batch.step)):
+        outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finish_reason:
+            outs[out.request_id + ":finish"] = out.finish_reason
+    return batch
+
+
+def ids(batch):
+    return [s.request.request_id for s in batch.scheduled]
+
+
+def test_priority_arrival_takes_a_full_batch_at_the_next_iteration():
+    sched, runner, outs = make("priority", max_batch=2), FakeRunner(4), {}
+    sched.add(req("low1", 3, 30, t=0, token=2))
+    sched.add(req("low2", 3, 30, t=1, token=3))
+    assert ids(step(sched, runner, outs)) == ["low1", "low2"]
+    sched.add(req("chat", 3, 5, t=2, priority=1, token=4))
+    assert ids(step(sched, runner, outs)) == ["chat", "low1"]  # low2 sits this one out
+    drain(sched, runner, outs)
+    for rid, n, tok in [("low1", 30, 2), ("low2", 30, 3), ("chat", 5, 4)]:
+        assert outs[rid] == expected_output([tok] * 3, n)
+
+
+def test_priority_arrival_preempts_the_latest_low_priority_request_when_kv_is_full():
+    # 12 blocks of 4 tokens; two low-priority requests grow until the pool is full
+    sched, runner, outs = make("priority", num_blocks=12, max_batch=4), FakeRunner(4), {}
+    sched.add(req("low1", 8, 30, t=0, token=2))
+    sched.add(req("low2", 8, 30, t=1, token=3))
+    for _ in range(16):  # 8 + 16 tokens each: 6 blocks each, all 12 taken
+        step(sched, runner, outs)
+    assert sched.kv.num_free_blocks == 0
+    sched.add(req("chat", 4, 3, t=2, priority=1, token=4))
+    batch = step(sched, runner, outs)
+    assert "chat" in ids(batch) and "low2" not in ids(batch)
+    assert sched.num_preemptions == 1 and sched.pool["low2"].num_computed_tokens == 0
+    drain(sched, runner, outs)
+    assert outs["chat"] == expected_output([4] * 4, 3)
+    assert outs["low2"] == expected_output([3] * 8, 30)  # recomputed, same tokens
+    assert outs["low1"] == expected_output([2] * 8, 30)
+    assert sched.kv.num_free_blocks == 12
+
+
+def test_das_splits_candidates_as_tcb_algorithm_1():
+    """Lengths (prompt + max_tokens) give utilities; the budget fits the first s by utility.
+    eta = q = 0.5: the first eta*s are taken by utility, then those with utility >=
+    q * mean(first share) by deadline, then the rest."""
+    das = DeadlineAware(eta=0.5)
+    pool = [req("u1", 4, 1, deadline=90), req("u2", 5, 1, deadline=80),  # utility 1/5, 1/6
+            req("d_late", 7, 1, deadline=50), req("d_early", 8, 1, deadline=10),  # 1/8, 1/9
+            req("low", 30, 1, deadline=1)]  # 1/31: below q * mean, despite its deadline
+    # budget 4+5+7+8 = 24 fits the first s = 4 by utility; p = eta * s = 2 -> u1, u2
+    order = [r.request_id for r in das.order(pool, now=0.0, tokens=24)]
+    assert order == ["u1", "u2", "d_early", "d_late", "low"]
+    # running requests continue first, whatever their utility
+    started = req("running", 50, 10)
+    started.row = 0
+    order = [r.request_id for r in das.order(pool + [started], now=0.0, tokens=25)]
+    assert order[0] == "running"
+
+
+def test_das_takes_everything_when_it_all_fits():
+    das = DeadlineAware()
+    pool = [req("a", 10, 1, deadline=5), req("b", 2, 1, deadline=1)]
+    assert {r.request_id for r in das.order(pool, 0.0, tokens=100)} == {"a", "b"}
+
+
+def test_sjf_and_edf_orders():
+    pool = [req("long_early_deadline", 20, 1, t=0, deadline=5),
+            req("short_late_deadline", 2, 1, t=1, deadline=50),
+            req("mid_no_deadline", 8, 1, t=2)]
+    sjf = [r.request_id for r in make_policy("sjf").order(pool, 0.0, 100)]
+    edf = [r.request_id for r in make_policy("edf").order(pool, 0.0, 100)]
+    assert sjf == ["short_late_deadline", "mid_no_deadline", "long_early_deadline"]
+    assert edf == ["long_early_deadline", "short_late_deadline", "mid_no_deadline"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "das", "edf"])
+def test_deadline_missed_before_start_finishes_it_and_frees_kv(policy):
+    sched, runner, outs = make(policy, num_blocks=8, max_batch=1), FakeRunner(4), {}
+    sched.add(req("running", 4, 20, t=0, deadline=1.0))  # started in time, runs past it
+    step(sched, runner, outs, now=0.0)
+    sched.add(req("late", 4, 5, t=0.5, deadline=2.0))  # cannot start: batch of one is full
+    for now in [1.0, 1.5, 2.5]:
+        step(sched, runner, outs, now)
+    assert outs["late:finish"] == "deadline" and "late" not in sched.pool
+    drain(sched, runner, outs, now=3.0)
+    assert outs["running:finish"] == "length" and len(outs["running"]) == 20
+    assert sched.kv.num_free_blocks == 8 and sched.kv.num_free_rows == sched.kv.max_num_seqs
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "das", "sjf", "edf"])
+def test_chunked_prefill_keeps_decodes_going_within_the_token_budget(policy):
+    sched, runner, outs = make(policy, max_tokens=8), FakeRunner(4), {}
+    sched.add(req("dec", 3, 20, t=0, priority=1))
+    step(sched, runner, outs)
+    sched.add(req("long", 29, 2, t=1))
+    while "long" not in outs:
+        batch = step(sched, runner, outs)
+        assert batch.step.num_tokens <= 8 and "dec" in ids(batch)
+    drain(sched, runner, outs)
+    assert outs["long"] == expected_output([1] * 29, 2)
+
+
+@pytest.mark.parametrize("policy", ["priority", "sjf", "das", "edf"])
+def test_random_workloads_never_deadlock_and_keep_outputs(policy):
+    rng = random.Random(3)
+    sched, runner, outs = make(policy, num_blocks=30, max_batch=5, max_tokens=24), \
+        FakeRunner(4), {}
+    expected = {}
+    for i in range(80):
+        if rng.random() < 0.5:
+            prompt = [rng.randint(1, 190) for _ in range(rng.randint(1, 40))]
+            n = rng.randint(1, 30)
+            sched.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True),
+                              float(i), priority=rng.randint(0, 2),
+                              deadline=float(i) + rng.choice([5, 1e9])))
+            expected[f"r{i}"] = expected_output(prompt, n)
+        step(sched, runner, outs, now=float(i))
+        assert sched.kv.num_free_blocks >= sched.kv.num_reserved_blocks
+    drain(sched, runner, outs, now=100.0)
+    for rid, tokens in expected.items():
+        if outs.get(rid + ":finish") == "deadline":
+            continue
+        assert outs[rid] == tokens, rid
+    assert sched.kv.num_free_blocks == 30
+
+
+def test_preemption_keeps_greedy_and_seeded_outputs_identical():
+    """A KV pool far too small for the load: requests are preempted and recomputed, and
+    produce exactly what they produce with room to spare (greedy: transformers' tokens)."""
+    rng = random.Random(11)
+    requests = []
+    for i in range(10):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(5, 40))]
+        greedy = i % 2 == 0
+        sampling = SamplingParams(max_tokens=rng.randint(10, 30),
+                                  temperature=0.0 if greedy else 0.9,
+                                  seed=None if greedy else 100 + i, ignore_eos=True)
+        requests.append((f"r{i}", prompt, sampling))
+    arrivals = {0: requests[:5], 3: requests[5:]}
+    tight = InProcessEngine(model="tiny-random-llama", scheduling_policy="priority",
+                            max_batch_size=6, max_num_tokens=192, block_size=4)
+    roomy = InProcessEngine(model="tiny-random-llama", scheduling_policy="priority",
+                            max_batch_size=6, max_num_tokens=4096, block_size=4)
+    out_tight, out_roomy = tight.run(arrivals), roomy.run(arrivals)
+    assert tight.scheduler.num_preemptions > 0 and roomy.scheduler.num_preemptions == 0
+    assert out_tight == out_roomy
+    from engine_actors.checkpoint import resolve_model_path
+    path = resolve_model_path("tiny-random-llama")
+    for rid, prompt, sampling in requests:
+        if sampling.temperature == 0.0:
+            assert out_tight[rid] == hf_greedy(path, prompt, sampling.max_tokens)
