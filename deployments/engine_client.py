@@ -134,7 +134,8 @@ class EngineClient:
             queue.put_nowait((request_id, {"token_ids": [], "finish_reason": "abort",
                                            "error": reason, "unavailable": True}))
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
+                     priority: int = 1, deadline_ms: float | None = None) -> RequestGroup:
         """Queue requests (the choices of one HTTP request); returns their joint output stream.
 
         Raises RequestRefused, with nothing left queued, if the scheduler refuses any of them.
@@ -146,7 +147,8 @@ class EngineClient:
         group = RequestGroup(self, actor, [rid for rid, _, _ in requests])
         try:
             refusals = await asyncio.gather(*[
-                actor.add_request.remote(self.client_id, rid, ids, sampling)
+                actor.add_request.remote(self.client_id, rid, ids, sampling, priority,
+                                         deadline_ms)
                 for rid, ids, sampling in requests])
         except ray.exceptions.RayActorError:
             group.close()
@@ -159,6 +161,29 @@ class EngineClient:
             group.close()
             raise RequestRefused(refusal)
         return group
+
+    async def call(self, method: str, *args):
+        """A plain call on the scheduler (batches, stats), EngineUnavailable if it is gone."""
+        await self.connect()
+        actor = self._actor
+        if actor is None:
+            raise EngineUnavailable("scheduler unavailable")
+        try:
+            return await getattr(actor, method).remote(*args)
+        except ray.exceptions.RayActorError:
+            raise EngineUnavailable("scheduler unavailable") from None
+
+    async def stream_call(self, method: str, *args):
+        """Items of a streaming call on the scheduler."""
+        await self.connect()
+        actor = self._actor
+        if actor is None:
+            raise EngineUnavailable("scheduler unavailable")
+        try:
+            async for ref in getattr(actor, method).remote(*args):
+                yield await ref
+        except ray.exceptions.RayActorError:
+            raise EngineUnavailable("scheduler unavailable") from None
 
     @staticmethod
     def abort(actor, request_ids: list[str]) -> None:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP ingress: a Starlette app inside a Ray Serve deployment.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, and
+the background batch endpoints under /orca/v1/batches (deployments/batch_api.py).
 The ingress validates and tokenizes, submits to the scheduler actor, and turns the token
 stream back into text (incrementally, stop strings included) as JSON or server-sent events.
 """
@@ -8,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
 import uuid
 
 import ray
@@ -18,12 +17,15 @@ from ray import serve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from deployments.batch_api import BatchAPI
 from deployments.engine_client import EngineClient, EngineUnavailable, RequestRefused
 from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                   SamplingFields, parse_body)
+from deployments.responses import (Choice, SSEResponse, SSEWriter, deadline_error,
+                                   response_body, usage)
 from deployments.text_stream import TextStream
 from engine_actors.checkpoint import CHAT_TEMPLATE, resolve_model_path
 from engine_actors.config import EngineConfig
@@ -48,6 +50,7 @@ class OpenAIIngress:
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"])]
+        routes += BatchAPI(self).routes()
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
 
@@ -212,8 +215,10 @@ class OpenAIIngress:
             for j in range(req.n):
                 rid = f"{base_id}-{p_idx}-{j}"
                 subs.append((rid, p_idx * req.n + j, text, ids, self._sampling(req, n_new, j)))
+        priority = 1 if req.priority is None else req.priority  # interactive by default
         try:
-            group = await self.client.submit([(rid, ids, s) for rid, _, _, ids, s in subs])
+            group = await self.client.submit([(rid, ids, s) for rid, _, _, ids, s in subs],
+                                             priority, req.deadline_ms)
         except RequestRefused as e:
             raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from None
         except EngineUnavailable as e:
@@ -223,7 +228,7 @@ class OpenAIIngress:
                    for rid, index, text, ids, _ in subs}
         sse = SSEWriter(base_id, self.cfg.model_name, chat, req) if req.stream else None
         if sse is not None:
-            return SSEResponse(self._stream(group, choices, sse), on_close=group.close)
+            return SSEResponse(self._stream(group, choices, sse, req), on_close=group.close)
         try:
             async for rid, item in group:
                 choice = choices[rid]
@@ -237,14 +242,16 @@ class OpenAIIngress:
         failed = next((c.error for c in choices.values() if c.error), None)
         if failed:
             raise APIError(503, f"request failed: {failed}", err_type="service_unavailable")
-        return JSONResponse(_response_body(base_id, self.cfg.model_name, chat, choices))
+        if all(c.finish_reason == "deadline" for c in choices.values()):
+            raise deadline_error(req.deadline_ms)
+        return JSONResponse(response_body(base_id, self.cfg.model_name, chat, choices))
 
     def _echo_text(self, req, text: str | None, ids: list[int]) -> str | None:
         if not req.echo:
             return None
         return text if text is not None else self.tokenizer.decode(ids)
 
-    async def _stream(self, group, choices, sse: SSEWriter):
+    async def _stream(self, group, choices, sse: SSEWriter, req):
         try:
             if not sse.chat:
                 for choice in choices.values():
@@ -263,8 +270,10 @@ class OpenAIIngress:
                     continue
                 if delta or choice.finish_reason:
                     yield sse.chunk(choice.index, delta, choice.finish_reason)
+                if choice.finish_reason == "deadline":
+                    yield sse.error_event(deadline_error(req.deadline_ms))
             if sse.include_usage:
-                yield sse.usage(_usage(choices))
+                yield sse.usage(usage(choices))
         except EngineUnavailable as e:
             yield sse.error(f"request failed: {e}")
         finally:
@@ -290,112 +299,3 @@ async def _http_url() -> str:
         return f"http://{host}:{http.port}"
     except Exception:  # only the log line depends on it
         return "this Serve application's HTTP address"
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events whose request group is closed (its unfinished requests aborted)
-    however the response ends, even when the client leaves before the body starts."""
-
-    def __init__(self, content, on_close):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-class Choice:
-    """One choice's accumulated text, token counts and finish reason."""
-
-    def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
-                 num_prompt_tokens: int, echo: str | None):
-        self.index = index
-        self.prompt_index = prompt_index
-        self.text_stream = text_stream
-        self.num_prompt_tokens = num_prompt_tokens
-        self.echo = echo
-        self.text = echo or ""
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-
-    def consume(self, item: dict) -> str:
-        """Apply one output item; returns the new text."""
-        is_final = item.get("finish_reason") is not None
-        if item.get("error"):
-            self.error = item["error"]
-        delta = self.text_stream.add(item["token_ids"], is_final)
-        self.text += delta
-        if self.text_stream.is_stopped:
-            self.finish_reason = "stop"
-        elif is_final:
-            self.finish_reason = item["finish_reason"]
-        return delta
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.text_stream.num_tokens_used
-
-
-def _usage(choices: dict[str, Choice]) -> dict:
-    per_prompt = {c.prompt_index: c.num_prompt_tokens for c in choices.values()}
-    prompt_tokens = sum(per_prompt.values())
-    completion = sum(c.num_output_tokens for c in choices.values())
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
-
-
-def _response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choice]) -> dict:
-    ordered = sorted(choices.values(), key=lambda c: c.index)
-    if chat:
-        items = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": None, "finish_reason": c.finish_reason} for c in ordered]
-    else:
-        items = [{"index": c.index, "text": c.text, "logprobs": None,
-                  "finish_reason": c.finish_reason} for c in ordered]
-    return {"id": base_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": items,
-            "usage": _usage(choices)}
-
-
-class SSEWriter:
-    """Server-sent events in OpenAI's streaming format."""
-
-    def __init__(self, base_id: str, model: str, chat: bool, req: SamplingFields):
-        self.base_id, self.model, self.chat = base_id, model, chat
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.created = int(time.time())
-        self.object = "chat.completion.chunk" if chat else "text_completion"
-
-    def _event(self, choices: list, usage: dict | None = None) -> str:
-        body = {"id": self.base_id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": choices}
-        if self.include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False) -> str:
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if role else (
-                {"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": index, "text": text, "logprobs": None,
-                      "finish_reason": finish_reason}
-        return self._event([choice])
-
-    def usage(self, usage: dict) -> str:
-        return self._event([], usage)
-
-    @staticmethod
-    def error(message: str) -> str:
-        body = APIError(503, message, err_type="service_unavailable").body()
-        return f"data: {json.dumps(body)}\n\n"
-
-    @staticmethod
-    def done() -> str:
-        return "data: [DONE]\n\n"

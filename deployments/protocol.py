@@ -16,6 +16,7 @@ MAX_N = 16
 MAX_STOP = 16  # stop strings per request, each at most MAX_STOP_CHARS (OpenAI allows 4)
 MAX_STOP_CHARS = 512
 MAX_SEED = 2**63 - 1 - MAX_N  # torch generators take 64-bit seeds; choice j uses seed + j
+MAX_BATCH = 10_000  # requests per submitted batch
 
 
 class APIError(Exception):
@@ -55,6 +56,10 @@ class SamplingFields(_Base):
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
     ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
+    # extensions: scheduling priority (higher first; default 1 = interactive, batches get 0)
+    # and a deadline to start by, in ms after arrival (finish_reason "deadline" if missed)
+    priority: Annotated[int, Field(ge=-100, le=100)] | None = None
+    deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
     user: str | None = None
     # accepted only at their neutral values
     presence_penalty: float = 0.0
@@ -140,6 +145,34 @@ class ChatCompletionRequest(SamplingFields):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class BatchItem(_Base):
+    """One request of a submitted batch."""
+    prompt: str | list[int]
+    max_tokens: Annotated[int, Field(ge=1)] = 16
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = 0
+    seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
+
+    _stop_strings = field_validator("stop")(SamplingFields._stop_strings.__func__)
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class BatchSubmit(_Base):
+    """A background batch (native endpoint): scheduled per request, at low priority."""
+    model: str | None = None
+    requests: Annotated[list[BatchItem], Field(min_length=1, max_length=MAX_BATCH)]
+    priority: Annotated[int, Field(ge=-100, le=100)] = 0
+
+    def check_supported(self) -> None:
+        pass
 
 
 def parse_body(raw: bytes, schema: type[_Base]) -> Any:

@@ -22,6 +22,7 @@ from dataclasses import asdict
 
 import ray
 
+from engine_actors.batches import BatchState, prune
 from engine_actors.checkpoint import ModelInfo, model_info
 from engine_actors.config import EngineConfig
 from engine_actors.executor import Executor, resolve_device
@@ -78,6 +79,7 @@ class SchedulerActor:
         self._tasks: set[asyncio.Task] = set()  # background tasks, kept alive
         self._adding: set[str] = set()  # request ids whose add_request waits for the engine
         self._early_aborts: set[str] = set()  # ... and were aborted meanwhile
+        self.batches: dict[str, BatchState] = {}
 
     # ---- life cycle -------------------------------------------------------------------
     async def ready(self) -> dict:
@@ -183,7 +185,8 @@ class SchedulerActor:
         refusal = sampling.check()
         if refusal is not None:
             return refusal
-        client = self.clients.setdefault(client_id, _Client())
+        is_batch = client_id.startswith("batch:")  # outputs collected here, not streamed
+        client = None if is_batch else self.clients.setdefault(client_id, _Client())
         now = time.monotonic()
         deadline = now + deadline_ms / 1e3 if deadline_ms is not None else float("inf")
         req = Request(request_id, prompt_token_ids, sampling, now, client_id,
@@ -192,7 +195,8 @@ class SchedulerActor:
             self.scheduler.add(req)
         except RequestRejected as e:
             return str(e)
-        client.request_ids.add(request_id)
+        if client is not None:
+            client.request_ids.add(request_id)
         self._wake.set()
         return None
 
@@ -201,10 +205,61 @@ class SchedulerActor:
         """Queue several requests in one call (they join the same iteration)."""
         return [await self.add_request(client_id, *r) for r in requests]
 
+    # ---- background batches -------------------------------------------------------------
+    async def submit_batch(self, batch_id: str, requests: list[tuple], priority: int = 0
+                           ) -> str | None:
+        """Queue a batch's requests, each (prompt ids, SamplingParams, deadline_ms, stop
+        strings); all or nothing: returns None, or why one was refused ("request i: ...")."""
+        await self.ready()
+        prune(self.batches, time.time())
+        state = self.batches[batch_id] = BatchState(batch_id, len(requests),
+                                                    [r[3] for r in requests])
+        client_id = BatchState.client_id(batch_id)
+        for i, (ids, sampling, deadline_ms, _) in enumerate(requests):
+            refusal = await self.add_request(client_id, state.request_id(i), ids, sampling,
+                                             priority, deadline_ms)
+            if refusal is not None:
+                self.abort([state.request_id(j) for j in range(i)])
+                del self.batches[batch_id]
+                return f"request {i}: {refusal}"
+        return None
+
+    def batch_status(self, batch_id: str) -> dict | None:
+        state = self.batches.get(batch_id)
+        return state.status() if state else None
+
+    def cancel_batch(self, batch_id: str) -> dict | None:
+        state = self.batches.get(batch_id)
+        if state is None:
+            return None
+        state.cancelled = True
+        self.abort([state.request_id(i) for i in range(state.num_requests)
+                    if i not in state.results])
+        return state.status()
+
+    async def batch_results(self, batch_id: str):
+        """Yields lists of finished results (token ids), the ones already finished first,
+        until every request of the batch has finished."""
+        state = self.batches.get(batch_id)
+        if state is None:
+            return
+        sent: set[int] = set()
+        while True:
+            state.changed.clear()
+            new = [r for i, r in state.results.items() if i not in sent]
+            sent.update(r["index"] for r in new)
+            if new:
+                yield new
+            if len(sent) == state.num_requests:
+                return
+            await state.changed.wait()
+
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             out = self.scheduler.abort(rid) if self.scheduler else None
-            if out is not None:
+            if out is not None and out.client_id.startswith("batch:"):
+                self._publish_to_batch(out, "cancelled")
+            elif out is not None:
                 self._forget(out)
             elif rid in self._adding:
                 self._early_aborts.add(rid)
@@ -315,6 +370,9 @@ class SchedulerActor:
 
     def _publish(self, outputs: list[RequestOutput], error: str | None = None) -> None:
         for out in outputs:
+            if out.client_id.startswith("batch:"):
+                self._publish_to_batch(out, error)
+                continue
             client = self.clients.get(out.client_id)
             if client is None:
                 continue
@@ -330,6 +388,13 @@ class SchedulerActor:
                     item["error"] = error
                 client.request_ids.discard(out.request_id)
             client.event.set()
+
+    def _publish_to_batch(self, out: RequestOutput, error: str | None) -> None:
+        batch_id, _, index = out.request_id.rpartition("-")
+        state = self.batches.get(batch_id)
+        if state is not None:
+            state.add_output(int(index), out.new_token_ids, out.finish_reason,
+                             out.num_prompt_tokens, error if out.finish_reason else None)
 
     def _forget(self, out: RequestOutput) -> None:
         client = self.clients.get(out.client_id)

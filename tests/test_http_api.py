@@ -269,3 +269,56 @@ def test_disconnect_mid_stream_frees_kv(url):
     # aborted: it stopped far short of its 4000 tokens (one step per token when alone)
     assert after["num_steps"] - before["num_steps"] < 3000, (before, after)
     assert wait_healthy(url)["status"] == "ok"
+
+
+def test_missed_deadline_is_408_or_a_deadline_event(url):
+    body = {"model": MODEL, "prompt": "late", "max_tokens": 4, "deadline_ms": 0.001}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 408 and r.json()["error"]["code"] == "deadline_exceeded"
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-2]["choices"][0]["finish_reason"] == "deadline"
+    assert events[-1]["error"]["code"] == "deadline_exceeded"
+    ok = httpx.post(f"{url}/v1/completions", timeout=30,
+                    json={**body, "deadline_ms": 60_000, "priority": 0, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_batch_submit_status_results(url):
+    body = {"requests": [{"prompt": "one", "max_tokens": 5, "ignore_eos": True},
+                         {"prompt": [65, 66, 67], "max_tokens": 7, "ignore_eos": True},
+                         {"prompt": "three", "max_tokens": 3, "ignore_eos": True}]}
+    r = httpx.post(f"{url}/orca/v1/batches", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert batch["object"] == "orca.batch" and batch["num_requests"] == 3
+    with httpx.stream("GET", f"{url}/orca/v1/batches/{batch['id']}/results", timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    results = sorted((json.loads(line[6:]) for line in lines[:-1]), key=lambda x: x["index"])
+    assert [x["usage"]["completion_tokens"] for x in results] == [5, 7, 3]
+    assert all(x["finish_reason"] == "length" and x["error"] is None for x in results)
+    status = httpx.get(f"{url}/orca/v1/batches/{batch['id']}", timeout=30).json()
+    assert (status["status"], status["num_completed"]) == ("completed", 3)
+
+
+def test_batch_cancel_and_errors(url):
+    body = {"requests": [{"prompt": "long", "max_tokens": 3000, "ignore_eos": True}] * 2}
+    batch = httpx.post(f"{url}/orca/v1/batches", json=body, timeout=30).json()
+    cancelled = httpx.delete(f"{url}/orca/v1/batches/{batch['id']}", timeout=30).json()
+    assert cancelled["status"] == "cancelled"
+    with httpx.stream("GET", f"{url}/orca/v1/batches/{batch['id']}/results", timeout=60) as r:
+        results = [json.loads(line[6:]) for line in r.iter_lines()
+                   if line.startswith("data: {")]
+    assert len(results) == 2 and all(x["finish_reason"] == "abort" for x in results)
+    missing = httpx.get(f"{url}/orca/v1/batches/batch-nope", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "batch_not_found"
+    bad = httpx.post(f"{url}/orca/v1/batches", timeout=30,
+                     json={"requests": [{"prompt": "x", "max_tokens": 0}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "requests.0.max_tokens"
+    too_long = httpx.post(f"{url}/orca/v1/batches", timeout=30,
+                          json={"requests": [{"prompt": "x", "max_tokens": 10**6}]})
+    assert too_long.status_code == 400
+    wait_idle(url)

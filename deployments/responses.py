@@ -1,0 +1,128 @@
+"""Response bodies of the OpenAI routes: JSON completions and server-sent event streams."""
+from __future__ import annotations
+
+import json
+import time
+
+from starlette.responses import StreamingResponse
+
+from deployments.protocol import APIError, SamplingFields
+from deployments.text_stream import TextStream
+
+
+def deadline_error(deadline_ms: float | None) -> APIError:
+    return APIError(408, f"the request's deadline ({deadline_ms:g} ms after arrival) passed "
+                         "before it could start", "deadline_ms", "deadline_exceeded",
+                    "timeout_error")
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose request group is closed (its unfinished requests aborted)
+    however the response ends, even when the client leaves before the body starts."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class Choice:
+    """One choice's accumulated text, token counts and finish reason."""
+
+    def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
+                 num_prompt_tokens: int, echo: str | None):
+        self.index = index
+        self.prompt_index = prompt_index
+        self.text_stream = text_stream
+        self.num_prompt_tokens = num_prompt_tokens
+        self.echo = echo
+        self.text = echo or ""
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def consume(self, item: dict) -> str:
+        """Apply one output item; returns the new text."""
+        is_final = item.get("finish_reason") is not None
+        if item.get("error") and item.get("finish_reason") != "deadline":
+            self.error = item["error"]
+        delta = self.text_stream.add(item["token_ids"], is_final)
+        self.text += delta
+        if self.text_stream.is_stopped:
+            self.finish_reason = "stop"
+        elif is_final:
+            self.finish_reason = item["finish_reason"]
+        return delta
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.text_stream.num_tokens_used
+
+
+def usage(choices: dict[str, Choice]) -> dict:
+    per_prompt = {c.prompt_index: c.num_prompt_tokens for c in choices.values()}
+    prompt_tokens = sum(per_prompt.values())
+    completion = sum(c.num_output_tokens for c in choices.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choice]) -> dict:
+    ordered = sorted(choices.values(), key=lambda c: c.index)
+    if chat:
+        items = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": None, "finish_reason": c.finish_reason} for c in ordered]
+    else:
+        items = [{"index": c.index, "text": c.text, "logprobs": None,
+                  "finish_reason": c.finish_reason} for c in ordered]
+    return {"id": base_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": items,
+            "usage": usage(choices)}
+
+
+class SSEWriter:
+    """Server-sent events in OpenAI's streaming format."""
+
+    def __init__(self, base_id: str, model: str, chat: bool, req: SamplingFields):
+        self.base_id, self.model, self.chat = base_id, model, chat
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _event(self, choices: list, usage: dict | None = None) -> str:
+        body = {"id": self.base_id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if role else (
+                {"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        return self._event([choice])
+
+    def usage(self, usage: dict) -> str:
+        return self._event([], usage)
+
+    @staticmethod
+    def error(message: str) -> str:
+        return SSEWriter.error_event(APIError(503, message, err_type="service_unavailable"))
+
+    @staticmethod
+    def error_event(error: APIError) -> str:
+        return f"data: {json.dumps(error.body())}\n\n"
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"
