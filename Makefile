@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-* && touch $@
 
 serve: $(STAMP)
-	$(VENV)/bin/serve run serve_config.yaml
+	$(PY) -m deployments.launch serve_config.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

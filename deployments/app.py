@@ -1,6 +1,8 @@
 """The application builder that serve_config.yaml names: `deployments.app:build_app`."""
 from __future__ import annotations
 
+import os
+
 from ray.serve import Application
 
 from deployments.ingress import OpenAIIngress
@@ -8,6 +10,15 @@ from engine_actors.config import EngineConfig
 
 
 def build_app(args: dict | None = None) -> Application:
-    """Validate the application args (a clear error names any bad one) and bind the ingress."""
+    """Validate the application args (a clear error names any bad one) and bind the ingress.
+
+    The API key may come from the ORCA_SERVE_API_KEY environment variable instead of the
+    args (so it need not be written in the config file)."""
+    args = dict(args or {})
+    if "api_key" not in args and os.environ.get("ORCA_SERVE_API_KEY"):
+        args["api_key"] = os.environ["ORCA_SERVE_API_KEY"]
     cfg = EngineConfig.from_args(args)
-    return OpenAIIngress.bind(cfg)
+    # Serve drains a stopping replica before its shutdown hook runs our own drain: leave
+    # room for both before Serve gives up and kills it
+    ingress = OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s + 15)
+    return ingress.bind(cfg)

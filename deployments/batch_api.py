@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.engine_client import EngineUnavailable
-from deployments.protocol import APIError, BatchSubmit, parse_body
+from deployments.protocol import APIError, BatchSubmit, parse_body, refusal_error
 from deployments.responses import SSEResponse
 from deployments.text_stream import TextStream
 from engine_actors.request import SamplingParams
@@ -59,7 +59,7 @@ class BatchAPI:
             refusal = await ingress.client.call("submit_batch", batch_id, requests,
                                                 body.priority)
             if refusal is not None:
-                raise APIError(400, refusal, "requests", "context_length_exceeded")
+                raise refusal_error(refusal["code"], refusal["message"], "requests")
             return JSONResponse(await ingress.client.call("batch_status", batch_id))
         except EngineUnavailable as e:
             return APIError(503, str(e), err_type="service_unavailable").response()

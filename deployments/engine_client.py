@@ -23,7 +23,12 @@ class EngineUnavailable(RuntimeError):
 
 
 class RequestRefused(ValueError):
-    """The scheduler refused the request (it could never run)."""
+    """The scheduler refused the request: code "too_long" or "invalid" (it could never run),
+    "queue_full" (admission control) or "draining" (shutting down)."""
+
+    def __init__(self, refusal: dict):
+        super().__init__(refusal["message"])
+        self.code = refusal["code"]
 
 
 class RequestGroup:

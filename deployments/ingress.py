@@ -14,18 +14,22 @@ import uuid
 
 import ray
 from ray import serve
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.batch_api import BatchAPI
+from deployments.auth import APIKeyMiddleware
 from deployments.engine_client import EngineClient, EngineUnavailable, RequestRefused
+from deployments.http_metrics import HTTPMetrics, RequestTimer
 from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                  SamplingFields, parse_body)
+                                  SamplingFields, parse_body, refusal_error)
 from deployments.responses import (Choice, SSEResponse, SSEWriter, deadline_error,
-                                   response_body, usage)
+                                   response_body, timeout_error, usage)
 from deployments.text_stream import TextStream
 from engine_actors.checkpoint import CHAT_TEMPLATE, resolve_model_path
 from engine_actors.config import EngineConfig
@@ -33,6 +37,7 @@ from engine_actors.request import SamplingParams
 
 logger = logging.getLogger("orca_serve.ingress")
 MAX_BODY_BYTES = 4 * 1024 * 1024
+HEARTBEAT_LIMIT_S = 15.0  # a scheduler loop silent for longer is stuck
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
@@ -42,25 +47,38 @@ class OpenAIIngress:
         self.cfg = cfg
         self.client = EngineClient(cfg)
         self.tokenizer = None
+        self.metrics = HTTPMetrics(cfg.model_name)
         self._starting: asyncio.Task | None = None
         self._announced = False
+        self._draining = False
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"])]
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.prometheus, methods=["GET"])]
         routes += BatchAPI(self).routes()
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
+        middleware = [Middleware(APIKeyMiddleware, api_key=self.cfg.api_key)] \
+            if self.cfg.api_key else []
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan,
+                         middleware=middleware)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         # Bring the engine up in the background: /health answers 503 until it is ready.
         self._starting = asyncio.get_running_loop().create_task(self._start())
         yield
-        # Serve shuts the app down before the replica exits: let the scheduler know, so the
-        # last replica of the application takes the engine with it.
+        # Shutting down: refuse new requests, give running ones drain_timeout_s, end the
+        # rest with finish_reason "abort"; then the last replica takes the engine with it.
+        self._draining = True
+        if self.client.is_connected:
+            try:
+                await self.client.call("drain", self.cfg.drain_timeout_s)
+                await asyncio.sleep(0.2)  # let the aborted streams flush their last event
+            except Exception:
+                logger.exception("drain failed")
         await self.client.close()
 
     # ---- start-up -----------------------------------------------------------------------
@@ -99,15 +117,31 @@ class OpenAIIngress:
 
     # ---- routes -------------------------------------------------------------------------
     async def health(self, request: Request):
+        """200 only while the engine serves: scheduler loop ticking, every worker alive."""
+        if self._draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if self._starting is None or (self._starting.done() and self._starting.exception()):
             self._starting = asyncio.get_running_loop().create_task(self._start())
         if not (self._starting.done() and self.client.is_connected):
             return JSONResponse({"status": "starting"}, status_code=503)
         try:
-            stats = await asyncio.wait_for(self.client.stats(), timeout=5.0)
+            stats = await asyncio.wait_for(self.client.call("health"), timeout=10.0)
         except Exception as e:
             return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
-        return JSONResponse({"status": "ok", **stats})
+        healthy = stats["state"] == "ready" and stats["workers_alive"] \
+            and stats["heartbeat_age_s"] < HEARTBEAT_LIMIT_S
+        return JSONResponse({"status": "ok" if healthy else stats["state"], **stats},
+                            status_code=200 if healthy else 503)
+
+    async def prometheus(self, request: Request):
+        """This replica's request metrics, and the engine's (when it is up)."""
+        body = self.metrics.render()
+        if self.client.is_connected:
+            try:
+                body += await asyncio.wait_for(self.client.call("metrics_text"), timeout=5.0)
+            except Exception:  # the engine's part is missing while it is unavailable
+                pass
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request):
         info = await self._ready_or_error()
@@ -215,32 +249,49 @@ class OpenAIIngress:
             for j in range(req.n):
                 rid = f"{base_id}-{p_idx}-{j}"
                 subs.append((rid, p_idx * req.n + j, text, ids, self._sampling(req, n_new, j)))
+        if self._draining:
+            raise APIError(503, "the server is shutting down", None, "shutting_down",
+                           "service_unavailable")
         priority = 1 if req.priority is None else req.priority  # interactive by default
         try:
             group = await self.client.submit([(rid, ids, s) for rid, _, _, ids, s in subs],
                                              priority, req.deadline_ms)
         except RequestRefused as e:
-            raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from None
+            self.metrics.failure(e.code)
+            raise refusal_error(e.code, str(e)) from None
         except EngineUnavailable as e:
+            self.metrics.failure("engine_unavailable")
             raise APIError(503, str(e), err_type="service_unavailable") from None
         choices = {rid: Choice(index, index // req.n, TextStream(self.tokenizer, req.stop_list()),
-                               len(ids), self._echo_text(req, text, ids) if not chat else None)
+                               len(ids), self._echo_text(req, text, ids) if not chat else None,
+                               RequestTimer(self.metrics))
                    for rid, index, text, ids, _ in subs}
+        timeout = req.timeout_s or self.cfg.request_timeout_s
         sse = SSEWriter(base_id, self.cfg.model_name, chat, req) if req.stream else None
         if sse is not None:
-            return SSEResponse(self._stream(group, choices, sse, req), on_close=group.close)
+            return SSEResponse(self._stream(group, choices, sse, req, timeout),
+                               on_close=group.close)
         try:
-            async for rid, item in group:
-                choice = choices[rid]
-                choice.consume(item)
-                if choice.text_stream.is_stopped:
-                    group.finish(rid)
+            async with asyncio.timeout(timeout):
+                async for rid, item in group:
+                    choice = choices[rid]
+                    choice.consume(item)
+                    if choice.text_stream.is_stopped:
+                        group.finish(rid)
+        except TimeoutError:
+            self.metrics.failure("timeout")
+            raise timeout_error(timeout) from None
         except EngineUnavailable as e:
+            self.metrics.failure("engine_unavailable")
             raise APIError(503, f"request failed: {e}", err_type="service_unavailable") from None
+        except asyncio.CancelledError:
+            self.metrics.failure("client_disconnect")
+            raise
         finally:
             group.close()
         failed = next((c.error for c in choices.values() if c.error), None)
         if failed:
+            self.metrics.failure("engine_failure")
             raise APIError(503, f"request failed: {failed}", err_type="service_unavailable")
         if all(c.finish_reason == "deadline" for c in choices.values()):
             raise deadline_error(req.deadline_ms)
@@ -251,7 +302,7 @@ class OpenAIIngress:
             return None
         return text if text is not None else self.tokenizer.decode(ids)
 
-    async def _stream(self, group, choices, sse: SSEWriter, req):
+    async def _stream(self, group, choices, sse: SSEWriter, req, timeout: float | None):
         try:
             if not sse.chat:
                 for choice in choices.values():
@@ -260,22 +311,31 @@ class OpenAIIngress:
             else:
                 for choice in choices.values():
                     yield sse.chunk(choice.index, "", None, role=True)
-            async for rid, item in group:
-                choice = choices[rid]
-                delta = choice.consume(item)
-                if choice.text_stream.is_stopped:
-                    group.finish(rid)
-                if choice.error:
-                    yield sse.error(choice.error)
-                    continue
-                if delta or choice.finish_reason:
-                    yield sse.chunk(choice.index, delta, choice.finish_reason)
-                if choice.finish_reason == "deadline":
-                    yield sse.error_event(deadline_error(req.deadline_ms))
+            async with asyncio.timeout(timeout):
+                async for rid, item in group:
+                    choice = choices[rid]
+                    delta = choice.consume(item)
+                    if choice.text_stream.is_stopped:
+                        group.finish(rid)
+                    if choice.error:
+                        self.metrics.failure("engine_failure")
+                        yield sse.error(choice.error)
+                        continue
+                    if delta or choice.finish_reason:
+                        yield sse.chunk(choice.index, delta, choice.finish_reason)
+                    if choice.finish_reason == "deadline":
+                        yield sse.error_event(deadline_error(req.deadline_ms))
             if sse.include_usage:
                 yield sse.usage(usage(choices))
+        except TimeoutError:
+            self.metrics.failure("timeout")
+            yield sse.error_event(timeout_error(timeout))
         except EngineUnavailable as e:
+            self.metrics.failure("engine_unavailable")
             yield sse.error(f"request failed: {e}")
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.failure("client_disconnect")
+            raise
         finally:
             group.close()
         yield sse.done()

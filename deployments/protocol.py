@@ -23,17 +23,19 @@ class APIError(Exception):
     """An error that becomes an HTTP response with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, err_type: str | None = None):
+                 code: str | None = None, err_type: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = err_type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class _Base(BaseModel):
@@ -60,6 +62,8 @@ class SamplingFields(_Base):
     # and a deadline to start by, in ms after arrival (finish_reason "deadline" if missed)
     priority: Annotated[int, Field(ge=-100, le=100)] | None = None
     deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
+    # extension: end the request with HTTP 408 if it has not finished after this long
+    timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
     user: str | None = None
     # accepted only at their neutral values
     presence_penalty: float = 0.0
@@ -173,6 +177,17 @@ class BatchSubmit(_Base):
 
     def check_supported(self) -> None:
         pass
+
+
+def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> APIError:
+    """The HTTP answer to the scheduler refusing a request."""
+    if code == "queue_full":
+        return APIError(429, message, None, "queue_full", "rate_limit_error",
+                        headers={"Retry-After": "1"})
+    if code == "draining":
+        return APIError(503, message, None, "shutting_down", "service_unavailable")
+    return APIError(400, message, param,
+                    "context_length_exceeded" if code == "too_long" else "invalid_value")
 
 
 def parse_body(raw: bytes, schema: type[_Base]) -> Any:

@@ -10,6 +10,11 @@ from deployments.protocol import APIError, SamplingFields
 from deployments.text_stream import TextStream
 
 
+def timeout_error(timeout_s: float | None) -> APIError:
+    return APIError(408, f"the request did not finish within {timeout_s:g} s", "timeout_s",
+                    "timeout", "timeout_error")
+
+
 def deadline_error(deadline_ms: float | None) -> APIError:
     return APIError(408, f"the request's deadline ({deadline_ms:g} ms after arrival) passed "
                          "before it could start", "deadline_ms", "deadline_exceeded",
@@ -36,7 +41,7 @@ class Choice:
     """One choice's accumulated text, token counts and finish reason."""
 
     def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
-                 num_prompt_tokens: int, echo: str | None):
+                 num_prompt_tokens: int, echo: str | None, timer=None):
         self.index = index
         self.prompt_index = prompt_index
         self.text_stream = text_stream
@@ -45,18 +50,24 @@ class Choice:
         self.text = echo or ""
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.timer = timer  # deployments.http_metrics.RequestTimer, when measured
 
     def consume(self, item: dict) -> str:
         """Apply one output item; returns the new text."""
         is_final = item.get("finish_reason") is not None
         if item.get("error") and item.get("finish_reason") != "deadline":
             self.error = item["error"]
+        was_stopped = self.text_stream.is_stopped
         delta = self.text_stream.add(item["token_ids"], is_final)
         self.text += delta
         if self.text_stream.is_stopped:
             self.finish_reason = "stop"
         elif is_final:
             self.finish_reason = item["finish_reason"]
+        if self.timer is not None and not was_stopped:
+            self.timer.tokens(len(item["token_ids"]))
+            if self.finish_reason is not None and not self.error:
+                self.timer.done(self.finish_reason)
         return delta
 
     @property

@@ -17,6 +17,9 @@ import pydantic
 DEFAULT_MODEL = "tiny-random-llama"
 
 
+HTTP_ONLY = {"api_key", "request_timeout_s", "served_model_name"}
+
+
 class ConfigError(ValueError):
     """The application args are invalid; the message says which arg and why."""
 
@@ -34,6 +37,14 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "priority", "das", "sjf", "edf"] = "fcfs"
     max_batch_size: int = 32  # requests per iteration
     max_num_batched_tokens: int = 4096  # tokens per iteration; longer prompts are prefilled in chunks
+    # Admission control: requests waiting to start, beyond which new ones get HTTP 429.
+    max_queued_requests: int = 4096
+    # A request still unfinished after this many seconds ends with HTTP 408 (or an SSE error
+    # event once streaming began); requests may set a shorter `timeout_s`. None: no limit.
+    request_timeout_s: float | None = None
+    # On shutdown: requests still running after this many seconds end with finish_reason
+    # "abort". Keep below the ingress deployment's graceful_shutdown_timeout_s.
+    drain_timeout_s: float = 10.0
     # Overlap: schedule the next iteration while the current one runs (a running request
     # continues from the worker's own last sampled token). Off: one step in flight per stage.
     async_scheduling: bool = True
@@ -51,6 +62,10 @@ class EngineConfig:
     num_cpus_per_worker: float = 1.0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     distributed_timeout_s: float = 600.0  # collectives that wait longer fail the step
+
+    # Security: when set, every route but /health and /metrics needs this bearer token.
+    # build_app also reads it from ORCA_SERVE_API_KEY.
+    api_key: str | None = None
 
     @classmethod
     def from_args(cls, args: dict | None) -> EngineConfig:
@@ -83,6 +98,12 @@ class EngineConfig:
             raise ConfigError("num_cpus_per_worker must be >= 0")
         if self.distributed_timeout_s <= 0:
             raise ConfigError("distributed_timeout_s must be > 0")
+        if self.max_queued_requests < 1:
+            raise ConfigError("max_queued_requests must be >= 1")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError("request_timeout_s must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ConfigError("drain_timeout_s must be >= 0")
 
     @property
     def num_workers(self) -> int:
@@ -108,6 +129,8 @@ class EngineConfig:
         return self.served_model_name or self.model
 
     def fingerprint(self) -> str:
-        """A short stable hash of the args: one scheduler actor per distinct configuration."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """A short stable hash of the engine's args: one scheduler actor per distinct engine
+        configuration (the API key and HTTP-side limits do not change the engine)."""
+        engine = {k: v for k, v in dataclasses.asdict(self).items() if k not in HTTP_ONLY}
+        blob = json.dumps(engine, sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:10]

@@ -96,6 +96,14 @@ class Executor:
         results = await asyncio.gather(*refs)
         return results[self.result_index]
 
+    async def all_alive(self, timeout_s: float = 5.0) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.gather(*[w.__ray_ready__.remote()
+                                                    for w in self.workers]), timeout_s)
+            return True
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            return False
+
     async def step_traces(self) -> list[list[tuple]]:
         return await asyncio.gather(*[w.step_trace.remote() for w in self.workers])
 

@@ -67,6 +67,7 @@ class ModelRunner:
         self.num_graph_replays = 0
         self.timeline = StepTimeline() if self.device.type == "cuda" else None
         self.link: StageLink | None = None
+        self.fail_next = False  # chaos testing: the next forward raises
 
     def allocate_stage_buffers(self, max_tokens: int, num_in_flight: int) -> None:
         """The pipeline link to the neighbouring stages (see StageLink)."""
@@ -128,6 +129,9 @@ class ModelRunner:
     def forward(self, step: StepInput) -> tuple[torch.Tensor | None, _Inputs]:
         """Apply the step's table deltas and run this stage: fp32 logits [N, V] of the N
         sampling requests on the last stage, None elsewhere (hidden states are sent on)."""
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("fault injected into the forward pass")
         self.sampler.add(step.new_requests)
         num_reqs, num_tokens = len(step.rows), len(step.token_ids)
         bucket = self.graphs.bucket_for(num_reqs) if self._is_graphable(step) else 0

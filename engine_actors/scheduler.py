@@ -169,8 +169,18 @@ class Scheduler:
         return outputs
 
     def fail_all(self) -> list[RequestOutput]:
-        """Abort every request (the workers failed); returns their final outputs."""
+        """Abort every request; returns their final outputs."""
         return [self._finish(req, FinishReason.ABORT) for req in list(self.pool.values())]
+
+    def fail_started(self) -> list[RequestOutput]:
+        """Abort the requests whose state lived on the workers (they failed); the ones still
+        waiting keep their place and run on the new workers."""
+        return [self._finish(req, FinishReason.ABORT) for req in list(self.pool.values())
+                if req.is_admitted or req.num_inflight_steps]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for r in self.pool.values() if not r.is_admitted)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         s = req.sampling

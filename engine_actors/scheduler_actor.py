@@ -27,6 +27,7 @@ from engine_actors.checkpoint import ModelInfo, model_info
 from engine_actors.config import EngineConfig
 from engine_actors.executor import Executor, resolve_device
 from engine_actors.kv_cache import KVCacheManager
+from engine_actors.metrics import EngineMetrics
 from engine_actors.policies import Budget, make_policy
 from engine_actors.request import Request, SamplingParams
 from engine_actors.scheduler import RequestOutput, RequestRejected, Scheduler
@@ -80,6 +81,9 @@ class SchedulerActor:
         self._adding: set[str] = set()  # request ids whose add_request waits for the engine
         self._early_aborts: set[str] = set()  # ... and were aborted meanwhile
         self.batches: dict[str, BatchState] = {}
+        self.state = "starting"  # starting -> ready <-> recovering; draining at the end
+        self.last_tick = time.monotonic()  # the loop's heartbeat
+        self.metrics = EngineMetrics(cfg.model_name)
 
     # ---- life cycle -------------------------------------------------------------------
     async def ready(self) -> dict:
@@ -107,6 +111,7 @@ class SchedulerActor:
                                        self.info.max_model_len, set(self.info.eos_token_ids),
                                        allow_continuation=continuation)
             self._spawn(self._run())
+            self.state = "ready"
             logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.info.name,
                         device, num_blocks, self.cfg.block_size)
         except Exception as e:
@@ -168,8 +173,9 @@ class SchedulerActor:
     # ---- requests ---------------------------------------------------------------------
     async def add_request(self, client_id: str, request_id: str, prompt_token_ids: list[int],
                           sampling: SamplingParams, priority: int = 0,
-                          deadline_ms: float | None = None) -> str | None:
-        """Queue a request; returns None, or why it was refused (it could never run).
+                          deadline_ms: float | None = None) -> dict | None:
+        """Queue a request; returns None, or a refusal {"code", "message"}: "invalid" or
+        "too_long" (it could never run), "queue_full", "draining".
 
         priority: higher runs first under the priority policy. deadline_ms: the request must
         start within this many milliseconds of arrival, or it ends with finish_reason
@@ -184,7 +190,12 @@ class SchedulerActor:
             return None  # aborted while this call was waiting for the engine to start
         refusal = sampling.check()
         if refusal is not None:
-            return refusal
+            return {"code": "invalid", "message": refusal}
+        if self.state == "draining":
+            return {"code": "draining", "message": "the server is shutting down"}
+        if self.scheduler.num_waiting >= self.cfg.max_queued_requests:
+            return {"code": "queue_full", "message": f"{self.scheduler.num_waiting} requests "
+                    "are already waiting; retry later"}
         is_batch = client_id.startswith("batch:")  # outputs collected here, not streamed
         client = None if is_batch else self.clients.setdefault(client_id, _Client())
         now = time.monotonic()
@@ -194,7 +205,7 @@ class SchedulerActor:
         try:
             self.scheduler.add(req)
         except RequestRejected as e:
-            return str(e)
+            return {"code": "too_long", "message": str(e)}
         if client is not None:
             client.request_ids.add(request_id)
         self._wake.set()
@@ -207,7 +218,7 @@ class SchedulerActor:
 
     # ---- background batches -------------------------------------------------------------
     async def submit_batch(self, batch_id: str, requests: list[tuple], priority: int = 0
-                           ) -> str | None:
+                           ) -> dict | None:
         """Queue a batch's requests, each (prompt ids, SamplingParams, deadline_ms, stop
         strings); all or nothing: returns None, or why one was refused ("request i: ...")."""
         await self.ready()
@@ -221,7 +232,7 @@ class SchedulerActor:
             if refusal is not None:
                 self.abort([state.request_id(j) for j in range(i)])
                 del self.batches[batch_id]
-                return f"request {i}: {refusal}"
+                return {"code": refusal["code"], "message": f"request {i}: {refusal['message']}"}
         return None
 
     def batch_status(self, batch_id: str) -> dict | None:
@@ -294,7 +305,10 @@ class SchedulerActor:
 
     def stats(self) -> dict:
         s = self.scheduler
-        return {"num_requests": s.num_requests if s else 0,
+        return {"state": self.state,
+                "heartbeat_age_s": time.monotonic() - self.last_tick,
+                "num_requests": s.num_requests if s else 0,
+                "num_waiting": s.num_waiting if s else 0,
                 "num_running": s.num_running if s else 0,
                 "kv_usage": s.kv.usage if s else 0.0,
                 "num_free_blocks": s.kv.num_free_blocks if s else 0,
@@ -302,6 +316,35 @@ class SchedulerActor:
                 "num_steps": self.num_steps,
                 "num_preemptions": s.num_preemptions if s else 0,
                 "num_clients": len(self.clients)}
+
+    async def health(self) -> dict:
+        """stats(), plus whether every worker answers (a dead worker is not only slow)."""
+        stats = self.stats()
+        stats["workers_alive"] = bool(self.executor) and await self.executor.all_alive()
+        return stats
+
+    def metrics_text(self) -> bytes:
+        s = self.scheduler
+        if s is not None:
+            self.metrics.running.set(s.num_running)
+            self.metrics.waiting.set(s.num_waiting)
+            self.metrics.kv_usage.set(s.kv.usage)
+        return self.metrics.render()
+
+    async def inject_fault(self, worker_index: int = 0) -> None:
+        """Make worker `worker_index` raise in its next step (chaos testing)."""
+        await self.ready()
+        await self.executor.workers[worker_index].fail_next_step.remote()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutting down: refuse new requests, let running ones finish for up to timeout_s,
+        then end the rest with finish_reason "abort"."""
+        self.state = "draining"
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler and self.scheduler.pool and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.scheduler and self.scheduler.pool:
+            self._publish(self.scheduler.fail_all())  # plain finish_reason "abort"
 
     async def workers(self) -> list:
         """The worker actor handles, stage-major (for operations and tests)."""
@@ -331,13 +374,17 @@ class SchedulerActor:
     async def _iterate(self) -> None:
         in_flight: collections.deque = collections.deque()
         while True:
+            self.last_tick = time.monotonic()
             expired = self.scheduler.expire(time.monotonic())
             if expired:
                 self._publish(expired, error=DEADLINE_MISSED)
             while len(in_flight) < self.depth:
+                preempted = self.scheduler.num_preemptions
                 batch = self.scheduler.schedule(time.monotonic())
+                self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
                 if batch is None:
                     break
+                self._observe(batch)
                 step = asyncio.ensure_future(self.executor.execute(batch.step))
                 in_flight.append((batch, step))
                 self.num_steps += 1
@@ -356,10 +403,21 @@ class SchedulerActor:
                 for _, other in in_flight:
                     other.cancel()
                 in_flight.clear()
-                self._publish(self.scheduler.fail_all(), error=WORKER_FAILURE)
+                self._publish(self.scheduler.fail_started(), error=WORKER_FAILURE)
+                self.state = "recovering"
                 await self._restart_workers()
+                self.state = "ready"
                 continue
             self._publish(self.scheduler.process(batch, sampled))
+
+    def _observe(self, batch) -> None:
+        now = time.monotonic()
+        self.metrics.batch_requests.observe(len(batch.scheduled))
+        self.metrics.batch_tokens.observe(batch.step.num_tokens)
+        for item in batch.scheduled:
+            req = item.request
+            if req.num_iterations == 1 and req.num_preemptions == 0:  # its first iteration
+                self.metrics.queue_time.observe(now - req.arrival_time)
 
     async def _restart_workers(self) -> None:
         """Replace the worker group after a failure, with the same KV pool size."""
@@ -383,6 +441,7 @@ class SchedulerActor:
             item["num_prompt_tokens"] = out.num_prompt_tokens
             item["num_output_tokens"] = out.num_output_tokens
             if out.finish_reason is not None:
+                self.metrics.finished(out.finish_reason)
                 item["finish_reason"] = out.finish_reason
                 if error is not None:
                     item["error"] = error

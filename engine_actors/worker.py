@@ -154,3 +154,7 @@ class Worker:
 
     def step_trace(self) -> list[tuple]:
         return list(self.trace)
+
+    def fail_next_step(self) -> None:
+        """Chaos testing: the next step raises inside the model's forward pass."""
+        self.runner.fail_next = True

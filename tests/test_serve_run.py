@@ -1,6 +1,8 @@
-"""The user's command: `serve run serve_config.yaml`, one ready line, Ctrl-C leaves nothing."""
+"""The user's command (`make serve`: deployments.launch -> `serve run serve_config.yaml`):
+one ready line, Ctrl-C leaves nothing behind, SIGTERM drains before it stops."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +12,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 import yaml
 
 from tests.serve_fixture import ROOT, free_port, wait_healthy
@@ -20,29 +23,43 @@ RAY_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "dashboard")
 def ray_processes() -> set[int]:
     found = set()
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
-        text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
+        try:
+            text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
+        except psutil.Error:
+            continue
         if any(m in text for m in RAY_PROCESS_MARKERS):
             found.add(p.info["pid"])
     return found
 
 
-def test_serve_run_config_then_ctrl_c(tmp_path):
-    before = ray_processes()
+def start_server(tmp_path, **args):
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
+    cfg["applications"][0]["args"].update(args)
     config_file = tmp_path / "serve_config.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
-    serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
-    proc = subprocess.Popen([serve_bin, "run", str(config_file)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.launch", str(config_file)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    return proc, url, port, lines
+
+
+def wait_gone(before: set[int], timeout=40.0):
+    deadline = time.monotonic() + timeout
+    while ray_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ray_processes() - before, "Ray processes left behind"
+
+
+def test_serve_run_config_then_ctrl_c(tmp_path):
+    before = ray_processes()
+    proc, url, port, lines = start_server(tmp_path)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url)
         r = httpx.post(f"{url}/v1/completions", timeout=30,
                        json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -54,7 +71,41 @@ def test_serve_run_config_then_ctrl_c(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
         proc.wait(timeout=60)
-    deadline = time.monotonic() + 30
-    while ray_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not ray_processes() - before, "Ray processes left behind after Ctrl-C"
+    wait_gone(before)
+
+
+def test_sigterm_drains_then_stops(tmp_path):
+    before = ray_processes()
+    proc, url, _, _ = start_server(tmp_path, drain_timeout_s=2.0)
+    events: list[dict] = []
+
+    def long_stream():
+        body = {"prompt": "keep going", "max_tokens": 3500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+
+    stream = threading.Thread(target=long_stream)
+    stream.start()
+    try:
+        while not events:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # draining: health and new requests say 503
+            health = httpx.get(f"{url}/health", timeout=5)
+            if health.status_code == 503 and health.json().get("state") == "draining":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the engine never reported draining")
+        late = httpx.post(f"{url}/v1/completions", json={"prompt": "late"}, timeout=30)
+        assert late.status_code == 503, late.text
+        stream.join(timeout=30)
+        assert events[-1]["choices"][0]["finish_reason"] == "abort"
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    wait_gone(before)

@@ -1,0 +1,77 @@
+"""Per-request latency metrics of an ingress replica (Prometheus, names as vLLM's, `orca:`).
+
+Measured where the client sees them: from the request's arrival at the replica to each
+piece of text it streams. GET /metrics renders these with the engine's own (scheduler).
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class HTTPMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+
+        def hist(name, doc):
+            return Histogram(name, doc, labelnames=labels, buckets=LATENCY_BUCKETS,
+                             registry=r).labels(**labels)
+
+        self.ttft = hist("orca:time_to_first_token_seconds", "Arrival to the first token")
+        self.tpot = hist("orca:time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request")
+        self.itl = hist("orca:inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = hist("orca:e2e_request_latency_seconds", "Arrival to the last token")
+        self._success = Counter("orca:request_success", "Finished requests, by finish reason",
+                                labelnames=[*labels, "finished_reason"], registry=r)
+        self._failure = Counter("orca:request_failure", "Requests that failed or were "
+                                "aborted, by reason", labelnames=[*labels, "reason"], registry=r)
+
+    def success(self, reason: str) -> None:
+        self._success.labels(**self._labels, finished_reason=reason).inc()
+
+    def failure(self, reason: str) -> None:
+        self._failure.labels(**self._labels, reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Token arrival times of one choice, folded into HTTPMetrics as they come."""
+
+    def __init__(self, metrics: HTTPMetrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.num_tokens = 0
+
+    def tokens(self, count: int) -> None:
+        if count == 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+            count -= 1  # the first token has a TTFT, not an inter-token gap
+            self.num_tokens += 1
+        elif count:
+            gap = (now - self.last) / count  # tokens that arrived together share the gap
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self.num_tokens += count
+        self.last = now
+
+    def done(self, finish_reason: str) -> None:
+        if self.first is not None:
+            self.metrics.e2e.observe(self.last - self.start)
+            if self.num_tokens > 1:
+                self.metrics.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
+        self.metrics.success(finish_reason)
