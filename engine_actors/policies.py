@@ -47,8 +47,8 @@ class Policy(abc.ABC):
     stop_at_first_misfit = False  # FCFS never lets a later request pass an earlier one
 
     @abc.abstractmethod
-    def order(self, ready: list[Request], now: float, tokens: int) -> list[Request]:
-        """The ready requests, most wanted first (`tokens`: the iteration's token budget)."""
+    def order(self, ready: list[Request], now: float, budget: Budget) -> list[Request]:
+        """The ready requests, most wanted first, for an iteration of this budget."""
 
     def victim(self, admitted: list[Request]) -> Request:
         """Which admitted request gives up its KV: by default the latest arrival."""
@@ -59,7 +59,7 @@ class Policy(abc.ABC):
         batch: list[Scheduled] = []
         preempt: list[Request] = []
         tokens_left = budget.max_num_tokens
-        for req in self.order(list(ready), now, budget.max_num_tokens):
+        for req in self.order(list(ready), now, budget):
             if len(batch) == budget.max_num_requests or tokens_left == 0:
                 break
             if any(req is p for p in preempt):
@@ -84,20 +84,36 @@ class Policy(abc.ABC):
             kv.admit(req, req.max_num_tokens)
             return True
         need = kv.num_new_blocks(req, req.num_computed_tokens + num_tokens)
-        chosen = {id(s.request) for s in batch} | {id(req)}
-        while (not req.is_admitted and kv.num_free_rows == 0) or need > kv.num_unreserved_blocks:
-            candidates = [r for r in admitted if id(r) not in chosen and r not in preempt]
-            if not candidates:
-                return False
-            victim = self.victim(candidates)
-            if self.outranks(victim, req):
-                return False  # never preempt a request this policy prefers
+        victims = self._plan_victims(req, need, kv, batch, preempt, admitted)
+        if victims is None:
+            return False  # not enough to take from requests it outranks: preempt nobody
+        for victim in victims:
             preempt.append(victim)
             kv.free(victim)
         if not req.is_admitted:
             kv.admit(req, 0)
         kv.grow(req, req.num_computed_tokens + num_tokens)
         return True
+
+    def _plan_victims(self, req, need, kv, batch, preempt, admitted) -> list[Request] | None:
+        """The fewest requests, in victim order, whose KV makes room for `req` (blocks, and a
+        row if it has none); None if even all it outranks would not do. Nothing is freed
+        here, so a failed plan costs no one their work."""
+        chosen = {id(s.request) for s in batch} | {id(req)}
+        candidates = [r for r in admitted if id(r) not in chosen and r not in preempt]
+        blocks, rows = kv.num_unreserved_blocks, kv.num_free_rows
+        victims: list[Request] = []
+        while (not req.is_admitted and rows == 0) or need > blocks:
+            if not candidates:
+                return None
+            victim = self.victim(candidates)
+            if self.outranks(victim, req):
+                return None  # never preempt a request this policy prefers
+            candidates.remove(victim)
+            victims.append(victim)
+            blocks += len(victim.blocks) + victim.num_reserved_blocks
+            rows += 1
+        return victims
 
     def outranks(self, a: Request, b: Request) -> bool:
         """Does the policy prefer `a` to `b`? Earlier arrivals win by default."""
@@ -116,7 +132,7 @@ class FCFS(Policy):
     reserve_full = True
     stop_at_first_misfit = True
 
-    def order(self, ready, now, tokens):
+    def order(self, ready, now, budget):
         return sorted(ready, key=lambda r: r.arrival_time)
 
 
@@ -126,7 +142,7 @@ class PriorityPolicy(Policy):
     batch or the KV is full of low-priority work: the latest low-priority request is
     preempted and recomputed later."""
 
-    def order(self, ready, now, tokens):
+    def order(self, ready, now, budget):
         return sorted(ready, key=lambda r: (-r.priority, r.arrival_time))
 
     def victim(self, admitted):
@@ -139,7 +155,7 @@ class PriorityPolicy(Policy):
 class ShortestJobFirst(Policy):
     """Baseline: shortest prompt first (running requests keep going first)."""
 
-    def order(self, ready, now, tokens):
+    def order(self, ready, now, budget):
         return sorted(ready, key=lambda r: (not r.is_started, r.num_prompt_tokens,
                                             r.arrival_time))
 
@@ -147,7 +163,7 @@ class ShortestJobFirst(Policy):
 class EarliestDeadlineFirst(Policy):
     """Baseline: earliest deadline first; requests without one come last, in arrival order."""
 
-    def order(self, ready, now, tokens):
+    def order(self, ready, now, budget):
         return sorted(ready, key=lambda r: (not r.is_started, r.deadline, r.arrival_time))
 
 
@@ -163,17 +179,18 @@ class DeadlineAware(Policy):
             raise ValueError("DAS needs 0 < eta < 1")
         self.eta, self.q = eta, 1.0 - eta
 
-    def order(self, ready, now, tokens):
+    def order(self, ready, now, budget):
         running = sorted((r for r in ready if r.is_started), key=lambda r: r.arrival_time)
         waiting = sorted((r for r in ready if not r.is_started),
                          key=lambda r: (-r.utility, r.arrival_time))
-        left = tokens - sum(r.num_new_tokens for r in running)
-        return running + self._das(waiting, left)
+        tokens = budget.max_num_tokens - sum(r.num_new_tokens for r in running)
+        slots = budget.max_num_requests - len(running)
+        return running + self._das(waiting, tokens, slots)
 
-    def _das(self, by_utility: list[Request], budget: int) -> list[Request]:
-        s, total = 0, 0  # the first s requests by utility fill the budget
+    def _das(self, by_utility: list[Request], tokens: int, slots: int) -> list[Request]:
+        s, total = 0, 0  # the first s requests by utility fill the iteration (tokens or slots)
         for r in by_utility:
-            if total + r.num_new_tokens > budget:
+            if s == slots or total + r.num_new_tokens > tokens:
                 break
             total += r.num_new_tokens
             s += 1

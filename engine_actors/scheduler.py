@@ -93,8 +93,9 @@ class Scheduler:
         return self._finish(req, FinishReason.ABORT)
 
     def expire(self, now: float) -> list[RequestOutput]:
-        """Finish the requests whose deadline passed before they could start."""
-        late = [r for r in self.pool.values() if not r.is_started and r.deadline < now]
+        """Finish the requests whose deadline passed before they could start. One that ran
+        and was preempted since has started: it finishes normally."""
+        late = [r for r in self.pool.values() if r.num_iterations == 0 and r.deadline < now]
         return [self._finish(r, FinishReason.DEADLINE) for r in late]
 
     def schedule(self, now: float = 0.0) -> Batch | None:

@@ -81,7 +81,6 @@ def _bench_worker_class():
 
 
 def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int) -> dict:
-    import asyncio
     import os
 
     import ray

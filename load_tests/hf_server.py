@@ -22,7 +22,6 @@ Modes (a small interface, two implementations):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import time

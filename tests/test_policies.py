@@ -89,27 +89,27 @@ def test_das_splits_candidates_as_tcb_algorithm_1():
             req("d_late", 7, 1, deadline=50), req("d_early", 8, 1, deadline=10),  # 1/8, 1/9
             req("low", 30, 1, deadline=1)]  # 1/31: below q * mean, despite its deadline
     # budget 4+5+7+8 = 24 fits the first s = 4 by utility; p = eta * s = 2 -> u1, u2
-    order = [r.request_id for r in das.order(pool, now=0.0, tokens=24)]
+    order = [r.request_id for r in das.order(pool, 0.0, Budget(8, 24))]
     assert order == ["u1", "u2", "d_early", "d_late", "low"]
     # running requests continue first, whatever their utility
     started = req("running", 50, 10)
     started.row = 0
-    order = [r.request_id for r in das.order(pool + [started], now=0.0, tokens=25)]
+    order = [r.request_id for r in das.order(pool + [started], 0.0, Budget(8, 25))]
     assert order[0] == "running"
 
 
 def test_das_takes_everything_when_it_all_fits():
     das = DeadlineAware()
     pool = [req("a", 10, 1, deadline=5), req("b", 2, 1, deadline=1)]
-    assert {r.request_id for r in das.order(pool, 0.0, tokens=100)} == {"a", "b"}
+    assert {r.request_id for r in das.order(pool, 0.0, Budget(8, 100))} == {"a", "b"}
 
 
 def test_sjf_and_edf_orders():
     pool = [req("long_early_deadline", 20, 1, t=0, deadline=5),
             req("short_late_deadline", 2, 1, t=1, deadline=50),
             req("mid_no_deadline", 8, 1, t=2)]
-    sjf = [r.request_id for r in make_policy("sjf").order(pool, 0.0, 100)]
-    edf = [r.request_id for r in make_policy("edf").order(pool, 0.0, 100)]
+    sjf = [r.request_id for r in make_policy("sjf").order(pool, 0.0, Budget(8, 100))]
+    edf = [r.request_id for r in make_policy("edf").order(pool, 0.0, Budget(8, 100))]
     assert sjf == ["short_late_deadline", "mid_no_deadline", "long_early_deadline"]
     assert edf == ["long_early_deadline", "short_late_deadline", "mid_no_deadline"]
 
@@ -190,3 +190,40 @@ def test_preemption_keeps_greedy_and_seeded_outputs_identical():
     for rid, prompt, sampling in requests:
         if sampling.temperature == 0.0:
             assert out_tight[rid] == hf_greedy(path, prompt, sampling.max_tokens)
+
+
+def test_das_split_applies_when_batch_slots_bind_before_tokens():
+    """With two slots, the share by deadline takes the urgent request (not pure utility)."""
+    pool = [req("u1", 10, 10, deadline=9.0), req("u2", 11, 11, deadline=9.0),
+            req("urgent", 12, 12, deadline=0.1)]
+    sel = DeadlineAware(eta=0.5).select(pool, KVCacheManager(64, 4, 8), Budget(2, 256),
+                                        now=0.0, admitted=[])
+    assert [s.request.request_id for s in sel.batch] == ["u1", "urgent"]
+
+
+def test_a_request_preempted_after_starting_is_not_expired():
+    sched, runner, outs = make("priority", num_blocks=4, max_batch=4), FakeRunner(4), {}
+    sched.add(req("low", 8, 8, t=0.0, priority=0, deadline=1.0))  # must start by t=1
+    step(sched, runner, outs, now=0.0)  # it starts
+    sched.add(req("chat", 12, 4, t=0.5, priority=1, token=2))
+    step(sched, runner, outs, now=0.5)  # chat needs 3 blocks: low is preempted
+    assert sched.num_preemptions == 1
+    assert sched.expire(now=1.5) == []  # low started in time: it finishes normally
+    drain(sched, runner, outs, now=2.0)
+    assert outs["low:finish"] == "length" and outs["low"] == expected_output([1] * 8, 8)
+
+
+def test_preemption_happens_only_when_it_makes_room():
+    """h2 needs 5 blocks; l1's 2 plus the 2 free are not enough and h0 outranks h2: nobody
+    is preempted (before, l1 lost its work every other iteration for nothing)."""
+    sched, runner, outs = make("priority", num_blocks=8, max_batch=4), FakeRunner(4), {}
+    sched.add(req("h0", 16, 8, t=0.0, priority=1))
+    sched.add(req("l1", 8, 8, t=1.0, priority=0, token=2))
+    step(sched, runner, outs, now=0.0)  # h0 holds 4 blocks, l1 2: 2 free
+    sched.add(req("h2", 20, 4, t=2.0, priority=1, token=3))
+    batch = step(sched, runner, outs, now=2.0)
+    assert ids(batch) == ["h0", "l1"] and sched.num_preemptions == 0
+    assert not sched.pool["h2"].is_admitted
+    drain(sched, runner, outs, now=10.0)
+    assert outs["l1"] == expected_output([2] * 8, 8)
+    assert outs["h2"] == expected_output([3] * 20, 4)
