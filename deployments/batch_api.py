@@ -100,7 +100,9 @@ class BatchAPI:
         out = text.add(r["token_ids"], is_final=True)
         finish = "stop" if text.is_stopped else r["finish_reason"]
         error = None
-        if r["error"]:
+        if r["error"] and finish == "abort":
+            error = APIError(409, r["error"], None, "cancelled", "cancelled").body()
+        elif r["error"]:
             error = APIError(408 if finish == "deadline" else 503, r["error"],
                              code="deadline_exceeded" if finish == "deadline" else None).body()
         used = text.num_tokens_used

@@ -46,9 +46,9 @@ class HTTPMetrics:
 class RequestTimer:
     """Token arrival times of one choice, folded into HTTPMetrics as they come."""
 
-    def __init__(self, metrics: HTTPMetrics):
+    def __init__(self, metrics: HTTPMetrics, start: float | None = None):
         self.metrics = metrics
-        self.start = time.monotonic()
+        self.start = time.monotonic() if start is None else start  # the request's arrival
         self.first: float | None = None
         self.last: float | None = None
         self.num_tokens = 0

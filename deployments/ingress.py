@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 
 import ray
@@ -38,6 +39,7 @@ from engine_actors.request import SamplingParams
 logger = logging.getLogger("orca_serve.ingress")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 HEARTBEAT_LIMIT_S = 15.0  # a scheduler loop silent for longer is stuck
+WATCH_S = 1.0  # how often a replica checks whether its application is being deleted
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
@@ -67,19 +69,46 @@ class OpenAIIngress:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
+        loop = asyncio.get_running_loop()
         # Bring the engine up in the background: /health answers 503 until it is ready.
-        self._starting = asyncio.get_running_loop().create_task(self._start())
+        self._starting = loop.create_task(self._start())
+        watcher = loop.create_task(self._watch_for_deletion())
         yield
-        # Shutting down: refuse new requests, give running ones drain_timeout_s, end the
-        # rest with finish_reason "abort"; then the last replica takes the engine with it.
+        watcher.cancel()
+        # only this replica goes (scale-down, replacement, or the end of a deletion): its own
+        # requests are aborted when it unregisters; the last replica takes the engine along
+        self._draining = True
+        await self.client.close()
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Refuse new requests; running ones get timeout_s, then finish_reason "abort"."""
         self._draining = True
         if self.client.is_connected:
             try:
-                await self.client.call("drain", self.cfg.drain_timeout_s)
+                await self.client.call("drain", timeout_s)
                 await asyncio.sleep(0.2)  # let the aborted streams flush their last event
             except Exception:
                 logger.exception("drain failed")
-        await self.client.close()
+
+    async def _watch_for_deletion(self) -> None:
+        """`serve shutdown` or deleting the app: drain the engine while Serve drains this
+        replica (Serve calls the shutdown hook only at the end of its own drain, too late
+        to end streams cleanly)."""
+        try:
+            app_name = serve.get_replica_context().app_name
+        except Exception:  # not in a Serve replica
+            return
+        while True:
+            await asyncio.sleep(WATCH_S)
+            try:
+                status = await asyncio.to_thread(serve.status)
+            except Exception:
+                continue
+            app = status.applications.get(app_name)
+            if app is not None and str(app.status).endswith("DELETING"):
+                logger.warning("application %s is being deleted: draining", app_name)
+                await self._drain(self.cfg.drain_timeout_s)
+                return
 
     # ---- start-up -----------------------------------------------------------------------
     async def _ready(self) -> dict:
@@ -152,16 +181,19 @@ class OpenAIIngress:
             "max_model_len": info["max_model_len"]}]})
 
     async def completions(self, request: Request):
+        request.state.arrival = time.monotonic()
         try:
             req = parse_body(await self._body(request), CompletionRequest)
             self._check_model(req)
             info = await self._ready()
             prompts = self._completion_prompts(req.prompt, info)
-            return await self._generate(req, prompts, req.max_tokens, info, chat=False)
+            return await self._generate(req, prompts, req.max_tokens, info, chat=False,
+                                        arrival=request.state.arrival)
         except APIError as e:
             return e.response()
 
     async def chat_completions(self, request: Request):
+        request.state.arrival = time.monotonic()
         try:
             req = parse_body(await self._body(request), ChatCompletionRequest)
             self._check_model(req)
@@ -175,7 +207,8 @@ class OpenAIIngress:
             if hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding
                 ids = ids["input_ids"]
             prompts = [(None, list(ids))]
-            return await self._generate(req, prompts, req.max_new_tokens(), info, chat=True)
+            return await self._generate(req, prompts, req.max_new_tokens(), info, chat=True,
+                                        arrival=request.state.arrival)
         except APIError as e:
             return e.response()
 
@@ -231,7 +264,7 @@ class OpenAIIngress:
                               top_p=req.top_p, top_k=max(req.top_k, 0), seed=seed,
                               ignore_eos=req.ignore_eos)
 
-    async def _generate(self, req, prompts, max_tokens, info, chat: bool):
+    async def _generate(self, req, prompts, max_tokens, info, chat: bool, arrival: float):
         limit = info["max_model_len"]
         subs = []  # (request id, prompt index, choice index, prompt text, prompt ids, sampling)
         base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -264,20 +297,20 @@ class OpenAIIngress:
             raise APIError(503, str(e), err_type="service_unavailable") from None
         choices = {rid: Choice(index, index // req.n, TextStream(self.tokenizer, req.stop_list()),
                                len(ids), self._echo_text(req, text, ids) if not chat else None,
-                               RequestTimer(self.metrics))
+                               RequestTimer(self.metrics, arrival))
                    for rid, index, text, ids, _ in subs}
-        timeout = req.timeout_s or self.cfg.request_timeout_s
+        limits = [t for t in (req.timeout_s, self.cfg.request_timeout_s) if t is not None]
+        timeout = min(limits) if limits else None  # a request may only shorten the limit
         sse = SSEWriter(base_id, self.cfg.model_name, chat, req) if req.stream else None
         if sse is not None:
             return SSEResponse(self._stream(group, choices, sse, req, timeout),
                                on_close=group.close)
         try:
-            async with asyncio.timeout(timeout):
-                async for rid, item in group:
-                    choice = choices[rid]
-                    choice.consume(item)
-                    if choice.text_stream.is_stopped:
-                        group.finish(rid)
+            async for rid, item in within(group, timeout):
+                choice = choices[rid]
+                choice.consume(item)
+                if choice.text_stream.is_stopped:
+                    group.finish(rid)
         except TimeoutError:
             self.metrics.failure("timeout")
             raise timeout_error(timeout) from None
@@ -311,20 +344,20 @@ class OpenAIIngress:
             else:
                 for choice in choices.values():
                     yield sse.chunk(choice.index, "", None, role=True)
-            async with asyncio.timeout(timeout):
-                async for rid, item in group:
-                    choice = choices[rid]
-                    delta = choice.consume(item)
-                    if choice.text_stream.is_stopped:
-                        group.finish(rid)
-                    if choice.error:
-                        self.metrics.failure("engine_failure")
-                        yield sse.error(choice.error)
-                        continue
-                    if delta or choice.finish_reason:
-                        yield sse.chunk(choice.index, delta, choice.finish_reason)
-                    if choice.finish_reason == "deadline":
-                        yield sse.error_event(deadline_error(req.deadline_ms))
+            # the time limit applies to waiting for the engine, not to writing to the client
+            async for rid, item in within(group, timeout):
+                choice = choices[rid]
+                delta = choice.consume(item)
+                if choice.text_stream.is_stopped:
+                    group.finish(rid)
+                if choice.error:
+                    self.metrics.failure("engine_failure")
+                    yield sse.error(choice.error)
+                    continue
+                if delta or choice.finish_reason:
+                    yield sse.chunk(choice.index, delta, choice.finish_reason)
+                if choice.finish_reason == "deadline":
+                    yield sse.error_event(deadline_error(req.deadline_ms))
             if sse.include_usage:
                 yield sse.usage(usage(choices))
         except TimeoutError:
@@ -348,6 +381,24 @@ class OpenAIIngress:
     async def _internal_error(self, request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
         return APIError(500, "internal server error", None, "internal_error").response()
+
+
+async def within(group, timeout_s: float | None):
+    """The group's items; TimeoutError once timeout_s have passed in all while waiting."""
+    if timeout_s is None:
+        async for item in group:
+            yield item
+        return
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            item = await asyncio.wait_for(group.__anext__(), remaining)
+        except StopAsyncIteration:
+            return
+        yield item
 
 
 async def _http_url() -> str:

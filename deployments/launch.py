@@ -2,11 +2,12 @@
 
     python -m deployments.launch [serve_config.yaml]
 
-Ctrl-C reaches `serve run` directly (same terminal process group): it shuts Serve and the
-local Ray instance down. SIGTERM (what a process supervisor sends) is handled here first:
-each application's engine drains (new requests get 503, running ones get drain_timeout_s to
-finish, the rest end with finish_reason "abort"), then `serve run` gets SIGINT and shuts
-everything down. `serve run` alone would die on SIGTERM and cut every stream mid-way.
+Ctrl-C is passed on to `serve run`, which shuts Serve and the local Ray instance down.
+SIGTERM (what a process supervisor sends) is handled here first: each application's engine
+drains (new requests get 503, running ones get drain_timeout_s to finish, the rest end with
+finish_reason "abort"), then `serve run` gets SIGINT and shuts everything down. `serve run`
+alone would die on SIGTERM and cut every stream mid-way. It runs in its own session, so a
+supervisor that signals this whole process group cannot kill it before the drain.
 """
 from __future__ import annotations
 
@@ -55,19 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config = argv[0] if argv else "serve_config.yaml"
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
-    child = subprocess.Popen([serve_bin, "run", config])
+    child = subprocess.Popen([serve_bin, "run", config], start_new_session=True)
     terminating = []
+
+    def on_sigint(signum, frame):
+        child.send_signal(signal.SIGINT)
 
     def on_sigterm(signum, frame):
         if terminating:
             return
         terminating.append(True)
         print("orca-serve: SIGTERM: draining, then shutting down", file=sys.stderr)
-        drain_engines(config)
-        child.send_signal(signal.SIGINT)
+        try:
+            drain_engines(config)
+        except Exception as e:  # shut down anyway
+            print(f"orca-serve: drain failed: {e}", file=sys.stderr)
+        finally:
+            child.send_signal(signal.SIGINT)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C reaches the child
+    signal.signal(signal.SIGINT, on_sigint)
     while True:
         try:
             return child.wait()

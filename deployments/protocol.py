@@ -186,8 +186,8 @@ def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> 
                         headers={"Retry-After": "1"})
     if code == "draining":
         return APIError(503, message, None, "shutting_down", "service_unavailable")
-    return APIError(400, message, param,
-                    "context_length_exceeded" if code == "too_long" else "invalid_value")
+    codes = {"too_long": "context_length_exceeded", "batch_too_large": "batch_too_large"}
+    return APIError(400, message, param, codes.get(code, "invalid_value"))
 
 
 def parse_body(raw: bytes, schema: type[_Base]) -> Any:

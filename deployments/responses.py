@@ -10,15 +10,19 @@ from deployments.protocol import APIError, SamplingFields
 from deployments.text_stream import TextStream
 
 
+# OpenAI's client retries a 408 by itself; it would only run out of time again
+NO_RETRY = {"x-should-retry": "false"}
+
+
 def timeout_error(timeout_s: float | None) -> APIError:
     return APIError(408, f"the request did not finish within {timeout_s:g} s", "timeout_s",
-                    "timeout", "timeout_error")
+                    "timeout", "timeout_error", headers=NO_RETRY)
 
 
 def deadline_error(deadline_ms: float | None) -> APIError:
     return APIError(408, f"the request's deadline ({deadline_ms:g} ms after arrival) passed "
                          "before it could start", "deadline_ms", "deadline_exceeded",
-                    "timeout_error")
+                    "timeout_error", headers=NO_RETRY)
 
 
 class SSEResponse(StreamingResponse):
@@ -110,7 +114,9 @@ class SSEWriter:
                 "model": self.model, "choices": choices}
         if self.include_usage:
             body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        # ASCII-only JSON: U+2028, NEL and the like stay escaped, so clients that split lines
+        # on every Unicode line break (many do) still see one event per line
+        return f"data: {json.dumps(body)}\n\n"
 
     def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False) -> str:
         if self.chat:

@@ -140,7 +140,7 @@ class ModelRunner:
             self.block_table[inputs.table_rows, inputs.table_cols] = inputs.table_blocks
         input_ids = hidden = residual = None
         if self.pg.is_first_stage:
-            # -1 placeholders: the token this row's previous step sampled, still on the device
+            # -1 (CONTINUE): the token this row's previous step sampled, still on the device
             input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids,
                                     self.last_sampled[inputs.token_rows])
         else:
@@ -216,7 +216,7 @@ class ModelRunner:
 
 @dataclass(slots=True)
 class _Inputs:
-    input_ids: torch.Tensor  # [T] (placeholders -1)
+    input_ids: torch.Tensor  # [T] (-1: continue from the last sample)
     positions: torch.Tensor  # [T]
     token_rows: torch.Tensor  # [T] table row of each token's request
     cu_seqlens_q: torch.Tensor  # [B+1]

@@ -22,6 +22,9 @@ from engine_actors.kv_cache import KVCacheManager
 from engine_actors.request import Request
 
 
+MAX_MISFITS = 16  # requests that do not fit, after which an iteration stops looking
+
+
 @dataclass(slots=True)
 class Budget:
     max_num_requests: int
@@ -59,6 +62,7 @@ class Policy(abc.ABC):
         batch: list[Scheduled] = []
         preempt: list[Request] = []
         tokens_left = budget.max_num_tokens
+        misfits = 0
         for req in self.order(list(ready), now, budget):
             if len(batch) == budget.max_num_requests or tokens_left == 0:
                 break
@@ -66,7 +70,10 @@ class Policy(abc.ABC):
                 continue  # gave its KV to an earlier pick of this iteration
             num_tokens = min(req.num_new_tokens, tokens_left)
             if not self._fit(req, num_tokens, kv, batch, preempt, admitted or []):
-                if self.stop_at_first_misfit:
+                misfits += 1
+                # a full KV pool makes every later pick a failed preemption plan too: bound
+                # the scan, or a long queue costs more than a GPU step
+                if self.stop_at_first_misfit or misfits == MAX_MISFITS:
                     break
                 continue
             batch.append(Scheduled(req, num_tokens))

@@ -6,7 +6,7 @@ scheduler actor drives these two around the workers; tests drive them with a fak
 
 With `allow_continuation`, a request may be scheduled again while a step that samples its
 next token is still in flight (overlapped scheduling): the step message carries
-PLACEHOLDER for that token and the worker substitutes its own last sample for the row.
+CONTINUE (-1) for that token and the worker substitutes its own last sample for the row.
 Without it, the batches in flight are disjoint (ORCA, needed with pipeline stages).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from engine_actors.policies import Budget, Policy, Scheduled
 from engine_actors.request import FinishReason, Request, RequestStatus
 
 
-PLACEHOLDER = -1  # "the token this row's previous step samples", resolved on the worker
+CONTINUE = -1  # "the token this row's previous step samples", resolved on the worker
 
 
 class RequestRejected(ValueError):
@@ -61,7 +61,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return sum(1 for r in self.pool.values() if r.is_admitted)
+        """Admitted requests: each holds one table row."""
+        return self.kv.max_num_seqs - self.kv.num_free_rows
 
     def is_ready(self, req: Request) -> bool:
         """Can `req` take part in the next step? Once its samples (received or in flight)
@@ -126,7 +127,7 @@ class Scheduler:
             step.query_lens.append(n)
             known = req.token_ids[start:start + n]
             step.token_ids.extend(known)
-            step.token_ids.extend([PLACEHOLDER] * (n - len(known)))
+            step.token_ids.extend([CONTINUE] * (n - len(known)))
             sample = start + n == req.num_tokens + req.num_inflight_samples
             step.sample.append(sample)
             req.num_inflight_samples += sample
@@ -181,7 +182,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for r in self.pool.values() if not r.is_admitted)
+        return len(self.pool) - self.num_running
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         s = req.sampling

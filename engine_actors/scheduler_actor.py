@@ -36,6 +36,7 @@ logger = logging.getLogger("orca_serve.scheduler")
 NAMESPACE = "orca-serve"
 ORPHAN_GRACE_S = 30.0
 HEARTBEAT_S = 2.0
+MAX_UNKNOWN_ABORTS = 4096
 WORKER_FAILURE = "the engine's workers failed; the request was aborted (see the server log)"
 DEADLINE_MISSED = "the request's deadline passed before it could start"
 
@@ -80,6 +81,9 @@ class SchedulerActor:
         self._tasks: set[asyncio.Task] = set()  # background tasks, kept alive
         self._adding: set[str] = set()  # request ids whose add_request waits for the engine
         self._early_aborts: set[str] = set()  # ... and were aborted meanwhile
+        # aborts of ids not (yet) known: Ray may run an abort before the add_request sent
+        # ahead of it, so remember a bounded number of them
+        self._unknown_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.batches: dict[str, BatchState] = {}
         self.state = "starting"  # starting -> ready <-> recovering; draining at the end
         self.last_tick = time.monotonic()  # the loop's heartbeat
@@ -111,7 +115,8 @@ class SchedulerActor:
                                        self.info.max_model_len, set(self.info.eos_token_ids),
                                        allow_continuation=continuation)
             self._spawn(self._run())
-            self.state = "ready"
+            if self.state != "draining":
+                self.state = "ready"
             logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.info.name,
                         device, num_blocks, self.cfg.block_size)
         except Exception as e:
@@ -185,9 +190,10 @@ class SchedulerActor:
             await self.ready()
         finally:
             self._adding.discard(request_id)
-        if request_id in self._early_aborts:
+        if request_id in self._early_aborts or request_id in self._unknown_aborts:
             self._early_aborts.discard(request_id)
-            return None  # aborted while this call was waiting for the engine to start
+            self._unknown_aborts.pop(request_id, None)
+            return None  # aborted before it was added
         refusal = sampling.check()
         if refusal is not None:
             return {"code": "invalid", "message": refusal}
@@ -223,6 +229,10 @@ class SchedulerActor:
         strings); all or nothing: returns None, or why one was refused ("request i: ...")."""
         await self.ready()
         prune(self.batches, time.time())
+        if len(requests) > self.cfg.max_queued_requests:
+            return {"code": "batch_too_large",
+                    "message": f"a batch of {len(requests)} requests can never fit the queue "
+                               f"of {self.cfg.max_queued_requests}; split it"}
         state = self.batches[batch_id] = BatchState(batch_id, len(requests),
                                                     [r[3] for r in requests])
         client_id = BatchState.client_id(batch_id)
@@ -236,6 +246,7 @@ class SchedulerActor:
         return None
 
     def batch_status(self, batch_id: str) -> dict | None:
+        prune(self.batches, time.time())
         state = self.batches.get(batch_id)
         return state.status() if state else None
 
@@ -243,7 +254,8 @@ class SchedulerActor:
         state = self.batches.get(batch_id)
         if state is None:
             return None
-        state.cancelled = True
+        if len(state.results) < state.num_requests:  # a finished batch stays as it ended
+            state.cancelled = True
         self.abort([state.request_id(i) for i in range(state.num_requests)
                     if i not in state.results])
         return state.status()
@@ -256,14 +268,14 @@ class SchedulerActor:
             return
         sent: set[int] = set()
         while True:
-            state.changed.clear()
-            new = [r for i, r in state.results.items() if i not in sent]
+            changed = state.changed  # replaced (and set) on every change: no reader misses one
+            new = [state.result(i) for i in state.results if i not in sent]
             sent.update(r["index"] for r in new)
             if new:
                 yield new
             if len(sent) == state.num_requests:
                 return
-            await state.changed.wait()
+            await changed.wait()
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -274,6 +286,10 @@ class SchedulerActor:
                 self._forget(out)
             elif rid in self._adding:
                 self._early_aborts.add(rid)
+            else:
+                self._unknown_aborts[rid] = None
+                while len(self._unknown_aborts) > MAX_UNKNOWN_ABORTS:
+                    self._unknown_aborts.popitem(last=False)
 
     async def stream(self, client_id: str, owner=None):
         """Yields {request_id: output} with every output for this client since the last yield.
@@ -404,9 +420,11 @@ class SchedulerActor:
                     other.cancel()
                 in_flight.clear()
                 self._publish(self.scheduler.fail_started(), error=WORKER_FAILURE)
-                self.state = "recovering"
+                if self.state != "draining":
+                    self.state = "recovering"
                 await self._restart_workers()
-                self.state = "ready"
+                if self.state != "draining":
+                    self.state = "ready"
                 continue
             self._publish(self.scheduler.process(batch, sampled))
 

@@ -1,6 +1,8 @@
 """GPU time of the worker's steps, and GPU idle time between them."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -9,9 +11,15 @@ class StepTimeline:
     control plane), from CUDA events recorded around each step's work."""
 
     def __init__(self) -> None:
-        self.reset()
+        # end() runs on the worker's launch thread, collect()/reset() on its event loop
+        self._lock = threading.Lock()
+        self._reset()
 
     def reset(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def _reset(self) -> None:
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._prev_stop: torch.cuda.Event | None = None
         self.busy_ms = self.idle_ms = 0.0
@@ -24,9 +32,10 @@ class StepTimeline:
     def end(self) -> None:
         stop = torch.cuda.Event(enable_timing=True)
         stop.record()
-        self.events.append((self._start, stop))
-        if len(self.events) > 64:  # bound memory: fold in what has finished, without waiting
-            self._fold(wait=False)
+        with self._lock:
+            self.events.append((self._start, stop))
+            if len(self.events) > 64:  # bound memory: fold in what has finished, no waiting
+                self._fold(wait=False)
 
     def _fold(self, wait: bool) -> None:
         while self.events and (wait or self.events[0][1].query()):
@@ -40,6 +49,7 @@ class StepTimeline:
 
     def collect(self) -> dict:
         """Fold in the steps recorded so far (waits for them to finish)."""
-        self._fold(wait=True)
+        with self._lock:
+            self._fold(wait=True)
         return {"num_steps": self.num_steps, "gpu_busy_ms": self.busy_ms,
                 "gpu_idle_between_steps_ms": self.idle_ms}

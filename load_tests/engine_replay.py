@@ -9,6 +9,8 @@ calibration steps.
 """
 from __future__ import annotations
 
+import contextlib
+
 import asyncio
 import os
 import time
@@ -62,10 +64,10 @@ class LocalEngine:
     def __exit__(self, *exc) -> None:
         import ray
         try:
-            if self.actor is not None:
-                ray.get(self.actor.shutdown.remote())
-        except ray.exceptions.RayActorError:
-            pass  # shutdown kills the actor, so the call itself may end in this error
+            # shutdown kills the actor, so the call itself may end in RayActorError
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                if self.actor is not None:
+                    ray.get(self.actor.shutdown.remote())
         finally:
             ray.shutdown()
 

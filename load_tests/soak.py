@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -23,17 +24,33 @@ from load_tests.load_client import LoadConfig, sweep
 from load_tests.traces import make_trace
 
 
-def ray_rss_mb() -> float:
-    """Resident memory of all Ray processes (workers, raylet, GCS, Serve), MB."""
-    total = 0
-    for p in psutil.process_iter(["name", "cmdline", "memory_info"]):
+def ray_memory_mb() -> dict:
+    """Memory of all Ray processes (workers, raylet, GCS, Serve), MB: resident (which counts
+    the shared object store pages each process has touched) and unique (what it alone holds,
+    the number a leak grows)."""
+    rss = uss = 0
+    for p in psutil.process_iter(["name", "cmdline"]):
         try:
             text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
             if "ray::" in text or "raylet" in text or "gcs_server" in text:
-                total += p.info["memory_info"].rss
+                mem = p.memory_full_info()
+                rss, uss = rss + mem.rss, uss + mem.uss
         except (psutil.Error, TypeError):
             continue
-    return total / 2**20
+    return {"rss": rss / 2**20, "uss": uss / 2**20}
+
+
+class MemorySampler(threading.Thread):
+    """Ray's memory every `period_s` during the soak, to tell a plateau from a leak."""
+
+    def __init__(self, period_s: float):
+        super().__init__(daemon=True)
+        self.period_s, self.samples, self.stop = period_s, [], threading.Event()
+
+    def run(self):
+        start = time.monotonic()
+        while not self.stop.wait(self.period_s):
+            self.samples.append({"t_s": round(time.monotonic() - start), **ray_memory_mb()})
 
 
 def wait_idle(url: str, timeout_s: float = 120.0) -> dict:
@@ -67,12 +84,15 @@ def main(argv=None) -> dict:
                            show_progress=False, num_warmup=8)
         capacity = asyncio.run(sweep(quick, trace, [float("inf")]))[0]["request_throughput"]
         before_kv = wait_idle(url)
-        before_mb = ray_rss_mb()
+        before_mb = ray_memory_mb()
         rate = args.load * capacity
         soak = LoadConfig(url, duration_s=args.duration, num_warmup=0, show_progress=True)
+        sampler = MemorySampler(period_s=args.duration / 10)
+        sampler.start()
         result = asyncio.run(sweep(soak, trace, [rate]))[0]
+        sampler.stop.set()
         after_kv = wait_idle(url)
-        after_mb = ray_rss_mb()
+        after_mb = ray_memory_mb()
     finally:
         stop_app()
     report = {"date": time.strftime("%Y-%m-%d"), "duration_s": args.duration,
@@ -81,7 +101,8 @@ def main(argv=None) -> dict:
               "kv_free_blocks_before": before_kv["num_free_blocks"],
               "kv_free_blocks_after": after_kv["num_free_blocks"],
               "num_blocks": after_kv["num_blocks"],
-              "ray_rss_mb_before": before_mb, "ray_rss_mb_after": after_mb}
+              "ray_memory_mb_before": before_mb, "ray_memory_mb_after": after_mb,
+              "ray_memory_mb_during": sampler.samples}
     print(json.dumps({k: v for k, v in report.items() if k != "result"}, indent=2))
     if args.out:
         with open(args.out, "w") as f:

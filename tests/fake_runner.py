@@ -18,7 +18,7 @@ class FakeRunner:
         self.block_size = block_size
         self.seqs: dict[int, list[int]] = {}  # row -> tokens whose KV exists
         self.tables: dict[int, dict[int, int]] = {}  # row -> col -> block
-        self.last_sample: dict[int, int] = {}  # row -> token it sampled last (placeholders)
+        self.last_sample: dict[int, int] = {}  # row -> token it sampled last (for -1 tokens)
         self.steps: list[StepInput] = []
 
     def execute(self, step: StepInput) -> list[int]:
@@ -34,7 +34,7 @@ class FakeRunner:
             seq = self.seqs[row]
             assert ctx == len(seq), f"row {row}: context {ctx} but {len(seq)} tokens cached"
             new = step.token_ids[offset:offset + n]
-            assert all(t >= 0 for t in new[:-1]), "only the last new token can be a placeholder"
+            assert all(t >= 0 for t in new[:-1]), "only the last new token can be a continuation (-1)"
             seq.extend(self.last_sample[row] if t < 0 else t for t in new)
             offset += n
             needed = -(-len(seq) // self.block_size)

@@ -51,6 +51,17 @@ def wait_healthy(url: str, timeout: float = 180.0) -> dict:
     raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
+def wait_idle(url: str, timeout: float = 20.0, headers: dict | None = None) -> dict:
+    """Until no request is left and every KV block is free again; the final /health body."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = httpx.get(f"{url}/health", timeout=10, headers=headers).json()
+        if s.get("num_requests") == 0 and s.get("num_free_blocks") == s.get("num_blocks"):
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"engine not back to baseline: {s}")
+
+
 def stop_app():
     import ray
     from ray import serve

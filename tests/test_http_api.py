@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machin
 from engine_actors.checkpoint import resolve_model_path
 from engine_actors.config import DEFAULT_MODEL
 from tests.engine_harness import hf_greedy
-from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy
+from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy, wait_idle
 
 MODEL = "tiny-random-llama"
 NO_EOS = {"ignore_eos": True}
@@ -39,17 +39,6 @@ def tokenizer():
 
 def stats(url):
     return httpx.get(f"{url}/health", timeout=5).json()
-
-
-def wait_idle(url, timeout=10.0):
-    """Until no request is left and every KV block is free again."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = stats(url)
-        if s["num_requests"] == 0 and s["num_free_blocks"] == s["num_blocks"]:
-            return s
-        time.sleep(0.05)
-    raise AssertionError(f"engine not idle: {stats(url)}")
 
 
 def test_models(client):

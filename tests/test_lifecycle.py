@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -14,7 +15,7 @@ from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy
 
 @pytest.fixture(scope="module")
 def app():
-    cfg = app_config()
+    cfg = app_config(drain_timeout_s=2.0)
     url = start_app(cfg)
     yield url, cfg
     stop_app()
@@ -95,13 +96,50 @@ def test_dead_ingress_replica_loses_its_requests_not_the_engine(app):
     assert wait_healthy(url)["status"] == "ok"
 
 
-def test_deleting_the_application_tears_the_engine_down(app):
+def test_a_replica_leaving_does_not_stop_the_shared_engine(app):
+    """Scale 1 -> 2 -> 1 replicas: the replica that stops must not drain the engine the
+    other one still serves from."""
+    from ray import serve
+
+    from deployments.ingress import OpenAIIngress
+    url, cfg = app
+    engine = EngineConfig.from_args(cfg["args"])
+    for replicas in (2, 1):
+        ingress = OpenAIIngress.options(num_replicas=replicas,
+                                        graceful_shutdown_timeout_s=engine.drain_timeout_s + 15)
+        serve.run(ingress.bind(engine), name=cfg["name"], route_prefix=cfg["route_prefix"])
+    time.sleep(3)  # the extra replica has stopped
+    assert wait_healthy(url)["status"] == "ok"
+    ok = httpx.post(f"{url}/v1/completions", timeout=60,
+                    json={"prompt": "still", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_deleting_the_application_drains_then_tears_the_engine_down(app):
+    import threading
+
     import ray
     from ray import serve
     from ray.util import placement_group_table
     url, cfg = app
     scheduler_handle(cfg)  # exists while the app runs
-    serve.delete(cfg["name"])
+    events = []
+
+    def long_stream():
+        body = {"prompt": "x", "max_tokens": 3500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+
+    stream = threading.Thread(target=long_stream)
+    stream.start()
+    while not events:
+        time.sleep(0.05)
+    serve.delete(cfg["name"])  # what `serve shutdown` does to every application
+    stream.join(timeout=60)
+    # the running request ended cleanly after drain_timeout_s, not with a cut connection
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
 
     def gone():
         try:

@@ -61,8 +61,8 @@ def test_greedy_matches_transformers(checkpoint, block_size, budget, overlap):
                              max_num_batched_tokens=budget, max_num_tokens=4096,
                              async_scheduling=overlap)
     check_parity(checkpoint, engine, ragged_workload(seed=block_size))
-    placeholders = any(-1 in s.token_ids for s in engine.steps)
-    assert placeholders == overlap  # overlapped steps continue from the worker's samples
+    continued = any(-1 in s.token_ids for s in engine.steps)
+    assert continued == overlap  # overlapped steps continue from the worker's samples
     if budget < 60:
         assert any(q == budget for s in engine.steps for q in s.query_lens), "no chunked prefill"
     kv = engine.scheduler.kv

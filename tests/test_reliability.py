@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy
+from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy, wait_idle
 
 KEY = "test-key-123"
 QUEUE = 120  # max_queued_requests: room for 100 concurrent streams, still easy to fill
@@ -26,16 +26,6 @@ def url():
 
 def stats(url):
     return httpx.get(f"{url}/health", timeout=10).json()
-
-
-def wait_idle(url, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = stats(url)
-        if s.get("num_requests") == 0 and s.get("num_free_blocks") == s.get("num_blocks"):
-            return s
-        time.sleep(0.1)
-    raise AssertionError(f"not back to baseline: {stats(url)}")
 
 
 def complete(url, **body):

@@ -169,7 +169,7 @@ def test_eos_while_the_next_step_is_in_flight_drops_its_token():
     sched.add(Request("e", prompt, SamplingParams(max_tokens=10), 0.0))
     b1 = sched.schedule()
     r1 = runner.execute(b1.step)
-    b2 = sched.schedule()  # continues with a placeholder before r1 is known
+    b2 = sched.schedule()  # continues (token -1) before r1 is known
     assert b2 is not None and b2.step.token_ids == [-1]
     r2 = runner.execute(b2.step)
     outs = sched.process(b1, r1)
