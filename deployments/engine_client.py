@@ -7,6 +7,7 @@ an error at once and the next request brings a new scheduler up.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 import ray
@@ -74,6 +75,17 @@ class RequestGroup:
             self.unfinished.clear()
 
 
+def detached(fn, *args):
+    """`fn(*args)` outside the current request's Ray task. Serve cancels a request whose
+    client left with `ray.cancel(recursive=True)`, which also cancels the Ray calls that
+    request made, including ones it makes while it is being cancelled: without this, the
+    abort sent from a cancelled handler's `finally` was sometimes dropped (a few streams in a
+    thousand kept generating to their max_tokens), and a stream opened by the first request
+    would die with it. Ray keeps the caller's task id in a context variable: a fresh context
+    has none."""
+    return contextvars.Context().run(fn, *args)
+
+
 def _own_actor():
     """This replica's actor handle, so the scheduler can tell when it dies (None off-actor)."""
     try:
@@ -116,7 +128,8 @@ class EngineClient:
                 except ray.exceptions.RayTaskError as e:  # start failed: say why, no traceback
                     raise EngineUnavailable(str(getattr(e, "cause", None) or e)) from None
                 self._actor = actor
-                self._stream_task = asyncio.get_running_loop().create_task(self._consume(actor))
+                self._stream_task = asyncio.get_running_loop().create_task(
+                    self._consume(actor), context=contextvars.Context())  # see detached()
         return self.info
 
     async def _consume(self, actor) -> None:
@@ -193,7 +206,7 @@ class EngineClient:
     @staticmethod
     def abort(actor, request_ids: list[str]) -> None:
         try:
-            actor.abort.remote(request_ids)
+            detached(actor.abort.remote, request_ids)
         except Exception:  # the scheduler is gone, and with it the request
             pass
 
