@@ -56,14 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config = argv[0] if argv else "serve_config.yaml"
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
-    child = subprocess.Popen([serve_bin, "run", config], start_new_session=True)
+    child: subprocess.Popen | None = None
     terminating = []
 
     def on_sigint(signum, frame):
-        child.send_signal(signal.SIGINT)
+        if child is not None:
+            child.send_signal(signal.SIGINT)
 
     def on_sigterm(signum, frame):
-        if terminating:
+        if terminating or child is None:
             return
         terminating.append(True)
         print("orca-serve: SIGTERM: draining, then shutting down", file=sys.stderr)
@@ -74,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             child.send_signal(signal.SIGINT)
 
+    # Handlers first: a shell starts background jobs with SIGINT ignored, and an ignored
+    # signal stays ignored across exec, so `serve run` would never stop. A caught one is
+    # reset to its default in the child.
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, on_sigint)
+    child = subprocess.Popen([serve_bin, "run", config], start_new_session=True)
     while True:
         try:
             return child.wait()

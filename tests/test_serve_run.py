@@ -32,7 +32,12 @@ def ray_processes() -> set[int]:
     return found
 
 
-def start_server(tmp_path, **args):
+def as_background_job():
+    """What a shell does to a command started with `&`: SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start_server(tmp_path, preexec_fn=None, **args):
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
@@ -41,7 +46,7 @@ def start_server(tmp_path, **args):
     config_file.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "deployments.launch", str(config_file)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=preexec_fn)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -75,8 +80,10 @@ def test_serve_run_config_then_ctrl_c(tmp_path):
 
 
 def test_sigterm_drains_then_stops(tmp_path):
+    """Also when started in the background, where `serve run` would inherit SIGINT ignored
+    and never stop."""
     before = ray_processes()
-    proc, url, _, _ = start_server(tmp_path, drain_timeout_s=2.0)
+    proc, url, _, _ = start_server(tmp_path, preexec_fn=as_background_job, drain_timeout_s=2.0)
     events: list[dict] = []
 
     def long_stream():
