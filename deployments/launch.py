@@ -11,7 +11,6 @@ supervisor that signals this whole process group cannot kill it before the drain
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -55,7 +54,6 @@ def drain_engines(config_path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config = argv[0] if argv else "serve_config.yaml"
-    serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
     child: subprocess.Popen | None = None
     terminating = []
 
@@ -80,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     # reset to its default in the child.
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, on_sigint)
-    child = subprocess.Popen([serve_bin, "run", config], start_new_session=True)
+    # `serve run` through this Python: the `serve` script is not on PATH in every install
+    child = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", config],
+                             start_new_session=True)
     while True:
         try:
             return child.wait()

@@ -60,6 +60,7 @@ class Executor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=i),
                 runtime_env={"env_vars": WORKER_ENV},
+                enable_task_events=False,  # see SchedulerActor's options
             ).remote(cfg, device, max_model_len, i)
             for i in range(cfg.num_workers)]
         # the last stage's first rank returns the sampled tokens

@@ -24,6 +24,9 @@ for part in $BENCH; do
     decode) python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --out "$OUT/decode-8b.json" 2>&1 | tail -15 ;;
     offline-1b) python3 -m load_tests.bench_offline --model llama-1b --systems "${SYSTEMS:-orca,hf-static,hf-cb,hf-cb-tuned}" --out "$OUT/offline-1b.json" > "$OUT/offline-1b.log" 2>&1; tail -8 "$OUT/offline-1b.log" ;;
     offline-8b) python3 -m load_tests.bench_offline --model llama-8b --systems "${SYSTEMS:-orca,hf-static,hf-cb,hf-cb-tuned}" --out "$OUT/offline-8b.json" > "$OUT/offline-8b.log" 2>&1; tail -8 "$OUT/offline-8b.log" ;;
+    online) MODEL=llama-8b DEVICE=cuda OUT="$OUT" PY=python3 RATES=${RATES:-4,16,48} \
+              HF_RATES=${HF_RATES:-0.5,2,4} DURATION=${DURATION:-10} \
+              bash load_tests/load_sweep.sh > "$OUT/online.log" 2>&1; tail -30 "$OUT/online.log" ;;
     dist-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tee "$OUT/dist-tests.log" | tail -5 ;;
     dist-decode) for tp in 1 2; do timeout 240 python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp $tp --out "$OUT/decode-8b-tp$tp.json" > "/tmp/decode-tp$tp.log" 2>&1; tail -14 "/tmp/decode-tp$tp.log"; done ;;
     dist-offline) for c in ${CONFIGS:-1,1 1,2 2,1 2,2}; do tp=${c%,*}; pp=${c#*,}; timeout 300 python3 -m load_tests.bench_offline --model llama-8b --systems orca --tp $tp --pp $pp --label "orca-tp$tp-pp$pp" --out "$OUT/offline-8b-tp$tp-pp$pp.json" > "/tmp/offline-tp$tp-pp$pp.log" 2>&1; tail -1 "/tmp/offline-tp$tp-pp$pp.log"; done ;;

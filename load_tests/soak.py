@@ -27,17 +27,31 @@ from load_tests.traces import make_trace
 def ray_memory_mb() -> dict:
     """Memory of all Ray processes (workers, raylet, GCS, Serve), MB: resident (which counts
     the shared object store pages each process has touched) and unique (what it alone holds,
-    the number a leak grows)."""
+    the number a leak grows), and the unique memory of each kind of process, to find one."""
     rss = uss = 0
+    by_process: dict[str, float] = {}
     for p in psutil.process_iter(["name", "cmdline"]):
         try:
             text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
             if "ray::" in text or "raylet" in text or "gcs_server" in text:
                 mem = p.memory_full_info()
                 rss, uss = rss + mem.rss, uss + mem.uss
+                label = process_label(text)
+                by_process[label] = by_process.get(label, 0.0) + mem.uss / 2**20
         except (psutil.Error, TypeError):
             continue
-    return {"rss": rss / 2**20, "uss": uss / 2**20}
+    return {"rss": rss / 2**20, "uss": uss / 2**20,
+            "uss_by_process": {k: round(v, 1) for k, v in sorted(by_process.items())}}
+
+
+def process_label(text: str) -> str:
+    """"ray::SchedulerActor.step" -> "SchedulerActor"; raylet, gcs_server, dashboard... as is."""
+    if "ray::" in text:
+        return text.split("ray::", 1)[1].split()[0].split(".")[0].split(":")[0] or "ray::"
+    for name in ("gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor", "raylet"):
+        if name in text:
+            return name
+    return "other"
 
 
 class MemorySampler(threading.Thread):

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Online latency-throughput sweep, systems side by side (ORCA Figure 10's form), one at a
+# time on the same device: this engine through `serve run`, then transformers' continuous
+# batching and static batching behind load_tests/hf_server.py, all driven by the same load
+# client with the same trace, then the report (table, plot, sustained rates). HF_CB_CONFIG
+# replaces the continuous-batching config used on CUDA (JSON, '{}' for the defaults).
+#   MODEL=llama-8b DEVICE=cuda bash load_tests/load_sweep.sh        (the GPU machine)
+#   MODEL=tiny-random-llama DEVICE=cpu RATES=2,8 DURATION=5 bash load_tests/load_sweep.sh
+set -uo pipefail
+MODEL=${MODEL:-llama-8b}; DEVICE=${DEVICE:-cuda}; OUT=${OUT:-out}
+TRACE=${TRACE:-orca}; RATES=${RATES:-2,8,16,32,48,64}; HF_RATES=${HF_RATES:-0.5,1,2,4,8}
+DURATION=${DURATION:-20}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-static"}
+PY=${PY:-python3}
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+VOCAB=$($PY -c "from engine_actors.checkpoint import load_hf_config, resolve_model_path; print(load_hf_config(resolve_model_path('$MODEL')).vocab_size)")
+wait_up() {  # until GET url/health answers 200 (5 minutes at most)
+  $PY -c "import httpx, sys, time
+for _ in range(300):
+    try:
+        if httpx.get(sys.argv[1] + '/health', timeout=2).status_code == 200: sys.exit(0)
+    except httpx.HTTPError: pass
+    time.sleep(1)
+sys.exit(1)" "$1"
+}
+client() {  # system url rates
+  $PY -m load_tests.load_client --url "$2" --system "$1" --trace "$TRACE" --vocab-size "$VOCAB" \
+    --rates "$3" --duration "$DURATION" --drain-timeout 120 --no-progress \
+    --out "$OUT/load-$1.json" 2>&1 | tail -12
+}
+for system in $SYSTEMS; do
+  echo "=== $system"
+  case $system in
+    orca)
+      $PY - "$MODEL" "$DEVICE" > /tmp/sweep_config.yaml <<'PYEOF'
+import sys, yaml
+cfg = yaml.safe_load(open("serve_config.yaml"))
+args = cfg["applications"][0]["args"]
+args.update(model=sys.argv[1], device=sys.argv[2], max_batch_size=256,
+            max_num_batched_tokens=8192)
+args.pop("max_num_tokens", None) if sys.argv[2] == "cuda" else None
+print(yaml.safe_dump(cfg))
+PYEOF
+      $PY -m deployments.launch /tmp/sweep_config.yaml > "$OUT/serve-orca.log" 2>&1 &
+      pid=$!
+      if wait_up http://127.0.0.1:8000; then client orca http://127.0.0.1:8000 "$RATES"
+      else echo "orca did not come up"; tail -20 "$OUT/serve-orca.log"; fi
+      kill -TERM $pid; wait $pid ;;
+    hf-cb|hf-static)
+      mode=${system#hf-}
+      extra=()
+      [ "$mode" = static ] && extra=(--max-batch-size 32)
+      [ "$mode" = cb ] && [ "$DEVICE" = cuda ] && extra=(--cb-config "${HF_CB_CONFIG:-{\"use_cuda_graph\": true, \"max_batch_tokens\": 16384, \"default_compile_level\": 1\}}")
+      [ "$mode" = cb ] && [ "$DEVICE" = cpu ] && extra=(--cb-config '{"num_blocks": 256, "max_batch_tokens": 256}')
+      $PY -m load_tests.hf_server --model "$MODEL" --device "$DEVICE" --mode "$mode" \
+        --port 8100 "${extra[@]}" > "$OUT/serve-$system.log" 2>&1 &
+      pid=$!
+      if wait_up http://127.0.0.1:8100; then client "$system" http://127.0.0.1:8100 "$HF_RATES"
+      else echo "$system did not come up"; tail -20 "$OUT/serve-$system.log"; fi
+      kill $pid; wait $pid ;;
+  esac
+done
+$PY -m load_tests.report "$OUT"/load-*.json --plot "$OUT/latency-throughput.png" \
+  --markdown "$OUT/load.md"
