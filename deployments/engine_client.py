@@ -162,10 +162,7 @@ class EngineClient:
 
         Raises RequestRefused, with nothing left queued, if the scheduler refuses any of them.
         """
-        await self.connect()
-        actor = self._actor
-        if actor is None:
-            raise EngineUnavailable("scheduler unavailable")
+        actor = await self._connected_actor()
         group = RequestGroup(self, actor, [rid for rid, _, _ in requests])
         try:
             refusals = await asyncio.gather(*[
@@ -184,12 +181,16 @@ class EngineClient:
             raise RequestRefused(refusal)
         return group
 
+    async def _connected_actor(self):
+        """The scheduler actor, connecting first; EngineUnavailable if it is gone."""
+        await self.connect()
+        if self._actor is None:
+            raise EngineUnavailable("scheduler unavailable")
+        return self._actor
+
     async def call(self, method: str, *args):
         """A plain call on the scheduler (batches, stats), EngineUnavailable if it is gone."""
-        await self.connect()
-        actor = self._actor
-        if actor is None:
-            raise EngineUnavailable("scheduler unavailable")
+        actor = await self._connected_actor()
         try:
             return await getattr(actor, method).remote(*args)
         except ray.exceptions.RayActorError:
@@ -197,10 +198,7 @@ class EngineClient:
 
     async def stream_call(self, method: str, *args):
         """Items of a streaming call on the scheduler."""
-        await self.connect()
-        actor = self._actor
-        if actor is None:
-            raise EngineUnavailable("scheduler unavailable")
+        actor = await self._connected_actor()
         try:
             async for ref in getattr(actor, method).remote(*args):
                 yield await ref

@@ -67,3 +67,23 @@ def stop_app():
     from ray import serve
     serve.shutdown()
     ray.shutdown()
+
+
+def start_long_stream(url: str, prompt: str, events: list):
+    """Stream a 3500-token completion in a thread, appending its events to `events`;
+    returns the thread once the first event has arrived."""
+    import json
+    import threading
+
+    def run():
+        body = {"prompt": prompt, "max_tokens": 3500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while not events:
+        time.sleep(0.05)
+    return thread

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -10,7 +9,7 @@ import pytest
 
 from engine_actors.config import EngineConfig
 from engine_actors.scheduler_actor import NAMESPACE, actor_name
-from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy
+from tests.serve_fixture import app_config, start_app, start_long_stream, stop_app, wait_healthy
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +115,6 @@ def test_a_replica_leaving_does_not_stop_the_shared_engine(app):
 
 
 def test_deleting_the_application_drains_then_tears_the_engine_down(app):
-    import threading
 
     import ray
     from ray import serve
@@ -125,17 +123,7 @@ def test_deleting_the_application_drains_then_tears_the_engine_down(app):
     scheduler_handle(cfg)  # exists while the app runs
     events = []
 
-    def long_stream():
-        body = {"prompt": "x", "max_tokens": 3500, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[6:]))
-
-    stream = threading.Thread(target=long_stream)
-    stream.start()
-    while not events:
-        time.sleep(0.05)
+    stream = start_long_stream(url, "x", events)
     serve.delete(cfg["name"])  # what `serve shutdown` does to every application
     stream.join(timeout=60)
     # the running request ended cleanly after drain_timeout_s, not with a cut connection

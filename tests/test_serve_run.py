@@ -2,7 +2,6 @@
 one ready line, Ctrl-C leaves nothing behind, SIGTERM drains before it stops."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.serve_fixture import ROOT, free_port, wait_healthy
+from tests.serve_fixture import ROOT, free_port, start_long_stream, wait_healthy
 
 RAY_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "dashboard")
 
@@ -86,18 +85,8 @@ def test_sigterm_drains_then_stops(tmp_path):
     proc, url, _, _ = start_server(tmp_path, preexec_fn=as_background_job, drain_timeout_s=2.0)
     events: list[dict] = []
 
-    def long_stream():
-        body = {"prompt": "keep going", "max_tokens": 3500, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[6:]))
-
-    stream = threading.Thread(target=long_stream)
-    stream.start()
     try:
-        while not events:
-            time.sleep(0.05)
+        stream = start_long_stream(url, "keep going", events)
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # draining: health and new requests say 503
