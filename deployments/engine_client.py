@@ -10,10 +10,13 @@ import asyncio
 import contextvars
 import logging
 import uuid
+
 import ray
 
+from engine_actors.checkpoint import ModelInfo
 from engine_actors.config import EngineConfig
-from engine_actors.request import SamplingParams
+from engine_actors.messages import EngineRequest, Refusal, RequestUpdate
+from engine_actors.output_stream import OutputStream
 from engine_actors.scheduler_actor import NAMESPACE, SchedulerActor, actor_name
 
 logger = logging.getLogger("orca_serve.ingress")
@@ -24,20 +27,17 @@ class EngineUnavailable(RuntimeError):
 
 
 class RequestRefused(ValueError):
-    """The scheduler refused the request: code "too_long" or "invalid" (it could never run),
-    "queue_full" (admission control) or "draining" (shutting down)."""
+    """The scheduler refused the request (see messages.Refusal for the codes)."""
 
-    def __init__(self, refusal: dict):
-        super().__init__(refusal["message"])
-        self.code = refusal["code"]
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.message)
+        self.code = refusal.code
 
 
 class RequestGroup:
-    """Outputs of a group of requests, as (request_id, item) pairs, until all have finished.
-
-    `close()` aborts whatever has not finished (client gone, stop string seen); call it in a
-    `finally`.
-    """
+    """Outputs of a group of requests, as (request_id, RequestUpdate) pairs, until all have
+    finished. `close()` aborts whatever has not finished (client gone, timeout); call it in
+    a `finally`."""
 
     def __init__(self, client: EngineClient, actor, request_ids: list[str]):
         self.client, self.actor = client, actor
@@ -49,23 +49,23 @@ class RequestGroup:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> tuple[str, dict]:
+    async def __anext__(self) -> tuple[str, RequestUpdate]:
         if not self.unfinished:
             raise StopAsyncIteration
-        request_id, item = await self.queue.get()
-        if item.get("unavailable"):
-            raise EngineUnavailable(item["error"])
-        if item.get("finish_reason") is not None:
+        request_id, update = await self.queue.get()
+        if update.unavailable:
+            raise EngineUnavailable(update.error)
+        if update.finish_reason is not None:
             self.unfinished.discard(request_id)
             self.client._queues.pop(request_id, None)
-        return request_id, item
+        return request_id, update
 
     def finish(self, request_id: str) -> None:
-        """Stop one request early (a stop string matched): abort it in the scheduler."""
+        """A stop string matched: end the request in the scheduler (finish "stop")."""
         if request_id in self.unfinished:
             self.unfinished.discard(request_id)
             self.client._queues.pop(request_id, None)
-            EngineClient.abort(self.actor, [request_id])
+            EngineClient.abort(self.actor, [request_id], stopped=True)
 
     def close(self) -> None:
         if self.unfinished:
@@ -75,7 +75,7 @@ class RequestGroup:
             self.unfinished.clear()
 
 
-def detached(fn, *args):
+def detached(fn, *args, **kwargs):
     """`fn(*args)` outside the current request's Ray task. Serve cancels a request whose
     client left with `ray.cancel(recursive=True)`, which also cancels the Ray calls that
     request made, including ones it makes while it is being cancelled: without this, the
@@ -83,7 +83,7 @@ def detached(fn, *args):
     thousand kept generating to their max_tokens), and a stream opened by the first request
     would die with it. Ray keeps the caller's task id in a context variable: a fresh context
     has none."""
-    return contextvars.Context().run(fn, *args)
+    return contextvars.Context().run(fn, *args, **kwargs)
 
 
 def _own_actor():
@@ -98,7 +98,7 @@ class EngineClient:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.client_id = uuid.uuid4().hex
-        self.info: dict | None = None
+        self.info: ModelInfo | None = None
         self._actor = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._lock: asyncio.Lock | None = None
@@ -108,7 +108,7 @@ class EngineClient:
     def is_connected(self) -> bool:
         return self._actor is not None
 
-    async def connect(self) -> dict:
+    async def connect(self) -> ModelInfo:
         """Get or create the scheduler and wait until its workers are ready."""
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -132,19 +132,19 @@ class EngineClient:
                 except ray.exceptions.RayTaskError as e:  # start failed: say why, no traceback
                     raise EngineUnavailable(str(getattr(e, "cause", None) or e)) from None
                 self._actor = actor
+                stream = detached(OutputStream, actor, self.client_id, _own_actor())
                 self._stream_task = asyncio.get_running_loop().create_task(
-                    self._consume(actor), context=contextvars.Context())  # see detached()
+                    self._consume(actor, stream), context=contextvars.Context())
         return self.info
 
-    async def _consume(self, actor) -> None:
+    async def _consume(self, actor, stream: OutputStream) -> None:
         """Route the scheduler's output stream into per-request queues."""
         reason = "scheduler stream ended"
         try:
-            async for ref in actor.stream.remote(self.client_id, _own_actor()):
-                for request_id, item in (await ref).items():
-                    queue = self._queues.get(request_id)
-                    if queue is not None:
-                        queue.put_nowait((request_id, item))
+            async for request_id, update in stream:
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait((request_id, update))
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -153,22 +153,17 @@ class EngineClient:
         if self._actor is actor:
             self._actor = None
         for request_id, queue in list(self._queues.items()):
-            queue.put_nowait((request_id, {"token_ids": [], "finish_reason": "abort",
-                                           "error": reason, "unavailable": True}))
+            queue.put_nowait((request_id, RequestUpdate(finish_reason="abort", error=reason,
+                                                        unavailable=True)))
 
-    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
-                     priority: int = 1, deadline_ms: float | None = None) -> RequestGroup:
-        """Queue requests (the choices of one HTTP request); returns their joint output stream.
-
-        Raises RequestRefused, with nothing left queued, if the scheduler refuses any of them.
-        """
+    async def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+        """Queue requests (the choices of one HTTP request) in one call; returns their joint
+        output stream. Raises RequestRefused, with nothing left queued, if the scheduler
+        refuses any of them."""
         actor = await self._connected_actor()
-        group = RequestGroup(self, actor, [rid for rid, _, _ in requests])
+        group = RequestGroup(self, actor, [r.request_id for r in requests])
         try:
-            refusals = await asyncio.gather(*[
-                actor.add_request.remote(self.client_id, rid, ids, sampling, priority,
-                                         deadline_ms)
-                for rid, ids, sampling in requests])
+            refusals = await actor.add_requests.remote(self.client_id, requests)
         except ray.exceptions.RayActorError:
             group.close()
             raise EngineUnavailable("scheduler unavailable") from None
@@ -189,7 +184,7 @@ class EngineClient:
         return self._actor
 
     async def call(self, method: str, *args):
-        """A plain call on the scheduler (batches, stats), EngineUnavailable if it is gone."""
+        """A plain call on the scheduler (batches, health), EngineUnavailable if it is gone."""
         actor = await self._connected_actor()
         try:
             return await getattr(actor, method).remote(*args)
@@ -206,16 +201,11 @@ class EngineClient:
             raise EngineUnavailable("scheduler unavailable") from None
 
     @staticmethod
-    def abort(actor, request_ids: list[str]) -> None:
+    def abort(actor, request_ids: list[str], stopped: bool = False) -> None:
         try:
-            detached(actor.abort.remote, request_ids)
+            detached(actor.abort.remote, request_ids, stopped)
         except Exception:  # the scheduler is gone, and with it the request
             pass
-
-    async def stats(self) -> dict:
-        if self._actor is None:
-            raise EngineUnavailable("not connected")
-        return await self._actor.stats.remote()
 
     async def close(self) -> None:
         """This replica is going away: tell the scheduler (the last one tears it down)."""

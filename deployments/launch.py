@@ -19,23 +19,55 @@ import yaml
 
 from engine_actors.config import EngineConfig
 
+CONNECT_EVERY_S = 1.0  # until `serve run`'s Ray cluster is up
 
-def drain_engines(config_path: str) -> None:
-    """Ask the scheduler actor of every application in the config to drain."""
-    import ray
 
-    from engine_actors.scheduler_actor import NAMESPACE, actor_name
-    with open(config_path) as f:
-        apps = yaml.safe_load(f).get("applications", [])
-    try:
-        ray.init(address="auto", namespace=NAMESPACE, logging_level="ERROR",
-                 log_to_driver=False)
-    except Exception as e:  # Serve never came up: nothing to drain
-        print(f"orca-serve: no Ray cluster to drain ({e})", file=sys.stderr)
-        return
-    try:
+class Drainer:
+    """Asks the scheduler actor of every application in the config to drain. It connects to
+    the Ray cluster of `serve run` as soon as that is up, so that a SIGTERM refuses new
+    requests at once (connecting takes seconds)."""
+
+    def __init__(self, config_path: str):
+        with open(config_path) as f:
+            self.apps = yaml.safe_load(f).get("applications", [])
+        self.connected = False
+        self.serve_run_pid: int | None = None
+
+    def connect(self, quiet: bool = True) -> bool:
+        """Connect to the cluster whose driver is our `serve run` (address "auto" may name
+        another local cluster, or a stale one, while ours is starting)."""
+        import ray
+
+        from engine_actors.scheduler_actor import NAMESPACE
+        if self.connected:
+            return True
+        handler = signal.getsignal(signal.SIGTERM)
+        try:
+            ray.init(address="auto", namespace=NAMESPACE, logging_level="ERROR",
+                     log_to_driver=False)
+            jobs = ray._private.worker.global_worker.gcs_client.get_all_job_info()
+            self.connected = any(j.driver_pid == self.serve_run_pid and not j.is_dead
+                                 for j in jobs.values())
+            if not self.connected:
+                ray.shutdown()
+                if not quiet:
+                    print("orca-serve: the Ray cluster of `serve run` is not up: nothing to "
+                          "drain", file=sys.stderr)
+        except Exception as e:  # not up yet (or never came up)
+            if not quiet:
+                print(f"orca-serve: no Ray cluster to drain ({e})", file=sys.stderr)
+        finally:
+            signal.signal(signal.SIGTERM, handler)  # ray.init replaces it with an exit
+        return self.connected
+
+    def drain(self) -> None:
+        import ray
+
+        from engine_actors.scheduler_actor import NAMESPACE, actor_name
+        if not self.connect(quiet=False):
+            return
         drains = []
-        for app in apps:
+        for app in self.apps:
             cfg = EngineConfig.from_args(app.get("args"))
             try:
                 actor = ray.get_actor(actor_name(cfg), namespace=NAMESPACE)
@@ -47,30 +79,39 @@ def drain_engines(config_path: str) -> None:
                 ray.get(ref, timeout=timeout_s + 10)
             except Exception as e:
                 print(f"orca-serve: drain did not complete: {e}", file=sys.stderr)
-    finally:
-        ray.shutdown()
+
+    def disconnect(self) -> None:
+        """Before `serve run` takes the cluster down: a driver whose cluster dies fails."""
+        if self.connected:
+            import ray
+            ray.shutdown()
+            self.connected = False
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config = argv[0] if argv else "serve_config.yaml"
+    drainer = Drainer(config)
     child: subprocess.Popen | None = None
-    terminating = []
+    stopping = []
 
     def on_sigint(signum, frame):
+        stopping.append(True)
+        drainer.disconnect()
         if child is not None:
             child.send_signal(signal.SIGINT)
 
     def on_sigterm(signum, frame):
-        if terminating or child is None:
+        if stopping or child is None:
             return
-        terminating.append(True)
+        stopping.append(True)
         print("orca-serve: SIGTERM: draining, then shutting down", file=sys.stderr)
         try:
-            drain_engines(config)
+            drainer.drain()
         except Exception as e:  # shut down anyway
             print(f"orca-serve: drain failed: {e}", file=sys.stderr)
         finally:
+            drainer.disconnect()
             child.send_signal(signal.SIGINT)
 
     # Handlers first: a shell starts background jobs with SIGINT ignored, and an ignored
@@ -81,11 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     # `serve run` through this Python: the `serve` script is not on PATH in every install
     child = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", config],
                              start_new_session=True)
-    while True:
-        try:
-            return child.wait()
-        except InterruptedError:
-            continue
+    drainer.serve_run_pid = child.pid
+    try:
+        while True:
+            try:
+                return child.wait(timeout=CONNECT_EVERY_S)
+            except subprocess.TimeoutExpired:
+                if not stopping and not drainer.connected:
+                    drainer.connect()
+            except InterruptedError:
+                continue
+    finally:
+        drainer.disconnect()
 
 
 if __name__ == "__main__":

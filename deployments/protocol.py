@@ -10,12 +10,15 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
+
+from engine_actors.request import MAX_SEED as MAX_SEED_ENGINE, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16  # stop strings per request, each at most MAX_STOP_CHARS (OpenAI allows 4)
 MAX_STOP_CHARS = 512
-MAX_SEED = 2**63 - 1 - MAX_N  # torch generators take 64-bit seeds; choice j uses seed + j
+MAX_SEED = MAX_SEED_ENGINE - MAX_N  # torch generators take 64-bit seeds; choice j uses seed + j
 MAX_BATCH = 10_000  # requests per submitted batch
 
 
@@ -46,30 +49,16 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
-class SamplingFields(_Base):
-    """Fields shared by completions and chat completions."""
-    model: str | None = None
+class SamplingOptions(_Base):
+    """How one request samples and stops: shared by the OpenAI routes and the batch API."""
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = 0  # extension (vLLM): 0 or -1 disables
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
+    stop: str | list[str] | None = None
     ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
-    # extensions: scheduling priority (higher first; default 1 = interactive, batches get 0)
-    # and a deadline to start by, in ms after arrival (finish_reason "deadline" if missed)
-    priority: Annotated[int, Field(ge=-100, le=100)] | None = None
+    # extension: a deadline to start by, in ms after arrival (finish_reason "deadline")
     deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
-    # extension: end the request with HTTP 408 if it has not finished after this long
-    timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
-    user: str | None = None
-    # accepted only at their neutral values
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -83,6 +72,33 @@ class SamplingFields(_Base):
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        seed = None if self.seed is None else self.seed + choice  # n choices must differ
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=max(self.top_k, 0), seed=seed,
+                              ignore_eos=self.ignore_eos)
+
+    def check_supported(self) -> None:
+        pass
+
+
+class SamplingFields(SamplingOptions):
+    """Fields shared by completions and chat completions."""
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # extension: scheduling priority (higher first; default 1 = interactive, batches get 0)
+    priority: Annotated[int, Field(ge=-100, le=100)] | None = None
+    # extension: end the request with HTTP 408 if it has not finished after this long
+    timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
+    user: str | None = None
+    # accepted only at their neutral values
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
 
     def check_supported(self) -> None:
         unsupported = {"presence_penalty": self.presence_penalty != 0.0,
@@ -122,8 +138,16 @@ class TextPart(_Base):
 
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # required but for assistant messages (OpenAI answers a missing parameter with 400)
+    content: Annotated[str | list[TextPart] | None, Field(validate_default=True)] = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v, info):
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise PydanticCustomError("missing", "Field required")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -151,22 +175,10 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class BatchItem(_Base):
+class BatchItem(SamplingOptions):
     """One request of a submitted batch."""
     prompt: str | list[int]
     max_tokens: Annotated[int, Field(ge=1)] = 16
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = 0
-    seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
-
-    _stop_strings = field_validator("stop")(SamplingFields._stop_strings.__func__)
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class BatchSubmit(_Base):
@@ -207,8 +219,9 @@ def parse_body(raw: bytes, schema: type[_Base]) -> Any:
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
+        code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
         raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param,
-                       "invalid_value") from None
+                       code) from None
     req.check_supported()
     return req
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import time
 
-from starlette.responses import StreamingResponse
+from ray.exceptions import TaskCancelledError
+from sse_starlette.sse import EventSourceResponse
 
 from deployments.protocol import APIError, SamplingFields
-from deployments.text_stream import TextStream
+from engine_actors.detokenizer import TextStream
+from engine_actors.messages import RequestUpdate
 
 
 # OpenAI's client retries a 408 by itself; it would only run out of time again
@@ -25,18 +27,28 @@ def deadline_error(deadline_ms: float | None) -> APIError:
                     "timeout_error", headers=NO_RETRY)
 
 
-class SSEResponse(StreamingResponse):
-    """Server-sent events whose request group is closed (its unfinished requests aborted)
-    however the response ends, even when the client leaves before the body starts."""
+class SSEResponse(EventSourceResponse):
+    """Server-sent events (sse-starlette: each item of `content` is one event's data; keep-
+    alive comments; the body generator is cancelled when the client leaves). `on_close`
+    runs however the response ends, even when the client leaves before the body starts,
+    so the stream's requests are always aborted."""
 
     def __init__(self, content, on_close):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+        super().__init__(content, headers={"Cache-Control": "no-cache"}, sep="\n")
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
+        async def receive_or_disconnect():
+            # Serve's receive() is a Ray call: when the client leaves, Serve cancels it
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive_or_disconnect, send)
+        except TaskCancelledError:  # the client left while an event was being sent
+            pass
         finally:
             self._on_close()
 
@@ -56,20 +68,20 @@ class Choice:
         self.error: str | None = None
         self.timer = timer  # deployments.http_metrics.RequestTimer, when measured
 
-    def consume(self, item: dict) -> str:
-        """Apply one output item; returns the new text."""
-        is_final = item.get("finish_reason") is not None
-        if item.get("error") and item.get("finish_reason") != "deadline":
-            self.error = item["error"]
+    def consume(self, update: RequestUpdate) -> str:
+        """Apply one update; returns the new text."""
+        is_final = update.finish_reason is not None
+        if update.error and update.finish_reason != "deadline":
+            self.error = update.error
         was_stopped = self.text_stream.is_stopped
-        delta = self.text_stream.add(item["token_ids"], is_final)
+        delta = self.text_stream.add(update.token_ids, is_final)
         self.text += delta
         if self.text_stream.is_stopped:
             self.finish_reason = "stop"
         elif is_final:
-            self.finish_reason = item["finish_reason"]
+            self.finish_reason = update.finish_reason
         if self.timer is not None and not was_stopped:
-            self.timer.tokens(len(item["token_ids"]))
+            self.timer.tokens(len(update.token_ids))
             if self.finish_reason is not None and not self.error:
                 self.timer.done(self.finish_reason)
         return delta
@@ -116,7 +128,7 @@ class SSEWriter:
             body["usage"] = usage
         # ASCII-only JSON: U+2028, NEL and the like stay escaped, so clients that split lines
         # on every Unicode line break (many do) still see one event per line
-        return f"data: {json.dumps(body)}\n\n"
+        return json.dumps(body)
 
     def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False) -> str:
         if self.chat:
@@ -138,8 +150,8 @@ class SSEWriter:
 
     @staticmethod
     def error_event(error: APIError) -> str:
-        return f"data: {json.dumps(error.body())}\n\n"
+        return json.dumps(error.body())
 
     @staticmethod
     def done() -> str:
-        return "data: [DONE]\n\n"
+        return "[DONE]"

@@ -132,6 +132,33 @@ def load_hf_config(path: str):
     return cfg
 
 
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer (a fast one: streaming decode runs in Rust), with a simple
+    chat template when it has none."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError(f"the tokenizer of {path} has no fast (tokenizers) version; "
+                         "save it with tokenizer.json")
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def check_tensor_parallel(hf_config, tp_size: int) -> None:
+    """Refuse head counts that tensor parallelism cannot split: query heads must divide
+    evenly, and KV heads either divide evenly or are replicated, each rank holding one whole
+    KV head whose query heads all live on that rank (tp a multiple of the KV heads)."""
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
+                         f"{heads} attention heads")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads: "
+                         "one must be a multiple of the other (each rank holds whole KV heads, "
+                         "or one replicated KV head)")
+
+
 def iter_checkpoint_tensors(path: str, device: torch.device | str = "cpu"):
     """(name, tensor) for every tensor of the checkpoint, one at a time.
 
@@ -168,6 +195,7 @@ class ModelInfo:
 def model_info(cfg: EngineConfig) -> ModelInfo:
     path = resolve_model_path(cfg.model)
     hf = load_hf_config(path)
+    check_tensor_parallel(hf, cfg.tensor_parallel_size)
     limit = hf.max_position_embeddings
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 DEFAULT_MODEL = "tiny-random-llama"
 
@@ -24,44 +24,45 @@ class ConfigError(ValueError):
     """The application args are invalid; the message says which arg and why."""
 
 
-@dataclass(frozen=True, slots=True)
+@pydantic.dataclasses.dataclass(frozen=True, slots=True, config=pydantic.ConfigDict(
+    extra="forbid", allow_inf_nan=False))
 class EngineConfig:
     # Model: a local Hugging Face checkpoint directory, or DEFAULT_MODEL (built at start-up).
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    max_model_len: PositiveInt | None = None  # default: the checkpoint's max_position_embeddings
     seed: int = 0
 
     # Scheduling (ORCA Algorithm 1).
     scheduling_policy: Literal["fcfs", "priority", "das", "sjf", "edf"] = "fcfs"
-    max_batch_size: int = 32  # requests per iteration
-    max_num_batched_tokens: int = 4096  # tokens per iteration; longer prompts are prefilled in chunks
+    max_batch_size: PositiveInt = 32  # requests per iteration
+    max_num_batched_tokens: PositiveInt = 4096  # tokens per iteration; longer prompts are chunked
     # Admission control: requests waiting to start, beyond which new ones get HTTP 429.
-    max_queued_requests: int = 4096
+    max_queued_requests: PositiveInt = 4096
     # A request still unfinished after this many seconds ends with HTTP 408 (or an SSE error
     # event once streaming began); requests may set a shorter `timeout_s`. None: no limit.
-    request_timeout_s: float | None = None
+    request_timeout_s: PositiveFloat | None = None
     # On shutdown: requests still running after this many seconds end with finish_reason
     # "abort". Keep below the ingress deployment's graceful_shutdown_timeout_s.
-    drain_timeout_s: float = 10.0
+    drain_timeout_s: NonNegativeFloat = 10.0
     # Overlap: schedule the next iteration while the current one runs (a running request
     # continues from the worker's own last sampled token). Off: one step in flight per stage.
     async_scheduling: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
 
     # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.
-    max_num_tokens: int | None = None  # default: 16384 on CPU, sized from free memory on GPU
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    max_num_tokens: PositiveInt | None = None  # default: 16384 on CPU, sized from free GPU memory
+    block_size: PositiveInt = 16
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
 
     # Placement: workers form pipeline_parallel_size stages of tensor_parallel_size ranks.
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    tensor_parallel_size: PositiveInt = 1
+    pipeline_parallel_size: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_cpus_per_worker: float = 1.0
+    num_cpus_per_worker: NonNegativeFloat = 1.0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
-    distributed_timeout_s: float = 600.0  # collectives that wait longer fail the step
+    distributed_timeout_s: PositiveFloat = 600.0  # collectives that wait longer fail the step
 
     # Security: when set, every route but /health and /metrics needs this bearer token.
     # build_app also reads it from ORCA_SERVE_API_KEY.
@@ -69,41 +70,17 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: dict | None) -> EngineConfig:
-        args = dict(args or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise ConfigError(f"unknown application args {unknown}; known args: {sorted(known)}")
         try:
-            cfg = pydantic.TypeAdapter(cls).validate_python(args, strict=False)
+            return _ADAPTER.validate_python(dict(args or {}), strict=False)
         except pydantic.ValidationError as e:
+            unknown = sorted(str(err["loc"][0]) for err in e.errors()
+                             if err["type"] == "unexpected_keyword_argument")
+            if unknown:
+                known = sorted(f.name for f in dataclasses.fields(cls))
+                raise ConfigError(f"unknown application args {unknown}; known args: {known}") \
+                    from None
             msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise ConfigError(f"invalid application args: {msgs}") from None
-        cfg._check()
-        return cfg
-
-    def _check(self) -> None:
-        positive = ["max_batch_size", "max_num_batched_tokens", "block_size",
-                    "tensor_parallel_size", "pipeline_parallel_size"]
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ["max_model_len", "max_num_tokens"]:
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
-        if self.num_cpus_per_worker < 0:
-            raise ConfigError("num_cpus_per_worker must be >= 0")
-        if self.distributed_timeout_s <= 0:
-            raise ConfigError("distributed_timeout_s must be > 0")
-        if self.max_queued_requests < 1:
-            raise ConfigError("max_queued_requests must be >= 1")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ConfigError("request_timeout_s must be > 0")
-        if self.drain_timeout_s < 0:
-            raise ConfigError("drain_timeout_s must be >= 0")
 
     @property
     def num_workers(self) -> int:
@@ -134,3 +111,6 @@ class EngineConfig:
         engine = {k: v for k, v in dataclasses.asdict(self).items() if k not in HTTP_ONLY}
         blob = json.dumps(engine, sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+_ADAPTER = pydantic.TypeAdapter(EngineConfig)

@@ -18,7 +18,7 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, pad_block_table_row: torch.Tensor, block_size: int,
                  max_batch_size: int, dtype: torch.dtype):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
-        self.first, self.last = model.pg.is_first_stage, model.pg.is_last_stage
+        self.first, self.last = model.parallel.is_first_stage, model.parallel.is_last_stage
         self.sizes = [b for b in BATCH_SIZES if b <= max_batch_size]
         n, dev = max(self.sizes), pad_block_table_row.device
         hidden = model.config.hidden_size

@@ -49,6 +49,7 @@ class Executor:
         elif cfg.num_cpus_per_worker <= 0:
             raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
         self._step_ids = itertools.count()
+        self.name = name
         if name:
             _remove_stale_placement_group(name)
         self.placement_group = placement_group([bundle] * cfg.num_workers,
@@ -79,9 +80,8 @@ class Executor:
             raise RuntimeError(
                 f"placement group of {len(self.workers)} x {self.placement_group.bundle_specs[0]} "
                 f"not placed after {timeout_s:.0f}s: the cluster lacks those resources") from None
-        if len(self.workers) > 1:
-            address = await self.workers[0].address.remote()
-            await asyncio.gather(*[w.setup.remote(address) for w in self.workers])
+        address = await self.workers[0].address.remote() if len(self.workers) > 1 else ""
+        await asyncio.gather(*[w.setup.remote(address) for w in self.workers])
         if num_blocks is None:
             num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote()
                                                     for w in self.workers]))
@@ -104,6 +104,9 @@ class Executor:
             return True
         except (ray.exceptions.RayError, asyncio.TimeoutError):
             return False
+
+    async def inject_fault(self, worker_index: int) -> None:
+        await self.workers[worker_index].fail_next_step.remote()
 
     async def step_traces(self) -> list[list[tuple]]:
         return await asyncio.gather(*[w.step_trace.remote() for w in self.workers])

@@ -1,5 +1,7 @@
 """KV cache bookkeeping on the scheduler: blocks of token slots, reservations, table rows.
 
+Only `Scheduler` calls the mutating methods (admit, grow, free); policies read the counts.
+
 The workers hold the actual key/value tensors, a pool of `num_blocks * block_size` token
 slots per layer. This class only decides which block ids each request owns; the workers
 mirror each request's block list in a block table (one row per admitted request), updated
@@ -66,10 +68,6 @@ class KVCacheManager:
 
     def num_new_blocks(self, req: Request, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(req.blocks))
-
-    def can_grow(self, req: Request, num_tokens: int) -> bool:
-        extra = self.num_new_blocks(req, num_tokens) - req.num_reserved_blocks
-        return extra <= self.num_unreserved_blocks
 
     def grow(self, req: Request, num_tokens: int) -> list[int]:
         """Allocate blocks so `req` can hold `num_tokens` tokens; returns the new block ids.

@@ -1,11 +1,19 @@
-"""What crosses the scheduler -> worker boundary once per iteration: plain lists and ints.
+"""Plain values that cross actor boundaries.
 
-A request's sampling settings travel once, when it is admitted (`NewRequest`); after that
-it is named by its row in the workers' tables. Block ids travel as deltas.
+Between the scheduler and the workers, once per iteration: `StepInput` (lists and ints). A
+request's sampling settings travel once, when it is admitted (`NewRequest`); after that it
+is named by its row in the workers' tables, and block ids travel as deltas.
+
+Between the scheduler actor and its callers (ingress replicas, benchmarks, tests):
+`EngineRequest` in, `Refusal` back when it cannot be queued, then `RequestUpdate`s on the
+caller's output stream (read with `engine_actors.output_stream`); `BatchRequest` and
+`BatchResult` for background batches.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine_actors.request import SamplingParams
 
 
 @dataclass(slots=True)
@@ -37,3 +45,61 @@ class StepInput:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One request submitted to the scheduler actor."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0  # higher runs first under the priority policy
+    deadline_ms: float | None = None  # must start within this long, else finish "deadline"
+
+
+@dataclass(slots=True)
+class Refusal:
+    """Why the scheduler did not queue a request. code: "too_long" (it could never run),
+    "queue_full" (admission control), "draining" (shutting down), "batch_too_large"."""
+    code: str
+    message: str
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one request produced since the caller's previous stream item."""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # set on the request's last update
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None  # why the engine ended it, when it failed
+    # the engine is unreachable (set by the reader of the stream, never by the engine)
+    unavailable: bool = False
+
+    def merge(self, later: RequestUpdate) -> None:
+        self.token_ids.extend(later.token_ids)
+        self.num_prompt_tokens = later.num_prompt_tokens
+        self.num_output_tokens = later.num_output_tokens
+        if later.finish_reason is not None:
+            self.finish_reason, self.error = later.finish_reason, later.error
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    """One request of a background batch."""
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    deadline_ms: float | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings: the request ends at one
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """A finished request of a batch. When a stop string matched, token_ids end with the
+    token that completed it."""
+    index: int
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    error: str | None = None
+    stop: list[str] = field(default_factory=list)  # its stop strings, to cut the text again

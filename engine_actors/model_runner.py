@@ -40,9 +40,9 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: torch.dtype, max_model_len: int,
                  block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True,
-                 pg: ParallelGroup = SINGLE):
+                 parallel: ParallelGroup = SINGLE):
         self.device = torch.device(device)
-        self.pg = pg
+        self.parallel = parallel
         self.dtype = dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -60,8 +60,7 @@ class ModelRunner:
                                        dtype=torch.int32, device=self.device)
         self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.staging = Staging(self.device)
-        self.sampler = Sampler(max_num_seqs, self.device, seed, self.staging,
-                               self.hf_config.vocab_size)
+        self.sampler = Sampler(max_num_seqs, self.device, seed, self.staging)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.num_graph_replays = 0
@@ -71,8 +70,8 @@ class ModelRunner:
 
     def allocate_stage_buffers(self, max_tokens: int, num_in_flight: int) -> None:
         """The pipeline link to the neighbouring stages (see StageLink)."""
-        if self.pg.pp_size > 1:
-            self.link = StageLink(self.pg, max_tokens, self.hf_config.hidden_size, self.dtype,
+        if self.parallel.pp_size > 1:
+            self.link = StageLink(self.parallel, max_tokens, self.hf_config.hidden_size, self.dtype,
                                   self.device, num_in_flight)
 
     def _load_model(self, path: str) -> LlamaForCausalLM:
@@ -80,7 +79,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.hf_config, self.max_model_len, self.pg)
+                model = LlamaForCausalLM(self.hf_config, self.max_model_len, self.parallel)
         finally:
             torch.set_default_dtype(default_dtype)
         loaded = {model.load_weight(name, tensor.to(self.dtype))
@@ -95,6 +94,44 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * len(self.model.layers) * self.block_size * self.num_kv_heads \
             * self.head_dim * elem
+
+    def profile_kv_blocks(self, memory_fraction: float, max_step_tokens: int,
+                          graph_batch: int) -> int:
+        """KV blocks that fit in `memory_fraction` of the GPU beside the weights, the
+        activations of the largest eager step, and the decode graphs' memory pool (bounded
+        by one eager decode step of graph_batch requests; 0: no graphs)."""
+        free, total = torch.cuda.mem_get_info()
+        used = total - free  # weights, the CUDA context and anything else on the GPU
+        activations = self._profile_peak_bytes(min(max_step_tokens, self.max_model_len), 1)
+        graphs = self._profile_peak_bytes(1, graph_batch) if graph_batch else 0
+        budget = total * memory_fraction - used - activations - graphs
+        blocks = int(budget // self.kv_bytes_per_block())
+        if blocks < 1:
+            raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} "
+                               "GiB); raise gpu_memory_utilization or use a smaller model")
+        return blocks
+
+    def _profile_peak_bytes(self, tokens_per_request: int, num_requests: int) -> int:
+        """Peak memory of one eager step of num_requests prompts of tokens_per_request."""
+        blocks_each = cdiv(tokens_per_request, self.block_size)
+        self.allocate_kv_cache(blocks_each * num_requests)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        rows = list(range(num_requests))
+        step = StepInput(rows=rows, context_lens=[0] * num_requests,
+                         query_lens=[tokens_per_request] * num_requests,
+                         sample=[True] * num_requests,
+                         token_ids=[0] * (tokens_per_request * num_requests),
+                         table_rows=[r for r in rows for _ in range(blocks_each)],
+                         table_cols=list(range(blocks_each)) * num_requests,
+                         table_blocks=list(range(blocks_each * num_requests)))
+        self.execute(step)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """num_blocks usable blocks plus one scratch block (id num_blocks) for padding."""
@@ -139,7 +176,7 @@ class ModelRunner:
         if inputs.table_rows.numel():
             self.block_table[inputs.table_rows, inputs.table_cols] = inputs.table_blocks
         input_ids = hidden = residual = None
-        if self.pg.is_first_stage:
+        if self.parallel.is_first_stage:
             # -1 (CONTINUE): the token this row's previous step sampled, still on the device
             input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids,
                                     self.last_sampled[inputs.token_rows])
@@ -156,9 +193,9 @@ class ModelRunner:
         else:
             out = self.model(input_ids, inputs.positions, self.kv_caches, meta,
                              inputs.logits_indices, hidden, residual)
-        if not self.pg.is_first_stage:
+        if not self.parallel.is_first_stage:
             self.link.release_recv(step.step_id)
-        if not self.pg.is_last_stage:
+        if not self.parallel.is_last_stage:
             self.link.send(step.step_id, out[0][:num_tokens], out[1][:num_tokens])
             return None, inputs
         return out[:num_reqs], inputs

@@ -1,26 +1,28 @@
 """Batch selection policies: which requests run in the next iteration, and how many tokens.
 
-A policy sees the requests that can run now, the KV manager, the iteration's budget and the
-clock, and returns the batch: each request with its number of new tokens (a prompt chunk,
-or 1 for a decode). It admits the requests it starts (a table row plus their KV, reserved in
-full or grown step by step) and, when KV runs out, names the requests to preempt; the
-scheduler applies all of it. The engine has no policy-specific code.
+A policy only orders and chooses. It reads the KV manager's counts, plans on its own copy of
+them, and returns the batch (each request with its number of new tokens: a prompt chunk, or
+1 for a decode) and the admitted requests to preempt to make room. `Scheduler` applies the
+plan: it is the only caller of the KV manager's mutating methods. The engine has no
+policy-specific code.
 
-Policies differ in three choices:
-- `order`: which requests come first;
-- `reserve_full`: ORCA's reservation of prompt + max_tokens at admission (no preemption
-  ever), or KV grown as needed, with preemption when it runs out;
-- `victim`: which admitted request yields its KV (and is recomputed later).
+Policies differ in four choices:
+- `key`: which requests come first (the scheduler keeps its waiting list in this order);
+- `reservation`: ORCA's reservation of prompt + max_tokens at admission (no preemption
+  ever), or none: KV grown as needed, with preemption when it runs out;
+- `victim`: which admitted request yields its KV (and is recomputed later);
+- `outranks`: never preempt a request the policy prefers to the one that needs room.
 """
 from __future__ import annotations
 
 import abc
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable
 
 from engine_actors.kv_cache import KVCacheManager
 from engine_actors.request import Request
-
 
 MAX_MISFITS = 16  # requests that do not fit, after which an iteration stops looking
 
@@ -40,91 +42,111 @@ class Scheduled:
 @dataclass(slots=True)
 class Selection:
     batch: list[Scheduled]
-    preempt: list[Request]  # free their KV now; recomputed from scratch later
+    preempt: list[Request]  # to free now, before the batch is admitted; recomputed later
+
+
+class _Plan:
+    """The policy's copy of the free KV blocks and rows while it picks a batch."""
+
+    def __init__(self, kv: KVCacheManager):
+        self.kv = kv
+        self.blocks = kv.num_unreserved_blocks
+        self.rows = kv.num_free_rows
+
+    def extra_blocks(self, req: Request, num_tokens: int, reserve_tokens: int) -> int:
+        """Unreserved blocks `req` takes to run num_tokens more tokens."""
+        if not req.is_admitted:
+            return max(self.kv.blocks_for(reserve_tokens),
+                       self.kv.blocks_for(req.num_computed_tokens + num_tokens))
+        need = self.kv.num_new_blocks(req, req.num_computed_tokens + num_tokens)
+        return max(0, need - req.num_reserved_blocks)
 
 
 class Policy(abc.ABC):
-    """Greedy selection in `order`, within the request and token budgets."""
+    """Greedy selection in `key` order, within the request and token budgets."""
 
-    reserve_full = False
     stop_at_first_misfit = False  # FCFS never lets a later request pass an earlier one
 
     @abc.abstractmethod
-    def order(self, ready: list[Request], now: float, budget: Budget) -> list[Request]:
-        """The ready requests, most wanted first, for an iteration of this budget."""
+    def key(self, req: Request):
+        """Sort key: smaller runs first. Must not change while a request waits."""
+
+    def reservation(self, req: Request) -> int:
+        """Tokens of KV to reserve when `req` is admitted (0: grow as needed)."""
+        return 0
+
+    def order(self, ready: list[Request], waiting: Sequence[Request],
+              budget: Budget) -> Iterator[Request]:
+        """Candidates, most wanted first: the ready admitted requests merged with the waiting
+        list, which the scheduler keeps sorted by `key` (so this never scans it)."""
+        return heapq.merge(sorted(ready, key=self.key), waiting, key=self.key)
 
     def victim(self, admitted: list[Request]) -> Request:
         """Which admitted request gives up its KV: by default the latest arrival."""
         return max(admitted, key=lambda r: r.arrival_time)
 
-    def select(self, ready: Iterable[Request], kv: KVCacheManager, budget: Budget,
-               now: float = 0.0, admitted: list[Request] | None = None) -> Selection:
+    def outranks(self, a: Request, b: Request) -> bool:
+        """Does the policy prefer `a` to `b`? Earlier arrivals win by default."""
+        return a.arrival_time < b.arrival_time
+
+    def select(self, ready: list[Request], waiting: Sequence[Request],
+               admitted: Iterable[Request], kv: KVCacheManager, budget: Budget) -> Selection:
+        """ready: admitted requests that can run now; waiting: not admitted, in key order;
+        admitted: every request holding KV (the possible victims)."""
         batch: list[Scheduled] = []
         preempt: list[Request] = []
+        plan = _Plan(kv)
         tokens_left = budget.max_num_tokens
         misfits = 0
-        for req in self.order(list(ready), now, budget):
+        for req in self.order(ready, waiting, budget):
             if len(batch) == budget.max_num_requests or tokens_left == 0:
                 break
             if any(req is p for p in preempt):
                 continue  # gave its KV to an earlier pick of this iteration
             num_tokens = min(req.num_new_tokens, tokens_left)
-            if not self._fit(req, num_tokens, kv, batch, preempt, admitted or []):
+            victims = self._make_room(req, num_tokens, plan, batch, preempt, admitted)
+            if victims is None:
                 misfits += 1
                 # a full KV pool makes every later pick a failed preemption plan too: bound
                 # the scan, or a long queue costs more than a GPU step
                 if self.stop_at_first_misfit or misfits == MAX_MISFITS:
                     break
                 continue
+            preempt.extend(victims)
             batch.append(Scheduled(req, num_tokens))
             tokens_left -= num_tokens
         return Selection(batch, preempt)
 
-    def _fit(self, req: Request, num_tokens: int, kv: KVCacheManager, batch: list[Scheduled],
-             preempt: list[Request], admitted: list[Request]) -> bool:
-        """Admit `req` if needed and make room for its next tokens, preempting if allowed."""
-        if self.reserve_full:
-            if req.is_admitted:
-                return True
-            if kv.num_free_rows == 0 or kv.blocks_for(req.max_num_tokens) > kv.num_unreserved_blocks:
-                return False
-            kv.admit(req, req.max_num_tokens)
-            return True
-        need = kv.num_new_blocks(req, req.num_computed_tokens + num_tokens)
-        victims = self._plan_victims(req, need, kv, batch, preempt, admitted)
-        if victims is None:
-            return False  # not enough to take from requests it outranks: preempt nobody
-        for victim in victims:
-            preempt.append(victim)
-            kv.free(victim)
-        if not req.is_admitted:
-            kv.admit(req, 0)
-        kv.grow(req, req.num_computed_tokens + num_tokens)
-        return True
-
-    def _plan_victims(self, req, need, kv, batch, preempt, admitted) -> list[Request] | None:
-        """The fewest requests, in victim order, whose KV makes room for `req` (blocks, and a
-        row if it has none); None if even all it outranks would not do. Nothing is freed
-        here, so a failed plan costs no one their work."""
-        chosen = {id(s.request) for s in batch} | {id(req)}
-        candidates = [r for r in admitted if id(r) not in chosen and r not in preempt]
-        blocks, rows = kv.num_unreserved_blocks, kv.num_free_rows
+    def _make_room(self, req, num_tokens, plan: _Plan, batch, preempt,
+                   admitted) -> list[Request] | None:
+        """Take blocks (and a row) for `req` from the plan, naming the fewest victims, in
+        victim order, that make room; None if even all it outranks would not do. A request
+        that reserves never preempts (ORCA). Nothing is freed here, so a failed plan costs
+        no one their work."""
+        reserve = self.reservation(req) if not req.is_admitted else 0
+        need = plan.extra_blocks(req, num_tokens, reserve)
+        need_row = not req.is_admitted
         victims: list[Request] = []
-        while (not req.is_admitted and rows == 0) or need > blocks:
-            if not candidates:
-                return None
-            victim = self.victim(candidates)
-            if self.outranks(victim, req):
-                return None  # never preempt a request this policy prefers
-            candidates.remove(victim)
-            victims.append(victim)
-            blocks += len(victim.blocks) + victim.num_reserved_blocks
-            rows += 1
+        if reserve == 0 and (need > plan.blocks or (need_row and plan.rows == 0)):
+            chosen = {id(s.request) for s in batch} | {id(req)} | {id(p) for p in preempt}
+            candidates = [r for r in admitted if id(r) not in chosen]
+            blocks, rows = plan.blocks, plan.rows
+            while need > blocks or (need_row and rows == 0):
+                if not candidates:
+                    return None
+                victim = self.victim(candidates)
+                if self.outranks(victim, req):
+                    return None  # never preempt a request this policy prefers
+                candidates.remove(victim)
+                victims.append(victim)
+                blocks += len(victim.blocks) + victim.num_reserved_blocks
+                rows += 1
+            plan.blocks, plan.rows = blocks, rows
+        if need > plan.blocks or (need_row and plan.rows == 0):
+            return None
+        plan.blocks -= need
+        plan.rows -= need_row
         return victims
-
-    def outranks(self, a: Request, b: Request) -> bool:
-        """Does the policy prefer `a` to `b`? Earlier arrivals win by default."""
-        return a.arrival_time < b.arrival_time
 
 
 class FCFS(Policy):
@@ -136,11 +158,13 @@ class FCFS(Policy):
     first request that does not fit, never skipping ahead of it. A prompt larger than the
     token budget is prefilled in chunks over several iterations."""
 
-    reserve_full = True
     stop_at_first_misfit = True
 
-    def order(self, ready, now, budget):
-        return sorted(ready, key=lambda r: r.arrival_time)
+    def key(self, req):
+        return req.arrival_time
+
+    def reservation(self, req):
+        return req.max_num_tokens
 
 
 class PriorityPolicy(Policy):
@@ -149,8 +173,8 @@ class PriorityPolicy(Policy):
     batch or the KV is full of low-priority work: the latest low-priority request is
     preempted and recomputed later."""
 
-    def order(self, ready, now, budget):
-        return sorted(ready, key=lambda r: (-r.priority, r.arrival_time))
+    def key(self, req):
+        return (-req.priority, req.arrival_time)
 
     def victim(self, admitted):
         return min(admitted, key=lambda r: (r.priority, -r.arrival_time))
@@ -162,16 +186,15 @@ class PriorityPolicy(Policy):
 class ShortestJobFirst(Policy):
     """Baseline: shortest prompt first (running requests keep going first)."""
 
-    def order(self, ready, now, budget):
-        return sorted(ready, key=lambda r: (not r.is_started, r.num_prompt_tokens,
-                                            r.arrival_time))
+    def key(self, req):
+        return (not req.is_admitted, req.num_prompt_tokens, req.arrival_time)
 
 
 class EarliestDeadlineFirst(Policy):
     """Baseline: earliest deadline first; requests without one come last, in arrival order."""
 
-    def order(self, ready, now, budget):
-        return sorted(ready, key=lambda r: (not r.is_started, r.deadline, r.arrival_time))
+    def key(self, req):
+        return (not req.is_admitted, req.deadline, req.arrival_time)
 
 
 class DeadlineAware(Policy):
@@ -186,15 +209,16 @@ class DeadlineAware(Policy):
             raise ValueError("DAS needs 0 < eta < 1")
         self.eta, self.q = eta, 1.0 - eta
 
-    def order(self, ready, now, budget):
-        running = sorted((r for r in ready if r.is_started), key=lambda r: r.arrival_time)
-        waiting = sorted((r for r in ready if not r.is_started),
-                         key=lambda r: (-r.utility, r.arrival_time))
+    def key(self, req):
+        return (-req.utility, req.arrival_time)
+
+    def order(self, ready, waiting, budget):
+        running = sorted(ready, key=lambda r: r.arrival_time)
         tokens = budget.max_num_tokens - sum(r.num_new_tokens for r in running)
         slots = budget.max_num_requests - len(running)
-        return running + self._das(waiting, tokens, slots)
+        return itertools.chain(running, self._das(waiting, tokens, slots))
 
-    def _das(self, by_utility: list[Request], tokens: int, slots: int) -> list[Request]:
+    def _das(self, by_utility: Sequence[Request], tokens: int, slots: int) -> list[Request]:
         s, total = 0, 0  # the first s requests by utility fill the iteration (tokens or slots)
         for r in by_utility:
             if s == slots or total + r.num_new_tokens > tokens:
@@ -202,14 +226,14 @@ class DeadlineAware(Policy):
             total += r.num_new_tokens
             s += 1
         if s == len(by_utility):  # everything fits: nothing to choose
-            return by_utility
+            return list(by_utility)
         p = max(1, int(self.eta * s))
         dominant, rest = by_utility[:p], by_utility[p:]
         mean = sum(r.utility for r in dominant) / len(dominant)
         aware = sorted((r for r in rest if r.utility >= self.q * mean),
                        key=lambda r: (r.deadline, r.arrival_time))
         chosen = {id(r) for r in aware}
-        return dominant + aware + [r for r in rest if id(r) not in chosen]
+        return [*dominant, *aware, *(r for r in rest if id(r) not in chosen)]
 
 
 POLICIES = {"fcfs": FCFS, "priority": PriorityPolicy, "das": DeadlineAware,

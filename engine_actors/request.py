@@ -3,37 +3,31 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import pydantic
+from pydantic import ConfigDict, Field
+
+MAX_SEED = 2**63 - 1
 
 
-@dataclass(frozen=True, slots=True)
+# Validated on construction (pydantic), so the engine never holds parameters that could take a
+# step, and with it every request of the batch, down; any caller gets a ValidationError.
+@pydantic.dataclasses.dataclass(frozen=True, slots=True,
+                                config=ConfigDict(extra="forbid", allow_inf_nan=False))
 class SamplingParams:
-    max_tokens: int  # tokens to generate at most
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means off
-    seed: int | None = None  # a seeded request samples the same tokens in any batch
+    max_tokens: Annotated[int, Field(ge=1)]  # tokens to generate at most
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0  # 0 means greedy
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0, lt=2**31)] = 0  # 0 means off
+    # a seeded request samples the same tokens in any batch
+    seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
 
-    def check(self) -> str | None:
-        """Why these parameters cannot run, or None. The ingress validates its own inputs;
-        this guards the engine against any other caller (one bad request must not take a
-        step, and with it every request in the batch, down)."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            return "max_tokens must be an integer >= 1"
-        if not 0.0 <= self.temperature < float("inf"):
-            return "temperature must be a finite number >= 0"
-        if not 0.0 < self.top_p <= 1.0:
-            return "top_p must be in (0, 1]"
-        if not 0 <= self.top_k < 2**31:
-            return "top_k must be in [0, 2^31)"
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            return "seed must be a 64-bit integer"
-        return None
-
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # in the pool, not in an in-flight batch (started or not)
+    WAITING = "waiting"  # in the pool, not in an in-flight batch (admitted or not)
     RUNNING = "running"  # part of at least one batch that the workers are executing
     FINISHED = "finished"
 
@@ -51,7 +45,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
-    client_id: str = ""
+    sink: Any = None  # who receives this request's outputs; opaque to the scheduler
     priority: int = 0  # higher runs first under the priority policy
     deadline: float = float("inf")  # absolute (arrival + deadline_ms); DAS/EDF order by it
     # prompt followed by the generated tokens received so far
@@ -104,11 +98,7 @@ class Request:
 
     @property
     def is_admitted(self) -> bool:
-        return self.row >= 0
-
-    @property
-    def is_started(self) -> bool:
-        """Holds KV (admitted and not preempted since)."""
+        """Holds a table row and its KV (started, and not preempted since)."""
         return self.row >= 0
 
     @property

@@ -16,9 +16,8 @@ from engine_actors.transfer import Staging
 
 class Sampler:
     def __init__(self, max_num_seqs: int, device: torch.device, seed: int,
-                 staging: Staging | None = None, vocab_size: int = 0):
+                 staging: Staging | None = None):
         self.device = device
-        self.vocab_size = vocab_size
         self.staging = staging or Staging(device)
         self.temperature = torch.zeros(max_num_seqs, device=device)
         self.top_p = torch.ones(max_num_seqs, device=device)
@@ -27,6 +26,10 @@ class Sampler:
         self.is_greedy = [True] * max_num_seqs
         self.is_truncated = [False] * max_num_seqs  # top-k or top-p active
         self.generators: dict[int, torch.Generator] = {}  # row -> generator of a seeded request
+        # row -> draws to replay before its next one: a seeded request recomputed after
+        # preemption resumes its random stream where it was. Replayed at sampling time, on a
+        # row of the real logits, so every draw has the shape the original draws had.
+        self.skips: dict[int, int] = {}
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -44,15 +47,12 @@ class Sampler:
             self.is_greedy[r.row] = r.temperature == 0.0
             self.is_truncated[r.row] = r.top_k > 0 or r.top_p < 1.0
             self.generators.pop(r.row, None)
+            self.skips.pop(r.row, None)
             if r.seed is not None and r.temperature > 0.0:
                 g = torch.Generator(device=self.device)
                 g.manual_seed(r.seed)
-                # recomputed after preemption: replay its earlier draws (one per sampled
-                # token, drawn exactly as __call__ does) to resume the stream where it was
-                scratch = torch.empty(self.vocab_size, device=self.device)
-                for _ in range(r.num_skip_draws):
-                    scratch.exponential_(generator=g)
                 self.generators[r.row] = g
+                self.skips[r.row] = r.num_skip_draws
 
     def __call__(self, logits: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:
         """logits [N, V] fp32 for the N sampling rows (`rows` on the host, `idx` on the
@@ -68,8 +68,10 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, row in enumerate(rows):
-            if row in self.generators:
-                noise[i].exponential_(generator=self.generators[row])
+            g = self.generators.get(row)
+            if g is not None:
+                for _ in range(self.skips.pop(row, 0) + 1):  # one draw per sampled token
+                    noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperature == 0.0, greedy, sampled)
 

@@ -1,8 +1,12 @@
 """The request pool and the per-iteration bookkeeping, free of Ray and of the model.
 
-`schedule()` asks the policy for a batch, allocates KV blocks and builds the step message;
-`process()` applies the sampled tokens, finishes requests and frees their KV at once. The
-scheduler actor drives these two around the workers; tests drive them with a fake runner.
+`schedule()` asks the policy for a batch, applies its plan to the KV manager (this class is
+the only one that changes KV state) and builds the step message; `process()` applies the
+sampled tokens, finishes requests and frees their KV at once. The scheduler actor drives
+these two around the workers; tests drive them with a fake runner.
+
+No per-iteration work scans the whole pool: waiting requests are kept in the policy's order,
+admitted ones (at most max_num_seqs) in their own table, deadlines in a heap.
 
 With `allow_continuation`, a request may be scheduled again while a step that samples its
 next token is still in flight (overlapped scheduling): the step message carries
@@ -11,14 +15,20 @@ Without it, the batches in flight are disjoint (ORCA, needed with pipeline stage
 """
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
+import logging
 from dataclasses import dataclass, field
+from typing import Any
 
+from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import KVCacheManager
 from engine_actors.messages import NewRequest, StepInput
-from engine_actors.policies import Budget, Policy, Scheduled
+from engine_actors.policies import Budget, Policy, Scheduled, make_policy
 from engine_actors.request import FinishReason, Request, RequestStatus
 
-
+logger = logging.getLogger("orca_serve.scheduler")
 CONTINUE = -1  # "the token this row's previous step samples", resolved on the worker
 
 
@@ -29,7 +39,7 @@ class RequestRejected(ValueError):
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
-    client_id: str
+    sink: Any  # the request's sink (see Request.sink)
     new_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -43,6 +53,20 @@ class Batch:
     epochs: list[int]  # each request's num_preemptions when scheduled: later results are stale
 
 
+def context_len(model_len: int, explicit: int | None, kv_capacity: int) -> int:
+    """The longest prompt + completion: a context longer than the KV pool could never be
+    used, so it is capped (an explicit max_model_len over it is refused, as vLLM refuses to
+    start in that case)."""
+    if explicit is not None and explicit > kv_capacity:
+        raise ValueError(f"max_model_len {explicit} exceeds the KV cache capacity of "
+                         f"{kv_capacity} tokens; lower it or raise max_num_tokens")
+    limit = explicit or model_len
+    if kv_capacity < limit:
+        logger.warning("max_model_len capped from %d to the KV cache capacity, %d tokens",
+                       limit, kv_capacity)
+    return min(limit, kv_capacity)
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, budget: Budget, max_model_len: int,
                  eos_token_ids: set[int], allow_continuation: bool = False):
@@ -52,8 +76,27 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.allow_continuation = allow_continuation
-        self.pool: dict[str, Request] = {}  # unfinished requests, in arrival order
+        self.pool: dict[str, Request] = {}  # unfinished requests
+        self.admitted: dict[str, Request] = {}  # those holding a table row and KV
+        self.waiting: list[Request] = []  # the others, sorted by policy.key
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap of unstarted deadlines
+        self._seq = itertools.count()
         self.num_preemptions = 0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, num_blocks: int, model_len: int,
+                    eos_token_ids: set[int] | tuple[int, ...],
+                    policy: Policy | None = None) -> Scheduler:
+        """The one place that turns engine args into a scheduler (actor, tests, simulator).
+        model_len: the checkpoint's context; `policy` overrides the configured one."""
+        capacity = num_blocks * cfg.block_size
+        kv = KVCacheManager(num_blocks, cfg.block_size, cfg.max_num_seqs)
+        # with pipeline stages, batches in flight must be disjoint (ORCA)
+        continuation = cfg.async_scheduling and cfg.pipeline_parallel_size == 1
+        return cls(kv, policy or make_policy(cfg.scheduling_policy),
+                   Budget(cfg.max_batch_size, cfg.max_num_batched_tokens),
+                   context_len(model_len, cfg.max_model_len, capacity), set(eos_token_ids),
+                   allow_continuation=continuation)
 
     @property
     def num_requests(self) -> int:
@@ -62,11 +105,15 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         """Admitted requests: each holds one table row."""
-        return self.kv.max_num_seqs - self.kv.num_free_rows
+        return len(self.admitted)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     def is_ready(self, req: Request) -> bool:
-        """Can `req` take part in the next step? Once its samples (received or in flight)
-        reach max_tokens, the only token left uncomputed is the last sample, never needed."""
+        """Can admitted `req` take part in the next step? Once its samples (received or in
+        flight) reach max_tokens, the only token left uncomputed is the last sample."""
         if req.status is RequestStatus.RUNNING and not self.allow_continuation:
             return False
         return req.num_new_tokens > 0 and req.can_sample_more
@@ -84,25 +131,33 @@ class Scheduler:
                 f"prompt + max_tokens = {req.max_num_tokens} tokens exceeds the KV cache capacity "
                 f"of {self.kv.num_blocks * self.kv.block_size} tokens")
         self.pool[req.request_id] = req
+        self._enqueue(req)
+        if req.deadline != float("inf"):
+            heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str,
+              reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
         """Finish a request now and free its KV. A token of it still in flight is dropped:
         workers run steps in order, so freed blocks are only reused by later steps."""
         req = self.pool.get(request_id)
         if req is None:
             return None
-        return self._finish(req, FinishReason.ABORT)
+        return self._finish(req, reason)
 
     def expire(self, now: float) -> list[RequestOutput]:
         """Finish the requests whose deadline passed before they could start. One that ran
         and was preempted since has started: it finishes normally."""
-        late = [r for r in self.pool.values() if r.num_iterations == 0 and r.deadline < now]
-        return [self._finish(r, FinishReason.DEADLINE) for r in late]
+        late = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, _, req = heapq.heappop(self._deadlines)
+            if not req.is_finished and req.num_iterations == 0:
+                late.append(self._finish(req, FinishReason.DEADLINE))
+        return late
 
-    def schedule(self, now: float = 0.0) -> Batch | None:
-        ready = [r for r in self.pool.values() if self.is_ready(r)]
-        admitted = [r for r in self.pool.values() if r.is_admitted]
-        selection = self.policy.select(ready, self.kv, self.budget, now, admitted)
+    def schedule(self) -> Batch | None:
+        ready = [r for r in self.admitted.values() if self.is_ready(r)]
+        selection = self.policy.select(ready, self.waiting, list(self.admitted.values()),
+                                       self.kv, self.budget)
         for victim in selection.preempt:
             self._preempt(victim)
         if not selection.batch:
@@ -111,11 +166,13 @@ class Scheduler:
         for item in selection.batch:
             req, n = item.request, item.num_tokens
             start = req.num_computed_tokens
+            if not req.is_admitted:
+                self._admit(req)
             if start == 0:  # just admitted: the workers learn its row's sampling settings
                 s = req.sampling
                 step.new_requests.append(NewRequest(req.row, s.temperature, s.top_p, s.top_k,
                                                     s.seed, req.num_output_tokens))
-            self.kv.grow(req, req.num_computed_tokens + n)  # a no-op if the policy grew it
+            self.kv.grow(req, start + n)
             first_col = req.num_blocks_sent  # the workers' table row has blocks up to here
             new_blocks = req.blocks[first_col:]
             req.num_blocks_sent = len(req.blocks)
@@ -137,15 +194,25 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
         return Batch(step, selection.batch, [s.request.num_preemptions for s in selection.batch])
 
+    def _admit(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self.kv.admit(req, self.policy.reservation(req))
+        self.admitted[req.request_id] = req
+
+    def _enqueue(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=self.policy.key)
+
     def _preempt(self, req: Request) -> None:
-        """Its KV is gone (the policy freed it): it starts over from its prompt and the
-        tokens generated so far. Results of its steps still in flight are dropped."""
+        """Its KV goes back to the pool: it starts over from its prompt and the tokens
+        generated so far. Results of its steps still in flight are dropped."""
         self.kv.free(req)
+        del self.admitted[req.request_id]
         req.num_computed_tokens = 0
         req.num_inflight_samples = req.num_inflight_steps = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self._enqueue(req)
 
     def process(self, batch: Batch, sampled: list[int]) -> list[RequestOutput]:
         """Apply one step's sampled tokens (one per request with sample=True)."""
@@ -180,10 +247,6 @@ class Scheduler:
         return [self._finish(req, FinishReason.ABORT) for req in list(self.pool.values())
                 if req.is_admitted or req.num_inflight_steps]
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.pool) - self.num_running
-
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         s = req.sampling
         if not s.ignore_eos and token in self.eos_token_ids:
@@ -195,9 +258,13 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, reason: FinishReason, tokens: list[int] | None = None):
+        if req.is_admitted:
+            self.kv.free(req)
+            del self.admitted[req.request_id]
+        else:
+            self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.kv.free(req)
         del self.pool[req.request_id]
         out = self._output(req, tokens or [])
         out.finish_reason = reason.value
@@ -205,5 +272,5 @@ class Scheduler:
 
     @staticmethod
     def _output(req: Request, tokens: list[int]) -> RequestOutput:
-        return RequestOutput(req.request_id, req.client_id, tokens, None,
+        return RequestOutput(req.request_id, req.sink, tokens, None,
                              req.num_prompt_tokens, req.num_output_tokens)

@@ -16,13 +16,13 @@ from engine_actors.parallel import ParallelGroup
 
 
 class StageLink:
-    def __init__(self, pg: ParallelGroup, max_tokens: int, hidden_size: int, dtype: torch.dtype,
+    def __init__(self, parallel: ParallelGroup, max_tokens: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, num_slots: int):
-        self.pg = pg
+        self.parallel = parallel
         shape = (max_tokens, 2, hidden_size)  # [T, (hidden, residual), H]
-        self.recv_bufs = [] if pg.is_first_stage else [
+        self.recv_bufs = [] if parallel.is_first_stage else [
             torch.empty(shape, dtype=dtype, device=device) for _ in range(num_slots)]
-        self.send_bufs = [] if pg.is_last_stage else [
+        self.send_bufs = [] if parallel.is_last_stage else [
             torch.empty(shape, dtype=dtype, device=device) for _ in range(num_slots)]
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
@@ -34,13 +34,13 @@ class StageLink:
         slot = step_id % len(self.recv_bufs)
         buf = self.recv_bufs[slot][:num_tokens]
         if not self.is_cuda:
-            self.pg.recv_prev(buf)
+            self.parallel.recv_prev(buf)
             return buf[:, 0], buf[:, 1]
         compute = torch.cuda.current_stream()
         with torch.cuda.stream(self.recv_stream):
             if self.recv_done[slot] is not None:
                 self.recv_stream.wait_event(self.recv_done[slot])
-            self.pg.recv_prev(buf)
+            self.parallel.recv_prev(buf)
         compute.wait_stream(self.recv_stream)  # this step's data, nothing later
         return buf[:, 0], buf[:, 1]
 
@@ -61,11 +61,11 @@ class StageLink:
         buf[:, 0].copy_(hidden)
         buf[:, 1].copy_(residual)
         if not self.is_cuda:
-            self.pg.send_next(buf)
+            self.parallel.send_next(buf)
             return
         self.send_stream.wait_stream(compute)  # the data is ready
         with torch.cuda.stream(self.send_stream):
-            self.pg.send_next(buf)
+            self.parallel.send_next(buf)
             done = torch.cuda.Event()
             done.record()
         self.send_done[slot] = done

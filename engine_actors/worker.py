@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import os
 import socket
 import time
 
@@ -43,8 +42,6 @@ class Worker:
         self._launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         # wall-clock (arrived, launched, enqueued, done) of the latest steps, for diagnosis
         self.trace: collections.deque = collections.deque(maxlen=256)
-        if cfg.num_workers == 1:
-            self.setup("")
 
     def address(self) -> str:
         """host:port for the process group's rendezvous (asked of rank 0)."""
@@ -53,73 +50,31 @@ class Worker:
             s.bind(("", 0))
             return f"{host}:{s.getsockname()[1]}"
 
-    def setup(self, address: str) -> None:
-        """Join the process group (all workers at once), then load this shard of the model."""
+    def setup(self, address: str = "") -> None:
+        """Join the process group (all workers at once; a single worker has none), then load
+        this shard of the model. The one set-up path of every worker."""
         cfg = self.cfg
-        pg = init_parallel(address, self.rank, cfg.tensor_parallel_size,
-                           cfg.pipeline_parallel_size, self.device,
-                           cfg.distributed_timeout_s) if cfg.num_workers > 1 else SINGLE
+        parallel = init_parallel(address, self.rank, cfg.tensor_parallel_size,
+                                 cfg.pipeline_parallel_size, self.device,
+                                 cfg.distributed_timeout_s) if cfg.num_workers > 1 else SINGLE
         self.runner = ModelRunner(resolve_model_path(cfg.model), self.device,
                                   resolve_dtype(cfg.dtype, self.device), self.max_model_len,
                                   cfg.block_size, cfg.max_num_seqs, cfg.seed,
-                                  use_cuda_graphs=not cfg.enforce_eager, pg=pg)
+                                  use_cuda_graphs=not cfg.enforce_eager, parallel=parallel)
         self.runner.allocate_stage_buffers(max(cfg.max_num_batched_tokens, cfg.max_batch_size),
                                            cfg.max_steps_in_flight)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def shard_info(self) -> dict:
-        """Which layers and which slice of each weight this worker holds (for tests)."""
-        pg = self.runner.pg
-        return {"tp_rank": pg.tp_rank, "pp_rank": pg.pp_rank,
-                "layers": list(self.runner.model.layer_ids),
-                "params": {name: tuple(p.shape)
-                           for name, p in self.runner.model.named_parameters()}}
 
     def num_kv_blocks(self) -> int:
         """How many KV blocks this worker can hold (collective with several workers: the
         profiling pass runs a real step through every stage)."""
-        if self.cfg.max_num_tokens is not None:
-            return cdiv(self.cfg.max_num_tokens, self.cfg.block_size)
+        cfg = self.cfg
+        if cfg.max_num_tokens is not None:
+            return cdiv(cfg.max_num_tokens, cfg.block_size)
         if self.device == "cpu":
-            return cdiv(CPU_KV_TOKENS, self.cfg.block_size)
-        free, total = torch.cuda.mem_get_info()
-        used = total - free  # weights, the CUDA context and anything else on the GPU
-        # activations of the largest eager step, plus the decode graphs' memory pool
-        # (bounded by one eager decode step at the largest graph batch)
-        activations = self._profile_peak_bytes(min(self.cfg.max_num_batched_tokens,
-                                                   self.runner.max_model_len), 1)
-        graphs = 0 if self.cfg.enforce_eager else self._profile_peak_bytes(
-            1, min(self.cfg.max_batch_size, self.cfg.max_num_seqs, 512))
-        budget = total * self.cfg.gpu_memory_utilization - used - activations - graphs
-        blocks = int(budget // self.runner.kv_bytes_per_block())
-        if blocks < 1:
-            raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} "
-                               "GiB); raise gpu_memory_utilization or use a smaller model")
-        return blocks
-
-    def _profile_peak_bytes(self, tokens_per_request: int, num_requests: int) -> int:
-        """Peak memory of one eager step of num_requests prompts of tokens_per_request."""
-        blocks_each = cdiv(tokens_per_request, self.cfg.block_size)
-        self.runner.allocate_kv_cache(blocks_each * num_requests)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        rows = list(range(num_requests))
-        step = StepInput(rows=rows, context_lens=[0] * num_requests,
-                         query_lens=[tokens_per_request] * num_requests,
-                         sample=[True] * num_requests,
-                         token_ids=[0] * (tokens_per_request * num_requests),
-                         table_rows=[r for r in rows for _ in range(blocks_each)],
-                         table_cols=list(range(blocks_each)) * num_requests,
-                         table_blocks=list(range(blocks_each * num_requests)))
-        self.runner.execute(step)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        self.runner.kv_caches = []
-        torch.cuda.empty_cache()
-        return peak
+            return cdiv(CPU_KV_TOKENS, cfg.block_size)
+        graph_batch = 0 if cfg.enforce_eager else min(cfg.max_batch_size, cfg.max_num_seqs, 512)
+        return self.runner.profile_kv_blocks(cfg.gpu_memory_utilization,
+                                             cfg.max_num_batched_tokens, graph_batch)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

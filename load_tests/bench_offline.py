@@ -19,7 +19,6 @@ import gc
 import json
 import os
 import time
-import uuid
 
 import torch
 
@@ -36,22 +35,14 @@ def _sampling(r: TraceRequest):
 
 async def _replay(actor, trace: list[TraceRequest]) -> tuple[float, list[list[int]]]:
     """Submit every request at t=0 in one call, wait for the last token; (seconds, outputs)."""
-    client = uuid.uuid4().hex
-    outputs = {f"r{i}": [] for i in range(len(trace))}
-    stream = actor.stream.remote(client)
+    from engine_actors.messages import EngineRequest
+    from engine_actors.output_stream import run_requests
+    requests = [EngineRequest(f"r{i}", r.prompt_token_ids, _sampling(r))
+                for i, r in enumerate(trace)]
     start = time.perf_counter()
-    refusals = await actor.add_requests.remote(
-        client, [(f"r{i}", r.prompt_token_ids, _sampling(r)) for i, r in enumerate(trace)])
-    assert not any(refusals), refusals
-    unfinished = set(outputs)
-    async for ref in stream:
-        for rid, item in (await ref).items():
-            outputs[rid].extend(item["token_ids"])
-            if item["finish_reason"] is not None:
-                unfinished.discard(rid)
-        if not unfinished:
-            break
-    return time.perf_counter() - start, [outputs[f"r{i}"] for i in range(len(trace))]
+    results = await run_requests(actor, requests)
+    elapsed = time.perf_counter() - start
+    return elapsed, [results[f"r{i}"].token_ids for i in range(len(trace))]
 
 
 def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceRequest]) -> dict:
@@ -70,11 +61,11 @@ def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceReq
             info = await actor.ready.remote()
             startup = time.perf_counter() - started
             await _replay(actor, warmup)
-            await actor.gpu_timeline.remote(reset=True)
+            await actor.executor_call.remote("gpu_timeline", True)
             elapsed, outputs = await _replay(actor, trace)
-            timeline = await actor.gpu_timeline.remote()
+            timeline = await actor.executor_call.remote("gpu_timeline")
             stats = await actor.stats.remote()
-            traces = await actor.step_traces.remote()
+            traces = await actor.executor_call.remote("step_traces")
             return info, startup, elapsed, outputs, timeline, stats, traces
 
         info, startup, elapsed, outputs, timeline, stats, traces = asyncio.run(run())

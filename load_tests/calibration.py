@@ -140,7 +140,7 @@ def measure_actor_overhead(model: str, device: str, block_size: int, compute) ->
         asyncio.run(run_batch(actor, OVERHEAD_PROMPT, 32, b_max))  # warm-up
         for b in OVERHEAD_BATCHES:
             asyncio.run(run_batch(actor, OVERHEAD_PROMPT, OVERHEAD_MAX_TOKENS, b))
-            trace = ray.get(actor.step_traces.remote())[0][-OVERHEAD_WINDOW:]
+            trace = ray.get(actor.executor_call.remote("step_traces"))[0][-OVERHEAD_WINDOW:]
             # the run's last steps are decodes of all b requests; the last one reads a
             # context of prompt + max_tokens - 2 tokens, each earlier one one fewer
             last_ctx = OVERHEAD_PROMPT + OVERHEAD_MAX_TOKENS - 2

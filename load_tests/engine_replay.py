@@ -9,12 +9,10 @@ calibration steps.
 """
 from __future__ import annotations
 
-import contextlib
-
 import asyncio
+import contextlib
 import os
 import time
-import uuid
 from dataclasses import dataclass
 
 from load_tests.traces import TraceRequest
@@ -72,33 +70,40 @@ class LocalEngine:
             ray.shutdown()
 
 
-async def _consume(stream, outcomes: dict[str, EngineOutcome], start: float,
-                   unfinished: set[str], all_submitted: asyncio.Event) -> None:
-    async for ref in stream:
+def _record(outcomes: dict[str, EngineOutcome], start: float):
+    """An on_update callback that notes token and finish times of each request."""
+    def on_update(rid: str, update) -> None:
         now = time.perf_counter() - start
-        for rid, item in (await ref).items():
-            o = outcomes[rid]
-            if item["token_ids"] and o.first_token_s is None:
-                o.first_token_s = now
-            o.num_generated += len(item["token_ids"])
-            if item["finish_reason"] is not None:
-                o.finish_s, o.finish_reason = now, item["finish_reason"]
-                unfinished.discard(rid)
-        if all_submitted.is_set() and not unfinished:
-            return
+        o = outcomes[rid]
+        if update.token_ids and o.first_token_s is None:
+            o.first_token_s = now
+        o.num_generated += len(update.token_ids)
+        if update.finish_reason is not None:
+            o.finish_s, o.finish_reason = now, update.finish_reason
+    return on_update
 
 
 async def replay(actor, trace: list[TraceRequest]) -> list[EngineOutcome]:
-    """Submit each request at its arrival time (one add_request call each, with its deadline),
-    and follow the client's output stream until every request has finished."""
-    client = uuid.uuid4().hex
+    """Submit each request at its arrival time (one add_requests call each, with its
+    deadline), and follow the output stream until every request has finished."""
+    from engine_actors.messages import EngineRequest
+    from engine_actors.output_stream import OutputStream
     rids = [f"r{i}" for i in range(len(trace))]
     outcomes = {rid: EngineOutcome() for rid in rids}
     unfinished = set(rids)
-    all_submitted = asyncio.Event()
     start = time.perf_counter()
-    consumer = asyncio.ensure_future(_consume(actor.stream.remote(client), outcomes, start,
-                                              unfinished, all_submitted))
+    stream = OutputStream(actor)
+    on_update = _record(outcomes, start)
+
+    async def consume():
+        async for rid, update in stream:
+            on_update(rid, update)
+            if update.finish_reason is not None:
+                unfinished.discard(rid)
+                if not unfinished:
+                    return
+
+    consumer = asyncio.ensure_future(consume())
     calls = []
     for rid, r in zip(rids, trace):
         delay = start + r.arrival_s - time.perf_counter()
@@ -106,36 +111,28 @@ async def replay(actor, trace: list[TraceRequest]) -> list[EngineOutcome]:
             await asyncio.sleep(delay)
         outcomes[rid].submit_s = time.perf_counter() - start
         deadline_ms = None if r.deadline_s is None else r.deadline_s * 1e3
-        calls.append(actor.add_request.remote(client, rid, r.prompt_token_ids,
-                                              _sampling(r.max_tokens), 0, deadline_ms))
-    for rid, refusal in zip(rids, await asyncio.gather(*calls)):
+        request = EngineRequest(rid, r.prompt_token_ids, _sampling(r.max_tokens), 0, deadline_ms)
+        calls.append(actor.add_requests.remote(stream.client_id, [request]))
+    for rid, (refusal,) in zip(rids, await asyncio.gather(*calls)):
         if refusal is not None:
-            outcomes[rid].refusal = refusal
+            outcomes[rid].refusal = refusal.code
             unfinished.discard(rid)
-    all_submitted.set()
-    if unfinished:
-        await consumer
-    else:
+    try:
+        if unfinished:
+            await consumer
+    finally:
         consumer.cancel()
+        stream.close()
     return [outcomes[rid] for rid in rids]
 
 
 async def run_batch(actor, prompt_len: int, max_tokens: int, num_requests: int) -> float:
     """`num_requests` identical requests submitted in one call (they start in the same
     iteration); returns the seconds until the last one finished."""
-    trace = [TraceRequest([7] * prompt_len, max_tokens) for _ in range(num_requests)]
-    client = uuid.uuid4().hex
-    rids = [f"b{i}" for i in range(num_requests)]
-    outcomes = {rid: EngineOutcome() for rid in rids}
-    done = asyncio.Event()
-    done.set()
+    from engine_actors.messages import EngineRequest
+    from engine_actors.output_stream import run_requests
+    requests = [EngineRequest(f"b{i}", [7] * prompt_len, _sampling(max_tokens))
+                for i in range(num_requests)]
     start = time.perf_counter()
-    consumer = asyncio.ensure_future(_consume(actor.stream.remote(client), outcomes, start,
-                                              set(rids), done))
-    refusals = await actor.add_requests.remote(
-        client, [(rid, r.prompt_token_ids, _sampling(r.max_tokens)) for rid, r in zip(rids, trace)])
-    if any(refusals):
-        consumer.cancel()
-        raise RuntimeError(f"the engine refused the calibration requests: {refusals[0]}")
-    await consumer
+    await run_requests(actor, requests)
     return time.perf_counter() - start

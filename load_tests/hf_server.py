@@ -7,6 +7,8 @@ measures them exactly as it measures orca-serve.
 Only the subset the load client uses: POST /v1/completions with one prompt (token ids, or
 text), max_tokens, ignore_eos, stream (+ stream_options.include_usage), greedy only;
 GET /v1/models and /health. Weights are the engine's (`bench_offline.load_hf_model`).
+Bodies are validated with orca-serve's own schema (`deployments.protocol.CompletionRequest`),
+so a request the engine would refuse is refused here too, with the same error object.
 
 Modes (a small interface, two implementations):
   static  request-level scheduling, the FasterTransformer-style baseline of ORCA's paper:
@@ -32,62 +34,56 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from deployments.text_stream import TextStream
+from deployments.protocol import APIError, CompletionRequest, parse_body
+from engine_actors.detokenizer import TextStream
 from load_tests.hf_backends import Backend, ContinuousBackend, GenRequest, StaticBackend
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": "invalid_request_error",
-                                       "param": self.param, "code": None}}, status_code=400)
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, param, "invalid_value")
 
 
-def parse_request(body, tokenizer, vocab_size: int, max_model_len: int) -> tuple[GenRequest, bool, bool]:
-    """(request, stream, include_usage) from a /v1/completions body, or BadRequest."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) and prompt:
-        ids = tokenizer.encode(prompt)
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+def parse_request(raw: bytes, tokenizer, vocab_size: int,
+                  max_model_len: int) -> tuple[GenRequest, bool, bool]:
+    """(request, stream, include_usage) from the bytes of a /v1/completions body, or an
+    APIError(400) naming the param."""
+    req = parse_body(raw, CompletionRequest)
+    # The schema also takes lists of prompts; the baselines serve one prompt per request.
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt) if prompt else []
+    elif all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     else:
-        raise BadRequest("prompt must be a non-empty string or list of token ids (one prompt "
-                         "per request here)", "prompt")
+        ids = []
+    if not ids:
+        raise _bad("prompt must be a non-empty string or list of token ids (one prompt per "
+                   "request here)", "prompt")
     if any(not 0 <= t < vocab_size for t in ids):
-        raise BadRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    max_tokens = body.get("max_tokens", 16)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BadRequest("max_tokens must be a positive integer", "max_tokens")
+        raise _bad(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    # no max_tokens (null): up to the context length, as orca-serve does
+    max_tokens = req.max_tokens or max(max_model_len - len(ids), 1)
     if len(ids) + max_tokens > max_model_len:
-        raise BadRequest(f"prompt ({len(ids)}) + max_tokens ({max_tokens}) is over the "
-                         f"model's {max_model_len} tokens", "max_tokens")
-    if body.get("temperature") not in (None, 0, 0.0):
-        raise BadRequest("the transformers baselines are greedy: temperature must be 0",
-                         "temperature")
-    if body.get("n", 1) != 1:
-        raise BadRequest("n must be 1", "n")
-    stream = body.get("stream", False) is True
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return GenRequest(ids, max_tokens, body.get("ignore_eos", False) is True), stream, \
-        include_usage
+        raise _bad(f"prompt ({len(ids)}) + max_tokens ({max_tokens}) is over the model's "
+                   f"{max_model_len} tokens", "max_tokens")
+    # The schema's default temperature is 1.0, but a request that does not set one gets the
+    # baselines' greedy decoding: only an explicit non-zero temperature is refused.
+    if "temperature" in req.model_fields_set and req.temperature != 0:
+        raise _bad("the transformers baselines are greedy: temperature must be 0",
+                   "temperature")
+    if req.n != 1:
+        raise _bad("n must be 1", "n")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return GenRequest(ids, max_tokens, req.ignore_eos), req.stream, include_usage
 
 
 def build_app(backend: Backend, tokenizer, model_name: str, vocab_size: int,
               max_model_len: int) -> Starlette:
     async def completions(request: Request):
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return BadRequest("the body is not valid JSON").response()
-        try:
-            req, stream, include_usage = parse_request(body, tokenizer, vocab_size, max_model_len)
-        except BadRequest as e:
+            req, stream, include_usage = parse_request(await request.body(), tokenizer,
+                                                       vocab_size, max_model_len)
+        except APIError as e:
             return e.response()
         await backend.submit(req)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -99,8 +95,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, vocab_size: int,
         async for delta, finish, error in _deltas(backend, req, tokenizer):
             text.append(delta)
         if error:
-            return JSONResponse({"error": {"message": error, "type": "server_error",
-                                           "param": None, "code": None}}, status_code=500)
+            return APIError(500, error).response()
         return JSONResponse({**base, "choices": [{"index": 0, "text": "".join(text),
                                                   "logprobs": None, "finish_reason": finish}],
                              "usage": _usage(req)})
@@ -151,8 +146,7 @@ async def _deltas(backend: Backend, req: GenRequest, tokenizer):
 async def _sse(backend: Backend, req: GenRequest, tokenizer, base: dict, include_usage: bool):
     async for delta, finish, error in _deltas(backend, req, tokenizer):
         if error:
-            body = {"error": {"message": error, "type": "server_error", "param": None,
-                              "code": None}}
+            body = APIError(500, error).body()
         else:
             body = {**base, "choices": [{"index": 0, "text": delta, "logprobs": None,
                                          "finish_reason": finish}]}

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+from httpx_sse import aconnect_sse
 from tqdm import tqdm
 
 from load_tests.metrics import SLO, RequestOutcome, summarize
@@ -60,17 +61,15 @@ async def send_request(client: httpx.AsyncClient, cfg: LoadConfig,
     num_chunks, usage_tokens, last = 0, None, None
     start = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
+        async with aconnect_sse(client, "POST", "/v1/completions", json=body) as events:
+            resp = events.response
+            if resp.status_code != 200:  # an error object, not events
                 o.error = _http_error(resp.status_code, await resp.aread())
                 return o
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for sse in events.aiter_sse():
+                if sse.data == "[DONE]":
                     break
-                event = json.loads(data)
+                event = json.loads(sse.data)
                 if "error" in event:
                     o.error = str(event["error"].get("message", event["error"]))
                     return o
@@ -84,7 +83,7 @@ async def send_request(client: httpx.AsyncClient, cfg: LoadConfig,
                         o.itl_s.append(now - last)
                     last = now
                     num_chunks += 1
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, ValueError) as e:  # httpx-sse's SSEError is an HTTPError
         o.error = f"{type(e).__name__}: {e}"
         return o
     o.end_s = time.perf_counter()

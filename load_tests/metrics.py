@@ -9,14 +9,16 @@ Definitions (times measured by the client, from sending the request):
   TPOT        per request, (latency - TTFT) / (output tokens - 1); requests of one token have none.
   normalized  per request, end-to-end latency / output tokens (ORCA's Figure 10 metric).
   goodput     completed requests meeting every SLO that is set, per second of the run.
-Percentiles interpolate linearly between closest ranks (numpy's default, as vLLM reports).
+Percentiles are numpy's default ("linear": interpolated between the two closest ranks), as
+vLLM reports them.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -60,24 +62,21 @@ class SLO:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0 <= q <= 100), interpolating between the two closest ranks."""
-    if not values:
+    if not values:  # numpy would raise IndexError
         raise ValueError("percentile of no values")
     if not 0 <= q <= 100:
         raise ValueError(f"q must be in [0, 100], got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.percentile(values, q, method="linear"))
 
 
 def distribution(values_s: Sequence[float]) -> dict | None:
     """mean/median/p90/p99 in milliseconds of values in seconds; None when there are none."""
     if not values_s:
         return None
-    ms = [v * 1e3 for v in values_s]
-    return {"mean": sum(ms) / len(ms), "median": percentile(ms, 50), "p90": percentile(ms, 90),
-            "p99": percentile(ms, 99)}
+    ms = np.asarray(values_s, dtype=np.float64) * 1e3
+    median, p90, p99 = np.percentile(ms, [50, 90, 99], method="linear")
+    return {"mean": float(ms.mean()), "median": float(median), "p90": float(p90),
+            "p99": float(p99)}
 
 
 def summarize(outcomes: Sequence[RequestOutcome], duration_s: float, slo: SLO = SLO()) -> dict:

@@ -6,7 +6,7 @@ KVCacheManager, with a calibrated cost model (load_tests/cost_model.py) in place
 
 The virtual clock starts at the first arrival. Every iteration: requests whose arrival time
 the clock has passed join the pool, `expire(now)` drops those whose start-by deadline has
-passed, `schedule(now)` builds the batch, the clock advances by the cost model's time for
+passed, `schedule()` builds the batch, the clock advances by the cost model's time for
 that step, and `process` applies one fake token per sampling row. Requests ignore EOS, so
 each generates exactly max_tokens. One step at a time: the simulated engine is the scheduler
 actor with async_scheduling off (one step in flight, no continuation), and the calibration
@@ -26,8 +26,9 @@ import shlex
 import sys
 from dataclasses import asdict, dataclass
 
-from engine_actors.kv_cache import KVCacheManager, cdiv
-from engine_actors.policies import Budget, Policy, make_policy
+from engine_actors.config import EngineConfig
+from engine_actors.kv_cache import cdiv
+from engine_actors.policies import Policy
 from engine_actors.request import Request, SamplingParams
 from engine_actors.scheduler import RequestRejected, Scheduler
 from load_tests.cost_model import CostModel, step_features
@@ -83,13 +84,10 @@ def simulate(trace: list[TraceRequest], policy: str | Policy, spec: EngineSpec,
              cost: CostModel) -> SimResult:
     """Run `trace` through the real scheduler under `policy` (a scheduling_policy name, or a
     Policy object for experiments); see the module docstring."""
-    num_blocks = cdiv(spec.max_num_tokens, spec.block_size)
-    kv = KVCacheManager(num_blocks, spec.block_size, spec.max_batch_size)
-    # as the scheduler actor does: no context can be longer than the KV pool
-    max_len = min(spec.max_model_len, num_blocks * spec.block_size)
-    sched = Scheduler(kv, make_policy(policy) if isinstance(policy, str) else policy,
-                      Budget(spec.max_batch_size, spec.max_num_batched_tokens),
-                      max_len, eos_token_ids=set(), allow_continuation=False)
+    cfg = EngineConfig.from_args(spec.engine_args(policy if isinstance(policy, str) else "fcfs"))
+    sched = Scheduler.from_config(cfg, cdiv(spec.max_num_tokens, spec.block_size),
+                                  spec.max_model_len, eos_token_ids=(),
+                                  policy=None if isinstance(policy, str) else policy)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     outcomes = [SimOutcome(len(r.prompt_token_ids), r.max_tokens, r.arrival_s,
                            None if r.deadline_s is None else r.arrival_s + r.deadline_s)
@@ -122,7 +120,7 @@ def simulate(trace: list[TraceRequest], policy: str | Policy, spec: EngineSpec,
             requests[req.request_id] = req
         for out in sched.expire(clock):
             finish(out.request_id, out.finish_reason)
-        batch = sched.schedule(clock)
+        batch = sched.schedule()
         if batch is None:
             if nxt < len(order):
                 clock = max(clock, trace[order[nxt]].arrival_s)

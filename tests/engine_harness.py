@@ -7,8 +7,6 @@ import torch
 
 from engine_actors.checkpoint import model_info
 from engine_actors.config import EngineConfig
-from engine_actors.kv_cache import KVCacheManager
-from engine_actors.policies import Budget, make_policy
 from engine_actors.request import Request, SamplingParams
 from engine_actors.scheduler import Scheduler
 from engine_actors.worker import Worker
@@ -22,13 +20,11 @@ class InProcessEngine:
         self.cfg = EngineConfig.from_args(args)
         info = model_info(self.cfg)
         self.worker = Worker(self.cfg, device, info.max_model_len)
+        self.worker.setup()
         num_blocks = self.worker.num_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
-        kv = KVCacheManager(num_blocks, self.cfg.block_size, self.cfg.max_num_seqs)
-        budget = Budget(self.cfg.max_batch_size, self.cfg.max_num_batched_tokens)
-        self.scheduler = Scheduler(kv, make_policy(self.cfg.scheduling_policy), budget,
-                                   info.max_model_len, set(info.eos_token_ids),
-                                   allow_continuation=self.cfg.async_scheduling)
+        self.scheduler = Scheduler.from_config(self.cfg, num_blocks, info.max_model_len,
+                                               info.eos_token_ids)
         self.steps = []
 
     def run(self, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]):
@@ -42,7 +38,7 @@ class InProcessEngine:
                 outputs[rid] = []
             it += 1
             while len(in_flight) < self.cfg.max_steps_in_flight:
-                batch = self.scheduler.schedule(float(it))
+                batch = self.scheduler.schedule()
                 if batch is None:
                     break
                 batch.step.step_id = len(self.steps)

@@ -1,33 +1,40 @@
-"""Background batch state in the scheduler actor, without Ray (the actor class is plain)."""
+"""Background batch state in the scheduler actor, without Ray."""
 from __future__ import annotations
 
 import asyncio
 
-from engine_actors.batches import BatchState
-from engine_actors.config import EngineConfig
-from engine_actors.scheduler_actor import SchedulerActor
+import pytest
+
+from engine_actors.batches import Batches, BatchState
+from engine_actors.messages import BatchRequest
+from engine_actors.request import SamplingParams
+from engine_actors.scheduler import RequestOutput
+
+
+def output(state, index, tokens, reason=None, num_prompt=3):
+    return RequestOutput(state.request_id(index), state, tokens, reason, num_prompt)
 
 
 def test_every_reader_of_batch_results_sees_every_result():
     """Two readers; one is busy when the last result lands: neither may miss it."""
-    actor = SchedulerActor(EngineConfig())
+    batches = Batches(add=None, abort=None, tokenizer=None)
 
     async def scenario():
-        state = actor.batches["b"] = BatchState("b", 2)
+        state = batches.batches["b"] = BatchState("b", 2, stop_request=None)
         seen = {"fast": [], "slow": []}
 
         async def read(name, pause):
-            async for results in actor.batch_results("b"):
-                seen[name] += [r["index"] for r in results]
+            async for results in batches.results("b"):
+                seen[name] += [r.index for r in results]
                 await asyncio.sleep(pause)  # "busy at yield"
 
         readers = [asyncio.create_task(read("fast", 0.0)),
                    asyncio.create_task(read("slow", 0.05))]
         await asyncio.sleep(0.01)
-        state.add_output(0, [1, 2], "length", 3)
+        state.deliver(output(state, 0, [1, 2], "length"), None)
         await asyncio.sleep(0.01)  # the slow reader is still busy with result 0
-        state.add_output(1, [4], None, 3)
-        state.add_output(1, [5], "stop", 3)
+        state.deliver(output(state, 1, [4]), None)
+        state.deliver(output(state, 1, [5], "stop"), None)
         await asyncio.wait_for(asyncio.gather(*readers), timeout=2)
         return seen
 
@@ -36,12 +43,41 @@ def test_every_reader_of_batch_results_sees_every_result():
 
 
 def test_batch_status_counts_and_tokens():
-    state = BatchState("b", 3)
-    state.add_output(0, [7, 8], "length", 2)
-    state.add_output(1, [], "abort", 2, "cancelled")
+    state = BatchState("b", 3, stop_request=None)
+    state.deliver(output(state, 0, [7, 8], "length"), None)
+    state.aborted(output(state, 1, [], "abort"))
     assert state.status()["status"] == "in_progress"
-    state.add_output(2, [9], "stop", 2, None)
+    state.deliver(output(state, 2, [9], "stop"), None)
     status = state.status()
     assert (status["status"], status["num_completed"], status["num_cancelled"],
             status["num_failed"]) == ("completed", 2, 1, 0)
-    assert state.result(0)["token_ids"] == [7, 8]
+    assert state.results[0].token_ids == [7, 8]
+    assert state.results[1].error == "cancelled"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from engine_actors.checkpoint import load_tokenizer, save_byte_tokenizer
+    path = tmp_path_factory.mktemp("tok")
+    save_byte_tokenizer(str(path))
+    return load_tokenizer(str(path))
+
+
+def test_a_stop_string_ends_the_request_in_the_engine(tokenizer):
+    added, aborted = [], []
+    batches = Batches(add=lambda sink, r: added.append((sink, r)),
+                      abort=lambda ids, stopped: aborted.append((ids, stopped)),
+                      tokenizer=lambda: tokenizer)
+    sampling = SamplingParams(max_tokens=3000)
+    requests = [BatchRequest([1, 2], sampling, stop=["END"]), BatchRequest([1, 2], sampling)]
+    assert asyncio.run(batches.submit("b", requests, 0, max_queued=10)) is None
+    state = added[0][0]
+    for text in ["ab", "cE", "ND", "zz"]:  # the stop string completes at "D"
+        for tok in tokenizer.encode(text, add_special_tokens=False):
+            state.deliver(output(state, 0, [tok]), None)
+            state.deliver(output(state, 1, [tok]), None)
+    assert aborted == [(["b-0"], True)]  # at once, not at max_tokens
+    result = state.results[0]
+    assert result.finish_reason == "stop" and result.stop == ["END"]
+    assert tokenizer.decode(result.token_ids) == "abcEND"  # up to the token that matched
+    assert 1 not in state.results  # the one without stop strings runs on

@@ -18,4 +18,6 @@ def test_all_systems_agree_in_fp32_on_cpu(tmp_path):
     assert {r["system"] for r in report["results"]} == {"orca", "hf-static"}
     for r in report["results"]:
         assert r["all_tokens_generated"], r["system"]
-        assert r["same_tokens_as_hf_static"] == 1.0, r["system"]
+    # the reference row is hf-static itself: only the others say anything
+    others = [r for r in report["results"] if r["system"] != "hf-static"]
+    assert others and all(r["same_tokens_as_hf_static"] == 1.0 for r in others)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from starlette.applications import Starlette
 
-from deployments.cli import main
-from deployments.cli_http import printable
+from deployments.cli.http import printable
+from deployments.cli.main import main
 from tests.fake_orca import FakeOrca
 from tests.http_thread import ServerThread
 
@@ -33,10 +33,19 @@ class _TTY(io.StringIO):
         return True
 
 
-def run_cli(monkeypatch, *args: str, tty: bool = False) -> tuple[int, str, str]:
+def run_cli(monkeypatch, *args: str, tty: bool = False, stdin: str | None = None,
+            env: dict[str, str | None] | None = None) -> tuple[int, str, str]:
+    """main(args) with its output captured; `env` (None: unset) and `stdin` for this call."""
     out, err = io.StringIO(), (_TTY() if tty else io.StringIO())
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
+    if stdin is not None:  # the chat ends at its EOF
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    for name, value in (env or {}).items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     code = main(list(args))
     monkeypatch.undo()
     return code, out.getvalue(), err.getvalue()
@@ -124,6 +133,100 @@ def test_malformed_file_names_the_line(fake, tmp_path, monkeypatch, content, whe
     assert fake.bodies == []  # nothing was sent
 
 
+def test_batch_lines_are_checked_with_the_server_schema(fake, tmp_path, monkeypatch):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": [1, 2, 3]}\n{"prompt": "soon", "deadline_ms": 500, "top_k": 4}\n')
+    code, out, err = run_cli(monkeypatch, "--url", fake.url, "batch", "--wait", str(f))
+    assert code == 0, err
+    # sent as written, plus the CLI's max_tokens (not every default of the schema)
+    assert fake.bodies == [{"requests": [
+        {"prompt": [1, 2, 3], "max_tokens": 128},
+        {"prompt": "soon", "deadline_ms": 500, "top_k": 4, "max_tokens": 128}]}]
+    assert "--- [0] [1, 2, 3] (finish: length, 128 tokens)\n1 2 3\n" in out
+    assert "--- [1] \"soon\" (finish: length, 128 tokens)\nSOON" in out
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "hot", "temperature": 5}',
+     '"temperature" must be less than or equal to 2, got 5'),
+    ('{"prompt": [1, "a"]}', '"prompt[1]" must be a valid integer, got "a"'),
+    ('{"prompt": 7}', '"prompt" must be a valid string or a valid list, got 7'),
+    ('{"max_tokens": 3}', '"prompt" is required'),
+    ('{"prompt": [], "deadline_ms": 9}',
+     '"prompt" must be a non-empty string or list of token ids'),
+    ('{"prompt": "x", "stop": [""]}', '"stop": stop strings must have 1 to 512 characters'),
+])
+def test_values_the_server_would_refuse_fail_before_sending(fake, tmp_path, monkeypatch, line,
+                                                            message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + line + "\n")
+    code, _, err = run_cli(monkeypatch, "--url", fake.url, "batch", str(f))
+    assert (code, err) == (2, f"orca-serve: {f}:2: {message}\n")
+    assert fake.bodies == []
+
+
+NO_KEY = {"ORCA_SERVE_API_KEY": None}
+
+
+def test_api_key_from_the_option_or_the_environment(tmp_path, monkeypatch):
+    server = FakeOrca(api_key="sekret")
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    with ServerThread(server.app) as url:
+        code, out, err = run_cli(monkeypatch, "--url", url, "batch", str(f), env=NO_KEY)
+        assert code == 1 and out == "" and server.batches == {}
+        assert err == (f"orca-serve: the batch from {f} was rejected: invalid or missing API "
+                       "key (Authorization: Bearer) [HTTP 401] (give the server's key with "
+                       "--api-key or ORCA_SERVE_API_KEY)\n")
+        # submit, the results stream and the status lookup all carry the key
+        code, out, err = run_cli(monkeypatch, "--url", url, "batch", "--wait", str(f),
+                                 env={"ORCA_SERVE_API_KEY": "sekret"})
+        assert code == 0 and ": completed, 1 ok" in out and "\nHI" in out, err
+        [bid] = server.batches
+        code, out, err = run_cli(monkeypatch, "--url", url, "--api-key", "sekret", "status", bid,
+                                 env={"ORCA_SERVE_API_KEY": "wrong"})  # the option wins
+        assert code == 0 and out.split()[:2] == [bid, "completed"], err
+        code, out, err = run_cli(monkeypatch, "--url", url, "chat", "--max-tokens", "2",
+                                 stdin="hello\n", env={"ORCA_SERVE_API_KEY": "sekret"})
+        assert code == 0 and "assistant> t0 t1 \n" in out, err
+        code, out, err = run_cli(monkeypatch, "--url", url, "chat", stdin="hello\n", env=NO_KEY)
+        assert code == 1 and "[HTTP 401]" in err and len(server.chat_streams) == 1
+
+
+def test_server_options_before_or_after_the_command(tmp_path, monkeypatch):
+    server = FakeOrca(api_key="k")
+    f = tmp_path / "p.jsonl"
+    f.write_text('"hi"\n')
+    nowhere = "http://127.0.0.1:9"  # nothing listens there
+    env = NO_KEY | {"ORCA_SERVE_URL": nowhere}
+    with ServerThread(server.app) as url:
+        code, _, err = run_cli(monkeypatch, "batch", str(f), "--url", url, "--api-key", "k",
+                               env=env)
+        assert code == 0 and len(server.batches) == 1, err
+        # given before the command, and not overwritten by the command's own defaults
+        code, _, err = run_cli(monkeypatch, "--url", url, "--api-key", "k", "batch", str(f),
+                               env=env)
+        assert code == 0 and len(server.batches) == 2, err
+        code, out, err = run_cli(monkeypatch, "--api-key", "k", "chat", "--url", url,
+                                 "--max-tokens", "1", stdin="hello\n", env=env)
+        assert code == 0 and "assistant> t0 \n" in out, err
+        # given on both sides: the one after the command wins
+        code, _, err = run_cli(monkeypatch, "--url", nowhere, "--api-key", "x", "status",
+                               next(iter(server.batches)), "--url", url, "--api-key", "k",
+                               env=env)
+        assert code == 0, err
+
+
+def test_chat_error_event_is_shown_and_the_turn_dropped(monkeypatch):
+    server = FakeOrca()
+    with ServerThread(server.app) as url:
+        code, out, err = run_cli(monkeypatch, "--url", url, "chat", "--max-tokens", "2",
+                                 stdin="break please\nhello\n")
+    assert code == 0 and "orca-serve: the answer failed: engine failed\n" in err
+    assert out == "you> assistant> t0 \nyou> assistant> t0 t1 \nyou> "
+    assert server.chat_streams[1]["body"]["messages"] == [{"role": "user", "content": "hello"}]
+
+
 @pytest.mark.parametrize("arg, message", [
     ('["a", "b"] [1]', "2 prompts but 1 max_tokens"),
     ('["a" "b"]', "expected [\"prompt 1\""),
@@ -139,11 +242,12 @@ def test_rejected_batch_shows_the_server_message(fake, monkeypatch):
     code, _, err = run_cli(monkeypatch, "--url", fake.url, "batch", "--wait",
                            '["a"]', '["b"]', "--max-tokens", "3")
     assert code == 0  # two accepted batches: the rejection below is not a blanket one
-    monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt": "hot", "temperature": 9}\n'))
-    code, _, err = run_cli(monkeypatch, "--url", fake.url, "batch", "-")
+    code, _, err = run_cli(monkeypatch, "--url", fake.url, "batch", "-",
+                           stdin='{"prompt": "long", "max_tokens": 2046}\n')
     assert code == 1
-    assert err.strip() == ("orca-serve: the batch from <stdin> was rejected: temperature must be at "
-                           "most 2 (param: requests[0].temperature) [HTTP 400]")
+    assert err.strip() == ("orca-serve: the batch from <stdin> was rejected: request 0: prompt "
+                           "(3 tokens) + max_tokens (2046) exceeds the context length 2048 "
+                           "(param: requests.0.max_tokens) [HTTP 400]")
 
 
 @pytest.mark.parametrize("args", [["chat"], ["batch", '["a"]'], ["results", "batch-1"]])
@@ -216,7 +320,7 @@ def test_chat_streams_keeps_the_conversation_and_ctrl_c_cancels(monkeypatch):
 
 def test_console_script_is_declared():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["orca-serve"] == "deployments.cli:main"
+    assert scripts["orca-serve"] == "deployments.cli.main:main"
     env = dict(os.environ, ORCA_SERVE_URL="http://example.invalid:1")
     proc = subprocess.run([sys.executable, "-m", "deployments.cli", "--help"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=30)

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
 
 import pytest
 import torch
 
 from engine_actors.checkpoint import resolve_model_path, save_random_llama
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
+from engine_actors.messages import EngineRequest
 from engine_actors.model_runner import ModelRunner
+from engine_actors.output_stream import OutputStream
 from engine_actors.parallel import ParallelGroup
 from engine_actors.request import SamplingParams
 
@@ -31,27 +32,24 @@ def hf_weights(path):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2), (4, 1)])
 def test_each_rank_holds_exactly_its_shard(checkpoint, tp, pp):
     full, cfg = hf_weights(checkpoint)
-    d, heads, kv_heads = 16, cfg.num_attention_heads, cfg.num_key_value_heads
+    d, heads = 16, cfg.num_attention_heads
     inter, vocab = cfg.intermediate_size, cfg.vocab_size
     for pp_rank in range(pp):
         for r in range(tp):
-            pg = ParallelGroup(r, tp, pp_rank, pp)
-            runner = ModelRunner(checkpoint, "cpu", torch.float32, 256, 16, 4, 0, pg=pg)
+            parallel = ParallelGroup(r, tp, pp_rank, pp)
+            runner = ModelRunner(checkpoint, "cpu", torch.float32, 256, 16, 4, 0, parallel=parallel)
             got = dict(runner.model.named_parameters())
             per = cfg.num_hidden_layers // pp
             layers = list(range(pp_rank * per, (pp_rank + 1) * per))
             assert sorted(int(k) for k in runner.model.layers) == layers
             q_rows = slice(r * heads // tp * d, (r + 1) * heads // tp * d)
-            kv_head = r * kv_heads // tp if tp > kv_heads else None
-            kv_rows = slice(kv_head * d, (kv_head + 1) * d) if kv_head is not None \
-                else slice(r * kv_heads // tp * d, (r + 1) * kv_heads // tp * d)
             i_rows = slice(r * inter // tp, (r + 1) * inter // tp)
             for i in layers:
                 p, f = f"layers.{i}.", f"layers.{i}."
-                qkv = torch.cat([full[f + "self_attn.q_proj.weight"][q_rows],
-                                 full[f + "self_attn.k_proj.weight"][kv_rows],
-                                 full[f + "self_attn.v_proj.weight"][kv_rows]])
-                assert torch.equal(got[p + "self_attn.qkv_proj.weight"], qkv)
+                # the query heads (KV heads replicated over more ranks than there are of
+                # them are checked by behaviour: test_tp_with_more_ranks_than_kv_heads)
+                q = got[p + "self_attn.qkv_proj.weight"][:q_rows.stop - q_rows.start]
+                assert torch.equal(q, full[f + "self_attn.q_proj.weight"][q_rows])
                 assert torch.equal(got[p + "self_attn.o_proj.weight"],
                                    full[f + "self_attn.o_proj.weight"][:, q_rows])
                 gate_up = torch.cat([full[f + "mlp.gate_proj.weight"][i_rows],
@@ -88,23 +86,25 @@ def workload(seed=4, n=18):
 async def run_in_waves(actor, requests, waves=3):
     """Submit in waves, each after tokens of the previous arrived (joins while batches are
     in flight); returns request id -> tokens."""
-    client = uuid.uuid4().hex
+    stream = OutputStream(actor)
     outputs = {rid: [] for rid, _, _ in requests}
     unfinished = set(outputs)
-    stream = actor.stream.remote(client)
     size = -(-len(requests) // waves)
-    pending = [requests[i:i + size] for i in range(0, len(requests), size)]
-    assert not any(await actor.add_requests.remote(client, pending.pop(0)))
-    async for ref in stream:
-        for rid, item in (await ref).items():
-            outputs[rid].extend(item["token_ids"])
-            assert "error" not in item, item
-            if item["finish_reason"]:
+    pending = [[EngineRequest(*r) for r in requests[i:i + size]]
+               for i in range(0, len(requests), size)]
+    await stream.submit(pending.pop(0))
+    try:
+        async for rid, update in stream:
+            outputs[rid].extend(update.token_ids)
+            assert update.error is None, update
+            if update.finish_reason:
                 unfinished.discard(rid)
-        if pending:
-            assert not any(await actor.add_requests.remote(client, pending.pop(0)))
-        if not unfinished and not pending:
-            return outputs
+            if pending:
+                await stream.submit(pending.pop(0))
+            if not unfinished and not pending:
+                return outputs
+    finally:
+        stream.close()
 
 
 @pytest.fixture(scope="module")
@@ -162,26 +162,41 @@ def test_worker_death_fails_in_flight_requests_and_recovers(ray_cluster):
     actor = start_engine(resolve_model_path(DEFAULT_MODEL), 2, 1)
 
     async def scenario():
-        client = uuid.uuid4().hex
-        stream = actor.stream.remote(client)
-        long = ("long", [1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True))
-        assert not any(await actor.add_requests.remote(client, [long]))
-        workers = await actor.workers.remote()
+        stream = OutputStream(actor)
+        await stream.submit([EngineRequest("long", [1, 2, 3],
+                                           SamplingParams(max_tokens=2000, ignore_eos=True))])
+        workers = await actor.executor_call.remote("workers")
         killed = False
-        async for ref in stream:
-            item = (await ref).get("long")
-            if item and not killed:
+        async for _, update in stream:
+            if not killed:
                 ray.kill(workers[1])  # a tensor-parallel peer dies mid-generation
                 killed = True
-            if item and item["finish_reason"]:
-                return item
+            if update.finish_reason:
+                stream.close()
+                return update
 
-    final = asyncio.wait_for(scenario(), timeout=120)
-    final = asyncio.run(final)
-    assert final["finish_reason"] == "abort" and "failed" in final["error"]
+    final = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+    assert final.finish_reason == "abort" and "failed" in final.error
     after = asyncio.run(run_in_waves(actor, workload(seed=5, n=4), waves=1))
     assert all(len(v) > 0 for v in after.values())
     stop_engine(actor)
+
+
+def test_tp_with_more_ranks_than_kv_heads(ray_cluster, tmp_path):
+    """One KV head, two ranks: each rank holds the replicated head; outputs equal one
+    worker's."""
+    save_random_llama(str(tmp_path), seed=11, num_key_value_heads=1)
+    requests, results = compare_configs(str(tmp_path), [(1, 1), (2, 1)])
+    assert results[(2, 1)] == results[(1, 1)]
+
+
+def test_tp_that_cannot_split_the_kv_heads_is_refused_at_start(ray_cluster, tmp_path):
+    """6 query heads, 2 KV heads, 3 ranks: rank 1 would need half of each KV head."""
+    import ray
+    save_random_llama(str(tmp_path), hidden_size=96, num_attention_heads=6,
+                      num_key_value_heads=2)
+    with pytest.raises(ray.exceptions.RayTaskError, match="multiple of the other"):
+        start_engine(str(tmp_path), 3, 1)
 
 
 @pytest.mark.gpu

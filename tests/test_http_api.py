@@ -207,6 +207,11 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None,
      "messages.0.role"),
     ("/v1/chat/completions", {"messages": "hello"}, None, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "missing_required_parameter",
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None},
+                                           {"role": "user", "content": "x"}]},
+     "missing_required_parameter", "messages.0.content"),
 ]
 
 
@@ -311,3 +316,84 @@ def test_batch_cancel_and_errors(url):
                           json={"requests": [{"prompt": "x", "max_tokens": 10**6}]})
     assert too_long.status_code == 400
     wait_idle(url)
+
+
+def test_engine_counts_every_finished_request(url, client):
+    """orca:request_finished_total counts batch requests, aborted requests, requests whose
+    client left, and stop-string stops as stops (as the replica's success counter does)."""
+    def finished():
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        counts = {}
+        for line in text.splitlines():
+            for name in ("orca:request_finished_total", "orca:request_success_total"):
+                if line.startswith(name + "{"):
+                    reason = line.split('finished_reason="')[1].split('"')[0]
+                    counts[(name, reason)] = float(line.split()[-1])
+        return counts
+
+    before = finished()
+    kwargs = dict(model=MODEL, prompt="Stop strings", temperature=0, extra_body=NO_EOS)
+    full = client.completions.create(max_tokens=30, **kwargs).choices[0].text
+    client.completions.create(max_tokens=30, stop=[full[10:13]], **kwargs)  # a stop
+    # two batch requests run to their length; one stops at its stop string in the engine
+    stopped = {"prompt": "Stop strings", "max_tokens": 30, "temperature": 0,
+               "stop": [full[10:13]], **NO_EOS}
+    batch = {"requests": [{"prompt": "one", "max_tokens": 3, "ignore_eos": True}] * 2
+             + [stopped]}
+    batch_id = httpx.post(f"{url}/orca/v1/batches", json=batch, timeout=30).json()["id"]
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                      json={"prompt": "gone", "max_tokens": 3000, "stream": True,
+                            **NO_EOS}) as r:
+        next(r.iter_lines())  # then the client leaves mid-stream
+    with httpx.stream("GET", f"{url}/orca/v1/batches/{batch_id}/results", timeout=30) as r:
+        list(r.iter_lines())
+    wait_idle(url)
+    after = finished()
+
+    def delta(name, reason):
+        key = (f"orca:request_{name}_total", reason)
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("finished", "length") == 3  # one plain completion, two batch requests
+    assert delta("success", "stop") == 1  # the replica counts its own requests only
+    assert delta("finished", "stop") == 2
+    assert delta("finished", "abort") == 1  # the client that left
+
+
+def test_leaving_a_batch_results_stream_is_not_an_error(url):
+    """A client that stops following a batch is normal: no traceback in the replica log."""
+    import glob
+    import os
+    import socket
+
+    import ray
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    body = {"requests": [{"prompt": "long", "max_tokens": 3000, "ignore_eos": True}]}
+    batch_id = httpx.post(f"{url}/orca/v1/batches", json=body, timeout=30).json()["id"]
+    for _ in range(4):  # leaves while results arrive
+        many = {"requests": [{"prompt": "x", "max_tokens": 8 + k % 32, "ignore_eos": True}
+                             for k in range(64)]}
+        many_id = httpx.post(f"{url}/orca/v1/batches", json=many, timeout=30).json()["id"]
+        with httpx.stream("GET", f"{url}/orca/v1/batches/{many_id}/results", timeout=30) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+    host, port = url.removeprefix("http://").split(":")
+    for i in range(12):
+        if i % 2:  # leaves while the replica waits for a result
+            with httpx.stream("GET", f"{url}/orca/v1/batches/{batch_id}/results", timeout=30):
+                time.sleep(0.3)
+            continue
+        with socket.create_connection((host, int(port))) as sock:  # leaves at once
+            sock.sendall(f"GET /orca/v1/batches/{batch_id}/results HTTP/1.1\r\n"
+                         f"Host: {host}\r\n\r\n".encode())
+        time.sleep(0.2)
+    time.sleep(1.0)
+    httpx.delete(f"{url}/orca/v1/batches/{batch_id}", timeout=30)
+    wait_idle(url)
+    replica_logs = ""  # Serve's replica log, and the replica process's stdout and stderr
+    for path in glob.glob(f"{logs}/serve/replica_*") + glob.glob(f"{logs}/worker-*"):
+        with open(path, errors="replace") as f:
+            replica_logs += f.read()
+    assert "TaskCancelledError" not in replica_logs
+    assert "unhandled error" not in replica_logs

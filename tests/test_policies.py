@@ -35,7 +35,7 @@ def drain(sched, runner, outs, now=0.0, limit=10_000):
 def step(sched, runner, outs, now=0.0):
     for out in sched.expire(now):
         outs[out.request_id + ":finish"] = out.finish_reason
-    batch = sched.schedule(now)
+    batch = sched.schedule()
     if batch is None:
         return None
     for out in sched.process(batch, runner.execute(batch.step)):
@@ -43,6 +43,14 @@ def step(sched, runner, outs, now=0.0):
         if out.finish_reason:
             outs[out.request_id + ":finish"] = out.finish_reason
     return batch
+
+
+def order(policy, pool, budget):
+    """The policy's order of `pool`, given as the scheduler gives it: the admitted requests,
+    and the waiting ones sorted by the policy's key."""
+    ready = [r for r in pool if r.is_admitted]
+    waiting = sorted((r for r in pool if not r.is_admitted), key=policy.key)
+    return [r.request_id for r in policy.order(ready, waiting, budget)]
 
 
 def ids(batch):
@@ -89,27 +97,25 @@ def test_das_splits_candidates_as_tcb_algorithm_1():
             req("d_late", 7, 1, deadline=50), req("d_early", 8, 1, deadline=10),  # 1/8, 1/9
             req("low", 30, 1, deadline=1)]  # 1/31: below q * mean, despite its deadline
     # budget 4+5+7+8 = 24 fits the first s = 4 by utility; p = eta * s = 2 -> u1, u2
-    order = [r.request_id for r in das.order(pool, 0.0, Budget(8, 24))]
-    assert order == ["u1", "u2", "d_early", "d_late", "low"]
+    assert order(das, pool, Budget(8, 24)) == ["u1", "u2", "d_early", "d_late", "low"]
     # running requests continue first, whatever their utility
     started = req("running", 50, 10)
     started.row = 0
-    order = [r.request_id for r in das.order(pool + [started], 0.0, Budget(8, 25))]
-    assert order[0] == "running"
+    assert order(das, pool + [started], Budget(8, 25))[0] == "running"
 
 
 def test_das_takes_everything_when_it_all_fits():
     das = DeadlineAware()
     pool = [req("a", 10, 1, deadline=5), req("b", 2, 1, deadline=1)]
-    assert {r.request_id for r in das.order(pool, 0.0, Budget(8, 100))} == {"a", "b"}
+    assert set(order(das, pool, Budget(8, 100))) == {"a", "b"}
 
 
 def test_sjf_and_edf_orders():
     pool = [req("long_early_deadline", 20, 1, t=0, deadline=5),
             req("short_late_deadline", 2, 1, t=1, deadline=50),
             req("mid_no_deadline", 8, 1, t=2)]
-    sjf = [r.request_id for r in make_policy("sjf").order(pool, 0.0, Budget(8, 100))]
-    edf = [r.request_id for r in make_policy("edf").order(pool, 0.0, Budget(8, 100))]
+    sjf = order(make_policy("sjf"), pool, Budget(8, 100))
+    edf = order(make_policy("edf"), pool, Budget(8, 100))
     assert sjf == ["short_late_deadline", "mid_no_deadline", "long_early_deadline"]
     assert edf == ["long_early_deadline", "short_late_deadline", "mid_no_deadline"]
 
@@ -196,8 +202,8 @@ def test_das_split_applies_when_batch_slots_bind_before_tokens():
     """With two slots, the share by deadline takes the urgent request (not pure utility)."""
     pool = [req("u1", 10, 10, deadline=9.0), req("u2", 11, 11, deadline=9.0),
             req("urgent", 12, 12, deadline=0.1)]
-    sel = DeadlineAware(eta=0.5).select(pool, KVCacheManager(64, 4, 8), Budget(2, 256),
-                                        now=0.0, admitted=[])
+    das = DeadlineAware(eta=0.5)
+    sel = das.select([], sorted(pool, key=das.key), [], KVCacheManager(64, 4, 8), Budget(2, 256))
     assert [s.request.request_id for s in sel.batch] == ["u1", "urgent"]
 
 

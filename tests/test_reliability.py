@@ -154,10 +154,10 @@ def test_worker_failure_errors_in_flight_requests_then_recovers(url, fault):
                         events.append(json.loads(line[6:]))
                         if len(events) == 2:
                             if fault == "kill_worker":
-                                workers = ray.get(scheduler.workers.remote())
+                                workers = ray.get(scheduler.executor_call.remote("workers"))
                                 ray.kill(workers[0])
                             else:
-                                ray.get(scheduler.inject_fault.remote(0))
+                                ray.get(scheduler.executor_call.remote("inject_fault", 0))
         stop.set()
         watcher.join()
 

@@ -63,3 +63,15 @@ def test_seeded_request_is_reproducible_in_any_batch():
     assert a == b
     other_seed = make_sampler({0: (1.0, 0.95, 50, 4321)}, seed=1)
     assert [other_seed(x[2:3], [0], torch.tensor([0])).item() for x in steps] != a
+
+
+def test_seeded_request_recomputed_after_preemption_resumes_its_stream():
+    """The workers learn a recomputed request with num_skip_draws = tokens it sampled
+    before: its next tokens are those it would have sampled without the preemption."""
+    torch.manual_seed(1)
+    steps = [torch.randn(1, 300) for _ in range(6)]
+    first = make_sampler({0: (1.0, 1.0, 0, 77)})
+    tokens = [first(x, [0], torch.tensor([0])).item() for x in steps]
+    resumed = Sampler(max_num_seqs=8, device=torch.device("cpu"), seed=0)
+    resumed.add([NewRequest(4, 1.0, 1.0, 0, 77, num_skip_draws=3)])
+    assert [resumed(x, [4], torch.tensor([4])).item() for x in steps[3:]] == tokens[3:]

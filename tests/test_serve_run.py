@@ -82,12 +82,19 @@ def test_sigterm_drains_then_stops(tmp_path):
     """Also when started in the background, where `serve run` would inherit SIGINT ignored
     and never stop."""
     before = ray_processes()
-    proc, url, _, _ = start_server(tmp_path, preexec_fn=as_background_job, drain_timeout_s=2.0)
+    proc, url, _, lines = start_server(tmp_path, preexec_fn=as_background_job,
+                                       drain_timeout_s=2.0)
     events: list[dict] = []
 
     try:
         stream = start_long_stream(url, "keep going", events)
+        time.sleep(2.0)  # the launcher is connected to Ray by now (it tries every second)
         proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        while httpx.post(f"{url}/v1/completions", json={"prompt": "late", "max_tokens": 1},
+                         timeout=30).status_code != 503:
+            assert time.monotonic() - sent < 1.0, \
+                "new requests still accepted after SIGTERM:\n" + "".join(lines[-30:])
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # draining: health and new requests say 503
             health = httpx.get(f"{url}/health", timeout=5)
@@ -102,6 +109,7 @@ def test_sigterm_drains_then_stops(tmp_path):
         assert events[-1]["choices"][0]["finish_reason"] == "abort"
         proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:  # the launcher forwards Ctrl-C to `serve run`, in its session
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=60)
     wait_gone(before)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deployments.ingress import SSEResponse
+from deployments.responses import SSEResponse
 
 
 def test_client_gone_before_the_body_starts_still_closes_the_group():

@@ -13,21 +13,21 @@ from engine_actors.parallel import SINGLE, ParallelGroup
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, pg: ParallelGroup = SINGLE):
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelGroup = SINGLE):
         super().__init__()
-        self.pg = pg
+        self.parallel = parallel
         self.vocab_size = vocab_size
-        self.rows = -(-vocab_size // pg.tp_size)  # rows per rank
-        self.start = pg.tp_rank * self.rows
+        self.rows = -(-vocab_size // parallel.tp_size)  # rows per rank
+        self.start = parallel.tp_rank * self.rows
         self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        if self.pg.tp_size == 1:
+        if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.rows)
         out = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None]
-        return self.pg.all_reduce(out)  # exactly one rank contributes each row
+        return self.parallel.all_reduce(out)  # exactly one rank contributes each row
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if tensor.shape[0] != self.vocab_size or tensor.shape[1] != self.weight.shape[1]:
@@ -41,5 +41,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits; may share its weight with the embedding (same sharding)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        logits = self.pg.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.parallel.all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[:, :self.vocab_size]

@@ -24,14 +24,14 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False,
-                 pg: ParallelGroup = SINGLE):
+                 parallel: ParallelGroup = SINGLE):
         """parts: (num_heads, head_size) of each stacked projection; a plain linear is
         [(out_features, 1)]."""
         super().__init__()
-        self.pg = pg
+        self.parallel = parallel
         self.parts = parts
         # rows of each part held here: heads split evenly, or one replicated head
-        self.local_heads = [heads // pg.tp_size if heads >= pg.tp_size else 1
+        self.local_heads = [heads // parallel.tp_size if heads >= parallel.tp_size else 1
                             for heads, _ in parts]
         self.part_sizes = [n * size for n, (_, size) in zip(self.local_heads, parts)]
         out = sum(self.part_sizes)
@@ -45,10 +45,10 @@ class ColumnParallelLinear(nn.Module):
         part = shard or 0
         heads, head_size = self.parts[part]
         local = self.local_heads[part]
-        if heads >= self.pg.tp_size:
-            first_head, _ = shard_range(heads, self.pg.tp_rank, self.pg.tp_size)
+        if heads >= self.parallel.tp_size:
+            first_head, _ = shard_range(heads, self.parallel.tp_rank, self.parallel.tp_size)
         else:  # replicated: ranks share heads in order
-            first_head = self.pg.tp_rank * heads // self.pg.tp_size
+            first_head = self.parallel.tp_rank * heads // self.parallel.tp_size
         src = tensor.narrow(0, first_head * head_size, local * head_size)
         start = sum(self.part_sizes[:part])
         _copy(getattr(self, name).data.narrow(0, start, self.part_sizes[part]), src)
@@ -56,15 +56,15 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 pg: ParallelGroup = SINGLE):
+                 parallel: ParallelGroup = SINGLE):
         super().__init__()
-        self.pg = pg
-        self.in_start, local_in = shard_range(in_features, pg.tp_rank, pg.tp_size)
+        self.parallel = parallel
+        self.in_start, local_in = shard_range(in_features, parallel.tp_rank, parallel.tp_size)
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.pg.all_reduce(F.linear(x, self.weight))  # partial sums -> full
+        out = self.parallel.all_reduce(F.linear(x, self.weight))  # partial sums -> full
         return out if self.bias is None else out + self.bias
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:

@@ -5,9 +5,12 @@ and decode requests mixed, no padding; attention splits per request inside the k
 Reads like the architecture: embed -> layers (norm, qkv, rope, attention, out, norm, mlp)
 -> norm -> head. A stage holds a contiguous range of layers: only the first embeds, only
 the last has the final norm and the head, and only the tokens that sample reach the head.
-Tensor parallelism lives in the layers (ParallelGroup); this file stays plain.
+Tensor parallelism lives in the layers (ParallelGroup); this file stays plain. Mistral is
+this model; Qwen2 and Qwen3 differ only in their attention options (models/qwen.py).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,23 +24,38 @@ from engine_actors.parallel import SINGLE, ParallelGroup, stage_layers
 from kernels.silu_mul import silu_mul
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """Where the attention of Llama-family architectures differs."""
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm of each query and key head before rotary (Qwen3)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, pg: ParallelGroup):
+    def __init__(self, cfg, rotary: RotaryEmbedding, parallel: ParallelGroup,
+                 opts: AttentionOptions):
         super().__init__()
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [(heads, head_dim), (kv_heads, head_dim), (kv_heads, head_dim)],
-            bias, pg)
+            opts.qkv_bias, parallel)
         self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads[:2]  # on this rank
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, bias, pg)
+        self.o_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, opts.o_bias, parallel)
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.qk_norm = opts.qk_norm
         self.rotary = rotary  # shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
+        if self.qk_norm:  # per head: [T * H, D] rows
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -47,25 +65,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, pg: ParallelGroup):
+    def __init__(self, cfg, parallel: ParallelGroup):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, 1), (inter, 1)],
-                                                 bias, pg)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, pg)
+                                                 bias, parallel)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, parallel)
 
     def forward(self, x):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, pg: ParallelGroup):
+    def __init__(self, cfg, rotary: RotaryEmbedding, parallel: ParallelGroup,
+                 opts: AttentionOptions):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, pg)
+        self.self_attn = LlamaAttention(cfg, rotary, parallel, opts)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, pg)
+        self.mlp = LlamaMLP(cfg, parallel)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         # The residual add of the previous sublayer is fused into the next norm.
@@ -83,19 +102,25 @@ class LlamaForCausalLM(nn.Module):
     merged_parts = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg, max_positions: int, pg: ParallelGroup = SINGLE):
+    @staticmethod
+    def attention_options(cfg) -> AttentionOptions:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def __init__(self, cfg, max_positions: int, parallel: ParallelGroup = SINGLE):
         super().__init__()
-        self.config, self.pg = cfg, pg
-        self.layer_ids = stage_layers(cfg.num_hidden_layers, pg.pp_rank, pg.pp_size)
+        opts = self.attention_options(cfg)
+        self.config, self.parallel = cfg, parallel
+        self.layer_ids = stage_layers(cfg.num_hidden_layers, parallel.pp_rank, parallel.pp_size)
         tied = cfg.tie_word_embeddings
-        if pg.is_first_stage or (tied and pg.is_last_stage):
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pg)
+        if parallel.is_first_stage or (tied and parallel.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, self.rotary, pg)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, self.rotary, parallel, opts)
                                      for i in self.layer_ids})  # keyed by checkpoint index
-        if pg.is_last_stage:
+        if parallel.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, pg)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel)
             if tied:
                 self.lm_head.weight = self.embed_tokens.weight
 
@@ -106,11 +131,11 @@ class LlamaForCausalLM(nn.Module):
         """First stage: input_ids [T]; later stages: hidden, residual [T, H] from the previous.
         Returns (hidden, residual) [T, H], or on the last stage fp32 logits [N, V] of the N
         tokens in logits_indices."""
-        if self.pg.is_first_stage:
+        if self.parallel.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        if not self.pg.is_last_stage:
+        if not self.parallel.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head(hidden[logits_indices]).float()

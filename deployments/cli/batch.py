@@ -17,26 +17,27 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
-from deployments.cli_batch_input import BatchInput
-from deployments.cli_http import (CLIError, check, json_body, parse_sse_line, printable,
-                                  server_errors)
+from deployments.cli.batch_input import BatchInput
+from deployments.cli.http import (DONE, CLIError, Server, aopen_events, check, event_json,
+                                  json_body, printable, server_errors)
 
 ROUTE = "/orca/v1/batches"
 
 
 @dataclass(slots=True)
 class Submitted:
-    """A batch on the server; `prompts` is known only for batches this process submitted."""
+    """A batch on the server; `prompts` (text or token ids) is known only for batches this
+    process submitted."""
     id: str
     num_requests: int
-    prompts: list[str] | None = None
+    prompts: list[str | list[int]] | None = None
 
 
-def submit(url: str, batches: list[BatchInput], model: str | None,
+def submit(server: Server, batches: list[BatchInput], model: str | None,
            priority: int | None) -> list[Submitted]:
     """POST every batch; a failure names the batches already accepted, so none is orphaned."""
     done: list[Submitted] = []
-    with httpx.Client(base_url=url, timeout=30.0) as client:
+    with server.client(30.0) as client:
         for batch in batches:
             body: dict = {"requests": batch.requests}
             if model is not None:
@@ -44,7 +45,7 @@ def submit(url: str, batches: list[BatchInput], model: str | None,
             if priority is not None:
                 body["priority"] = priority
             try:
-                with server_errors(url):
+                with server_errors(server.url):
                     resp = client.post(ROUTE, json=body)
                 check(resp, f"the batch from {batch.source}")
                 obj = json_body(resp, "a batch submission")
@@ -59,9 +60,9 @@ def submit(url: str, batches: list[BatchInput], model: str | None,
     return done
 
 
-def get_status(url: str, batch_id: str, method: str = "GET") -> dict:
+def get_status(server: Server, batch_id: str, method: str = "GET") -> dict:
     """The batch's status object (DELETE cancels its unfinished requests first)."""
-    with httpx.Client(base_url=url, timeout=30.0) as client, server_errors(url):
+    with server.client(30.0) as client, server_errors(server.url):
         resp = client.request(method, f"{ROUTE}/{batch_id}")
     what = f"{'cancelling' if method == 'DELETE' else 'looking up'} {batch_id}"
     check(resp, what)
@@ -118,12 +119,13 @@ class ResultSink:
         print(printable(text) if sys.stdout.isatty() else text, flush=True)
 
 
-def follow(url: str, batches: list[Submitted], sink: ResultSink, show_progress: bool) -> None:
+def follow(server: Server, batches: list[Submitted], sink: ResultSink,
+           show_progress: bool) -> None:
     """Follow every batch to its end (blocking); each is written by `sink` as it finishes."""
     bar = tqdm(total=sum(b.num_requests for b in batches), unit="req", file=sys.stderr,
                disable=not show_progress, desc=f"0/{len(batches)} batches", dynamic_ncols=True)
     try:
-        asyncio.run(_follow_all(url, batches, sink, bar))
+        asyncio.run(_follow_all(server, batches, sink, bar))
     except KeyboardInterrupt:
         bar.leave = False  # erase the bar rather than redraw it below the ^C
         raise
@@ -131,7 +133,8 @@ def follow(url: str, batches: list[Submitted], sink: ResultSink, show_progress: 
         bar.close()
 
 
-async def _follow_all(url: str, batches: list[Submitted], sink: ResultSink, bar) -> None:
+async def _follow_all(server: Server, batches: list[Submitted], sink: ResultSink,
+                      bar) -> None:
     num_done = 0
 
     async def one(client: httpx.AsyncClient, batch: Submitted) -> None:
@@ -147,8 +150,8 @@ async def _follow_all(url: str, batches: list[Submitted], sink: ResultSink, bar)
 
     # No read timeout: a batch may legitimately take hours between two results.
     timeout = httpx.Timeout(30.0, read=None)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
-        with server_errors(url):
+    async with server.async_client(timeout) as client:
+        with server_errors(server.url):
             try:
                 async with asyncio.TaskGroup() as group:
                     for batch in batches:
@@ -159,16 +162,12 @@ async def _follow_all(url: str, batches: list[Submitted], sink: ResultSink, bar)
 
 async def _read_results(client: httpx.AsyncClient, batch: Submitted, bar) -> dict[int, dict]:
     results: dict[int, dict] = {}
-    async with client.stream("GET", f"{ROUTE}/{batch.id}/results") as resp:
-        if resp.status_code >= 400:
-            await resp.aread()
-            check(resp, f"following {batch.id}")
-        async for line in resp.aiter_lines():
-            event = parse_sse_line(line)
-            if event is None:
-                continue
-            if event == "[DONE]":
+    async with aopen_events(client, "GET", f"{ROUTE}/{batch.id}/results",
+                            f"following {batch.id}") as events:
+        async for sse in events.aiter_sse():
+            if sse.data == DONE:
                 return results
+            event = event_json(sse)
             if "index" not in event:
                 raise CLIError(f"{batch.id}: {_error_text(event.get('error', event))}")
             if event["index"] not in results:
@@ -178,9 +177,11 @@ async def _read_results(client: httpx.AsyncClient, batch: Submitted, bar) -> dic
                    f"{batch.num_requests} results); resume with: orca-serve results {batch.id}")
 
 
-def _short(text: str, width: int = 60) -> str:
-    flat = " ".join(text.split())
-    return json.dumps(flat if len(flat) <= width else flat[:width - 1] + "…", ensure_ascii=False)
+def _short(prompt: str | list[int], width: int = 60) -> str:
+    """A prompt on one line: text quoted as JSON, token ids as their list."""
+    flat = " ".join(prompt.split()) if isinstance(prompt, str) else json.dumps(prompt)
+    short = flat if len(flat) <= width else flat[:width - 1] + "…"
+    return json.dumps(short, ensure_ascii=False) if isinstance(prompt, str) else short
 
 
 def _error_text(err) -> str:

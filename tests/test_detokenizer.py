@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from deployments.text_stream import TextStream
+from engine_actors.detokenizer import TextStream
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,23 @@ def test_special_tokens_are_not_shown(tokenizer):
     stream = TextStream(tokenizer)
     ids = tokenizer.encode("hi", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert stream.add(ids, is_final=True) == "hi"
+
+
+def test_random_ids_with_special_tokens_in_any_chunking_match_a_full_decode(tokenizer):
+    """What a random-weight model emits: invalid UTF-8, special tokens, and a request that
+    ends in the middle of a character (its bytes show as U+FFFD, as a full decode shows)."""
+    rng = random.Random(1)
+    for _ in range(50):
+        ids = [rng.randrange(258) for _ in range(rng.randint(1, 40))]
+        chunk = rng.choice([1, 3, 8])
+        stream = TextStream(tokenizer)
+        pieces = [stream.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+        text = "".join(pieces) + stream.add([], is_final=True)
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_request_ending_mid_character_flushes_it(tokenizer):
+    ids = tokenizer.encode("ok 你", add_special_tokens=False)[:-1]  # last byte missing
+    stream = TextStream(tokenizer)
+    assert stream.add(ids) == "ok "  # held back while it may still complete
+    assert stream.add([], is_final=True) == tokenizer.decode(ids)[3:]

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from deployments.cli_http import CLIError, check, printable, server_errors, sse_events
+from deployments.cli.http import (DONE, CLIError, Server, check, event_json, open_events,
+                                  printable, server_errors)
 
 PROMPT = "you> "
 ANSWER_PREFIX = "assistant> "
@@ -28,13 +29,14 @@ class ChatOptions:
     priority: int = 1
 
 
-def run_chat(url: str, opts: ChatOptions) -> int:
+def run_chat(server: Server, opts: ChatOptions) -> int:
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:  # not on every platform; input() still works without it
         readline = None
     # No read timeout while streaming: a long answer under load may pause between tokens.
-    with httpx.Client(base_url=url, timeout=httpx.Timeout(30.0, read=None)) as client:
+    url = server.url
+    with server.client(httpx.Timeout(30.0, read=None)) as client:
         model = _served_model(client, url)
         print(f"Chatting with {model} at {url}. Ctrl-C stops an answer; Ctrl-C or Ctrl-D on "
               "an empty line quits; /reset forgets the conversation.", file=sys.stderr)
@@ -97,14 +99,15 @@ def _stream_answer(client: httpx.Client, url: str, messages: list[dict],
     parts: list[str] = []
     out = sys.stdout
     is_tty = out.isatty()
-    with server_errors(url), client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        if resp.status_code >= 400:
-            resp.read()
-            check(resp, "the message")
+    with server_errors(url), open_events(client, "POST", "/v1/chat/completions",
+                                         "the message", json=body) as events:
         out.write(ANSWER_PREFIX)
         out.flush()
         try:
-            for event in sse_events(resp.iter_lines()):
+            for sse in events.iter_sse():
+                if sse.data == DONE:
+                    break
+                event = event_json(sse)
                 if "error" in event:
                     err = event["error"]
                     raise CLIError("the answer failed: "

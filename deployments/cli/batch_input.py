@@ -1,6 +1,9 @@
 """What `orca-serve batch` reads: JSON Lines files, or FineInfer's `["p1", "p2"] [32, 64]`
 form given on the command line. Input is checked here, before anything is sent, so a
 malformed file fails with its name and line number instead of a half-submitted job.
+
+Each request is checked against the server's own schema (`deployments.protocol.BatchItem`),
+so the CLI accepts exactly what the server accepts (token-id prompts, deadline_ms, ...).
 """
 from __future__ import annotations
 
@@ -9,17 +12,21 @@ import os
 import sys
 from dataclasses import dataclass
 
-from deployments.cli_http import CLIError
+from pydantic import ValidationError
 
-# Fields a request line may carry; the server validates their values.
-REQUEST_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                  "ignore_eos")
+from deployments.cli.http import CLIError
+from deployments.protocol import BatchItem
+
+# The server ignores fields it does not know; the CLI refuses them, since a misspelt one
+# ("max_token") would otherwise be dropped silently.
+REQUEST_FIELDS = tuple(BatchItem.model_fields)
 USAGE_ERROR = 2  # exit status for bad input, as argparse uses
 
 
 @dataclass(slots=True)
 class BatchInput:
-    """One batch to submit: where it came from, and its request bodies."""
+    """One batch to submit: where it came from, and its request bodies (as the user wrote
+    them, plus max_tokens: the schema's other defaults are the server's to fill in)."""
     source: str
     requests: list[dict]
 
@@ -111,11 +118,44 @@ def _request(item: dict, where: str, default_max_tokens: int) -> dict:
     if unknown:
         raise CLIError(f"{where}: unknown field {unknown[0]!r} (allowed: "
                        f"{', '.join(REQUEST_FIELDS)})", USAGE_ERROR)
-    prompt = item.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise CLIError(f"{where}: \"prompt\" must be a non-empty string", USAGE_ERROR)
-    n = item.setdefault("max_tokens", default_max_tokens)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise CLIError(f"{where}: \"max_tokens\" must be a positive integer, got {n!r}",
+    item.setdefault("max_tokens", default_max_tokens)
+    try:
+        BatchItem.model_validate(item)
+    except ValidationError as e:
+        raise CLIError(f"{where}: {schema_error(e)}", USAGE_ERROR) from None
+    if not item["prompt"]:  # the schema lets it through; the server refuses it later
+        raise CLIError(f'{where}: "prompt" must be a non-empty string or list of token ids',
                        USAGE_ERROR)
     return item
+
+
+def schema_error(e: ValidationError) -> str:
+    """A pydantic error as one line naming the field: '"temperature" must be ..., got 5'."""
+    errors = e.errors(include_url=False)
+    # The deepest location is the most precise: for a prompt [1, "a"], "prompt[1]" must be
+    # an integer says more than "prompt" must be a string.
+    depth = max(len(err["loc"]) for err in errors)
+    deepest = [err for err in errors if len(err["loc"]) == depth]
+    err = deepest[0]
+    field = _field_path(err["loc"])
+    if err["type"] == "missing":
+        return f'"{field}" is required'
+    if not err["msg"].startswith("Input should be "):  # a validator's own message
+        return f'"{field}": {err["msg"].removeprefix("Value error, ")}'
+    # members of a union that all failed at the same place: "a valid string or a valid list"
+    wanted = " or ".join(dict.fromkeys(_requirement(x) for x in deepest
+                                       if _field_path(x["loc"]) == field))
+    return f'"{field}" must be {wanted}, got {json.dumps(err["input"])[:40]}'
+
+
+def _requirement(err: dict) -> str:
+    ge = (err.get("ctx") or {}).get("ge")
+    if err["type"] == "greater_than_equal" and ge == 1 and isinstance(err["input"], int):
+        return "a positive integer"
+    return err["msg"].removeprefix("Input should be ")
+
+
+def _field_path(loc: tuple) -> str:
+    # After the field name, pydantic's location holds list indices and the names of union
+    # members ("str", "list[int]"), which are not part of what the user wrote.
+    return str(loc[0]) + "".join(f"[{part}]" for part in loc[1:] if isinstance(part, int))

@@ -7,9 +7,10 @@
     orca-serve batch '["Hi", "Tell me"] [32, 64]'  FineInfer's inline form (one argument)
     orca-serve results ID... | status ID... | cancel ID...
 
-The server is `--url`, or $ORCA_SERVE_URL, or http://127.0.0.1:8000. Exit status: 0 on
-success, 1 when the server is unreachable or refuses a request or a request failed, 2 for
-bad input, 130 after Ctrl-C.
+The server is `--url`, or $ORCA_SERVE_URL, or http://127.0.0.1:8000; a server started with
+an API key needs `--api-key KEY` or $ORCA_SERVE_API_KEY. Both options may come before or
+after the command. Exit status: 0 on success, 1 when the server is unreachable or refuses a
+request or a request failed, 2 for bad input, 130 after Ctrl-C.
 """
 from __future__ import annotations
 
@@ -17,30 +18,53 @@ import argparse
 import os
 import sys
 
-from deployments.cli_batch import (ResultSink, Submitted, follow, get_status, status_line,
+from deployments.cli.batch import (ResultSink, Submitted, follow, get_status, status_line,
                                    submit)
-from deployments.cli_batch_input import USAGE_ERROR, read_sources
-from deployments.cli_chat import ChatOptions, run_chat
-from deployments.cli_http import DEFAULT_URL, CLIError
+from deployments.cli.batch_input import REQUEST_FIELDS, USAGE_ERROR, read_sources
+from deployments.cli.chat import ChatOptions, run_chat
+from deployments.cli.http import DEFAULT_URL, CLIError, Server
 
-JSONL_HELP = """\
-Each SOURCE is a JSON Lines file (one request per line: {"prompt": "...", "max_tokens": 32}
-plus optional temperature, top_p, top_k, seed, stop, ignore_eos; a bare JSON string is a
-prompt), "-" for stdin, or an inline list in FineInfer's form, quoted as one argument:
-'["prompt 1", "prompt 2"] [32, 64]' (the max_tokens list is optional). Each source is one
-batch (split further with --batch-size). Without --wait the batch ids are printed, one per
-line, and the command returns at once: follow them later with `orca-serve results ID...`."""
+JSONL_HELP = f"""\
+Each SOURCE is a JSON Lines file (one request per line: {{"prompt": "...", "max_tokens": 32}},
+the prompt being text or a list of token ids, plus any of the server's optional fields:
+{', '.join(f for f in REQUEST_FIELDS if f not in ('prompt', 'max_tokens'))}; a bare JSON
+string is a prompt), "-" for stdin, or an inline list in FineInfer's form, quoted as one
+argument: '["prompt 1", "prompt 2"] [32, 64]' (the max_tokens list is optional). Each source
+is one batch (split further with --batch-size). Without --wait the batch ids are printed, one
+per line, and the command returns at once: follow them later with `orca-serve results ID...`."""
+
+
+def server_options(in_command: bool) -> argparse.ArgumentParser:
+    """--url and --api-key, as a parent parser of the main parser and of every command, so
+    they are accepted before and after the command. In the commands' copies the defaults are
+    SUPPRESS: a command sets them only when given, so it never overwrites a value given
+    before the command with its default (a value given after the command wins)."""
+    p = argparse.ArgumentParser(add_help=False)
+    if in_command:
+        url_default = key_default = argparse.SUPPRESS
+        url_help = key_help = "as before the command (see orca-serve --help)"
+    else:
+        url_default = os.environ.get("ORCA_SERVE_URL", DEFAULT_URL)
+        key_default = os.environ.get("ORCA_SERVE_API_KEY") or None
+        url_help = (f"server address: $ORCA_SERVE_URL if set, else {DEFAULT_URL} "
+                    "(now: %(default)s)")
+        key_help = ("the server's API key, sent as `Authorization: Bearer KEY`: "
+                    "$ORCA_SERVE_API_KEY if set")  # the key itself is never printed
+    p.add_argument("--url", default=url_default, help=url_help)
+    p.add_argument("--api-key", metavar="KEY", default=key_default, help=key_help)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orca-serve", description=__doc__,
+                                parents=[server_options(in_command=False)],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default=os.environ.get("ORCA_SERVE_URL", DEFAULT_URL),
-                   help="server address: $ORCA_SERVE_URL if set, else "
-                        f"{DEFAULT_URL} (now: %(default)s)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # one parent for all the commands: argparse copies its actions into each of them
+    common = server_options(in_command=True)
 
-    chat = sub.add_parser("chat", help="interactive chat, streamed, at high priority")
+    chat = sub.add_parser("chat", parents=[common],
+                          help="interactive chat, streamed, at high priority")
     chat.add_argument("--model", help="model name to send (default: whatever is served)")
     chat.add_argument("--system", help="a system message that starts the conversation")
     chat.add_argument("--max-tokens", type=_positive, default=256,
@@ -50,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="scheduling priority sent with each message (default %(default)s, "
                            "interactive; batches default to low)")
 
-    batch = sub.add_parser("batch", help="submit prompts as batches without waiting",
+    batch = sub.add_parser("batch", parents=[common],
+                           help="submit prompts as batches without waiting",
                            description=JSONL_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     batch.add_argument("sources", nargs="+", metavar="SOURCE")
@@ -64,12 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="follow the batches: progress bar, results as each batch finishes")
     _add_output_flags(batch, "; implies --wait")
 
-    results = sub.add_parser("results", help="follow batches and print their results")
+    results = sub.add_parser("results", parents=[common],
+                             help="follow batches and print their results")
     results.add_argument("ids", nargs="+", metavar="ID")
     _add_output_flags(results, "")
     for name, text in [("status", "show batches' progress"),
                        ("cancel", "cancel batches' unfinished requests")]:
-        sub.add_parser(name, help=text).add_argument("ids", nargs="+", metavar="ID")
+        sub.add_parser(name, parents=[common], help=text).add_argument("ids", nargs="+",
+                                                                       metavar="ID")
     return p
 
 
@@ -90,13 +117,13 @@ def _positive(text: str) -> int:
 
 
 def cmd_chat(args) -> int:
-    return run_chat(args.url, ChatOptions(args.model, args.system, args.max_tokens,
-                                          args.temperature, args.priority))
+    return run_chat(args.server, ChatOptions(args.model, args.system, args.max_tokens,
+                                             args.temperature, args.priority))
 
 
 def cmd_batch(args) -> int:
     batches = read_sources(args.sources, args.max_tokens, args.batch_size)
-    submitted = submit(args.url, batches, args.model, args.priority)
+    submitted = submit(args.server, batches, args.model, args.priority)
     if not (args.wait or args.out):
         for b in submitted:
             print(b.id)
@@ -110,7 +137,7 @@ def cmd_batch(args) -> int:
 def cmd_results(args) -> int:
     batches = []
     for batch_id in args.ids:
-        obj = get_status(args.url, batch_id)
+        obj = get_status(args.server, batch_id)
         batches.append(Submitted(batch_id, int(obj.get("num_requests", 0))))
     return _follow(args, batches)
 
@@ -118,7 +145,8 @@ def cmd_results(args) -> int:
 def _follow(args, batches: list[Submitted]) -> int:
     sink = ResultSink(args.out)
     try:
-        follow(args.url, batches, sink, show_progress=not args.no_progress and sys.stderr.isatty())
+        follow(args.server, batches, sink,
+               show_progress=not args.no_progress and sys.stderr.isatty())
     except KeyboardInterrupt:
         ids = " ".join(b.id for b in batches)
         print(f"\nstopped following; the batches keep running on the server.\n"
@@ -136,13 +164,13 @@ def _follow(args, batches: list[Submitted]) -> int:
 
 def cmd_status(args) -> int:
     for batch_id in args.ids:
-        print(status_line(get_status(args.url, batch_id)))
+        print(status_line(get_status(args.server, batch_id)))
     return 0
 
 
 def cmd_cancel(args) -> int:
     for batch_id in args.ids:
-        print(status_line(get_status(args.url, batch_id, method="DELETE")))
+        print(status_line(get_status(args.server, batch_id, method="DELETE")))
     return 0
 
 
@@ -152,9 +180,9 @@ COMMANDS = {"chat": cmd_chat, "batch": cmd_batch, "results": cmd_results,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.url = args.url.rstrip("/")
+    args.server = Server(args.url.rstrip("/"), args.api_key or None)
     try:
-        if not args.url.startswith(("http://", "https://")):
+        if not args.server.url.startswith(("http://", "https://")):
             raise CLIError(f"--url must start with http:// or https://, got {args.url!r}",
                            USAGE_ERROR)
         return COMMANDS[args.command](args)

@@ -1,0 +1,115 @@
+"""What every route of an ingress replica shares: the engine client, the tokenizer, and the
+one validation path of requests (body size, schema, model name, prompts).
+
+The OpenAI routes (`openai_api.py`) and the batch API (`batch_api.py`) both go through it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.requests import Request
+
+from deployments.engine_client import EngineClient, EngineUnavailable
+from deployments.http_metrics import HTTPMetrics
+from deployments.protocol import APIError, parse_body
+from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
+from engine_actors.config import EngineConfig
+
+logger = logging.getLogger("orca_serve.ingress")
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, err_type="service_unavailable")
+
+
+class Frontend:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.client = EngineClient(cfg)
+        self.metrics = HTTPMetrics(cfg.model_name)
+        self.tokenizer = None
+        self.is_draining = False
+        self._starting: asyncio.Task | None = None
+        self.on_ready = None  # called once, the first time the engine is up
+
+    # ---- the engine ---------------------------------------------------------------------
+    def start(self) -> asyncio.Task:
+        """Bring the engine up in the background (again, if the last try failed)."""
+        if self._starting is None or (self._starting.done() and self._starting.exception()):
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+        return self._starting
+
+    @property
+    def is_started(self) -> bool:
+        return self._starting is not None and self._starting.done() \
+            and not self._starting.exception() and self.client.is_connected
+
+    async def _start(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer,
+                                                     resolve_model_path(self.cfg.model))
+        await self.client.connect()
+        if self.on_ready is not None:
+            callback, self.on_ready = self.on_ready, None
+            await callback()
+
+    async def ready(self) -> ModelInfo:
+        """The model info once the engine serves; APIError 503 while it cannot."""
+        try:
+            await asyncio.shield(self.start())
+        except EngineUnavailable as e:
+            raise unavailable(f"engine unavailable: {e}") from None
+        except Exception as e:
+            logger.exception("engine start failed")
+            raise unavailable(f"engine failed to start: {type(e).__name__}: {e}") from None
+        if not self.client.is_connected:  # the scheduler died since: bring a new one up
+            self._starting = None
+            return await self.ready()
+        return self.client.info
+
+    async def call(self, method: str, *args):
+        """A call on the scheduler actor; APIError 503 when the engine is gone."""
+        try:
+            return await self.client.call(method, *args)
+        except EngineUnavailable as e:
+            raise unavailable(str(e)) from None
+
+    def refuse_if_draining(self) -> None:
+        if self.is_draining:
+            raise APIError(503, "the server is shutting down", None, "shutting_down",
+                           "service_unavailable")
+
+    # ---- requests -----------------------------------------------------------------------
+    async def parse(self, request: Request, schema):
+        """The body of `request` as `schema`, its model checked; APIError 4xx otherwise."""
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise _too_large()
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise _too_large()
+        req = parse_body(body, schema)
+        model = getattr(req, "model", None)
+        if model is not None and model != self.cfg.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                                f"`{self.cfg.model_name}`.", "model", "model_not_found")
+        return req
+
+    def prompt_ids(self, prompt: str | list[int], info: ModelInfo, param: str) -> list[int]:
+        """Token ids of one prompt: text is tokenized, ids are checked against the vocab."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        else:
+            ids = list(prompt)
+            if any(not 0 <= t < info.vocab_size for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {info.vocab_size})",
+                               param, "invalid_value")
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param, "invalid_value")
+        return ids
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"request body over {MAX_BODY_BYTES} bytes", None, "request_too_large")

@@ -1,0 +1,200 @@
+"""The OpenAI routes: POST /v1/completions and POST /v1/chat/completions.
+
+A request is validated and tokenized (`Frontend`), its choices are submitted to the
+scheduler actor in one call, and their token streams are turned back into text
+(incrementally, stop strings included) as one JSON body or as server-sent events.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from deployments.engine_client import EngineUnavailable, RequestRefused
+from deployments.frontend import Frontend, unavailable
+from deployments.http_metrics import RequestTimer
+from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                  refusal_error)
+from deployments.responses import (Choice, SSEResponse, SSEWriter, deadline_error,
+                                   response_body, timeout_error, usage)
+from engine_actors.checkpoint import ModelInfo
+from engine_actors.detokenizer import TextStream
+from engine_actors.messages import EngineRequest
+
+
+class OpenAIRoutes:
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+        self.metrics = frontend.metrics
+        self.model_name = frontend.cfg.model_name
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+
+    async def completions(self, request: Request):
+        arrival = time.monotonic()
+        try:
+            req = await self.frontend.parse(request, CompletionRequest)
+            info = await self.frontend.ready()
+            prompts = req.prompt
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+                prompts = [prompts]
+            if not prompts:
+                raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+            prompts = [(p if isinstance(p, str) else None,
+                        self.frontend.prompt_ids(p, info, "prompt")) for p in prompts]
+            return await self._generate(req, prompts, req.max_tokens, info, False, arrival)
+        except APIError as e:
+            return e.response()
+
+    async def chat_completions(self, request: Request):
+        arrival = time.monotonic()
+        try:
+            req = await self.frontend.parse(request, ChatCompletionRequest)
+            info = await self.frontend.ready()
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                ids = self.frontend.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as e:
+                raise APIError(400, f"messages could not be formatted: {e}", "messages") from None
+            if hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding
+                ids = ids["input_ids"]
+            return await self._generate(req, [(None, list(ids))], req.max_new_tokens(), info,
+                                        True, arrival)
+        except APIError as e:
+            return e.response()
+
+    async def _generate(self, req, prompts, max_tokens, info: ModelInfo, chat: bool,
+                        arrival: float):
+        limit = info.max_model_len
+        subs = []  # (engine request, choice index, prompt text, prompt ids)
+        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        for p_idx, (text, ids) in enumerate(prompts):
+            if len(ids) >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                                    f"However, your prompt has {len(ids)} tokens.",
+                               "messages" if chat else "prompt", "context_length_exceeded")
+            n_new = max_tokens if max_tokens is not None else limit - len(ids)
+            if len(ids) + n_new > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                                    f"However, you requested {len(ids) + n_new} tokens "
+                                    f"({len(ids)} in the prompt, {n_new} for the completion).",
+                               "max_tokens", "context_length_exceeded")
+            for j in range(req.n):
+                priority = 1 if req.priority is None else req.priority  # interactive default
+                engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids,
+                                           req.sampling_params(n_new, j), priority,
+                                           req.deadline_ms)
+                subs.append((engine_req, p_idx * req.n + j, text, ids))
+        self.frontend.refuse_if_draining()
+        try:
+            group = await self.frontend.client.submit([s[0] for s in subs])
+        except RequestRefused as e:
+            self.metrics.failure(e.code)
+            raise refusal_error(e.code, str(e)) from None
+        except EngineUnavailable as e:
+            self.metrics.failure("engine_unavailable")
+            raise unavailable(str(e)) from None
+        tokenizer = self.frontend.tokenizer
+        choices = {r.request_id: Choice(index, index // req.n, TextStream(tokenizer, req.stop_list()),
+                                        len(ids), self._echo_text(req, text, ids) if not chat else None,
+                                        RequestTimer(self.metrics, arrival))
+                   for r, index, text, ids in subs}
+        limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
+        timeout = min(limits) if limits else None  # a request may only shorten the limit
+        if req.stream:
+            sse = SSEWriter(base_id, self.model_name, chat, req)
+            return SSEResponse(self._stream(group, choices, sse, req, timeout),
+                               on_close=group.close)
+        try:
+            async for rid, update in within(group, timeout):
+                choice = choices[rid]
+                choice.consume(update)
+                if choice.text_stream.is_stopped:
+                    group.finish(rid)
+        except TimeoutError:
+            self.metrics.failure("timeout")
+            raise timeout_error(timeout) from None
+        except EngineUnavailable as e:
+            self.metrics.failure("engine_unavailable")
+            raise unavailable(f"request failed: {e}") from None
+        except asyncio.CancelledError:
+            self.metrics.failure("client_disconnect")
+            raise
+        finally:
+            group.close()
+        failed = next((c.error for c in choices.values() if c.error), None)
+        if failed:
+            self.metrics.failure("engine_failure")
+            raise unavailable(f"request failed: {failed}")
+        if all(c.finish_reason == "deadline" for c in choices.values()):
+            raise deadline_error(req.deadline_ms)
+        return JSONResponse(response_body(base_id, self.model_name, chat, choices))
+
+    def _echo_text(self, req, text: str | None, ids: list[int]) -> str | None:
+        if not req.echo:
+            return None
+        return text if text is not None else self.frontend.tokenizer.decode(ids)
+
+    async def _stream(self, group, choices, sse: SSEWriter, req, timeout: float | None):
+        try:
+            for choice in choices.values():
+                if sse.chat:
+                    yield sse.chunk(choice.index, "", None, role=True)
+                elif choice.echo:
+                    yield sse.chunk(choice.index, choice.echo, None)
+            # the time limit applies to waiting for the engine, not to writing to the client
+            async for rid, update in within(group, timeout):
+                choice = choices[rid]
+                delta = choice.consume(update)
+                if choice.text_stream.is_stopped:
+                    group.finish(rid)
+                if choice.error:
+                    self.metrics.failure("engine_failure")
+                    yield sse.error(choice.error)
+                    continue
+                if delta or choice.finish_reason:
+                    yield sse.chunk(choice.index, delta, choice.finish_reason)
+                if choice.finish_reason == "deadline":
+                    yield sse.error_event(deadline_error(req.deadline_ms))
+            if sse.include_usage:
+                yield sse.usage(usage(choices))
+        except TimeoutError:
+            self.metrics.failure("timeout")
+            yield sse.error_event(timeout_error(timeout))
+        except EngineUnavailable as e:
+            self.metrics.failure("engine_unavailable")
+            yield sse.error(f"request failed: {e}")
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.failure("client_disconnect")
+            raise
+        finally:
+            group.close()
+        yield sse.done()
+
+
+async def within(group, timeout_s: float | None):
+    """The group's items; TimeoutError once timeout_s have passed while waiting for them.
+    Time the caller spends between items (writing to a slow client) does not count."""
+    if timeout_s is None:
+        async for item in group:
+            yield item
+        return
+    clock = asyncio.get_running_loop().time
+    left = timeout_s
+    while True:
+        if left <= 0:
+            raise TimeoutError
+        started = clock()
+        try:
+            item = await asyncio.wait_for(group.__anext__(), left)
+        except StopAsyncIteration:
+            return
+        left -= clock() - started
+        yield item

@@ -1,0 +1,149 @@
+"""The iteration loop (ORCA Algorithm 1) around the scheduler and the worker group.
+
+Each turn: expire missed deadlines, schedule up to `max_steps_in_flight` batches, wait for
+the oldest step and apply its tokens. Outputs go to `deliver(outputs, error)` (the
+scheduler actor's delivery to sinks). When a worker fails, the requests whose state lived
+on the workers fail, the group is rebuilt with the same KV pool, and the loop goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import ray
+
+from engine_actors.checkpoint import ModelInfo, model_info
+from engine_actors.config import EngineConfig
+from engine_actors.executor import Executor, resolve_device
+from engine_actors.metrics import EngineMetrics
+from engine_actors.scheduler import Batch, RequestOutput, Scheduler
+
+logger = logging.getLogger("orca_serve.scheduler")
+IDLE_WAKE_S = 2.0  # an idle loop still wakes this often, to expire deadlines
+WORKER_FAILURE = "the engine's workers failed; the request was aborted (see the server log)"
+DEADLINE_MISSED = "the request's deadline passed before it could start"
+
+Deliver = Callable[[list[RequestOutput], "str | None"], None]
+
+
+class EngineLoop:
+    def __init__(self, cfg: EngineConfig, info: ModelInfo, executor: Executor,
+                 scheduler: Scheduler, metrics: EngineMetrics, deliver: Deliver):
+        self.cfg, self.info = cfg, info
+        self.executor, self.scheduler = executor, scheduler
+        self.metrics, self.deliver = metrics, deliver
+        self.depth = cfg.max_steps_in_flight
+        self.num_steps = 0
+        self.last_tick = time.monotonic()  # the loop's heartbeat
+        self.is_recovering = False
+        self._wake = asyncio.Event()
+
+    @classmethod
+    async def start(cls, cfg: EngineConfig, workers_name: str, metrics: EngineMetrics,
+                    deliver: Deliver) -> EngineLoop:
+        """Start the workers, size the KV pool and build the scheduler."""
+        info = model_info(cfg)
+        device = resolve_device(cfg)
+        executor = Executor(cfg, device, info.max_model_len, name=workers_name)
+        try:
+            num_blocks = await executor.start()
+            scheduler = Scheduler.from_config(cfg, num_blocks, info.max_model_len,
+                                              info.eos_token_ids)
+        except BaseException:
+            executor.shutdown()
+            raise
+        info = dataclasses.replace(info, max_model_len=scheduler.max_model_len)
+        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", info.name, device,
+                    num_blocks, cfg.block_size)
+        return cls(cfg, info, executor, scheduler, metrics, deliver)
+
+    def wake(self) -> None:
+        """New work arrived."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Iterate until cancelled; an unrecoverable failure fails every request and raises."""
+        try:
+            await self._iterate()
+        except Exception:  # a bug or an unrecoverable failure: never leave requests hanging
+            logger.exception("scheduler loop failed")
+            self.deliver(self.scheduler.fail_all(), WORKER_FAILURE)
+            raise
+
+    async def _iterate(self) -> None:
+        in_flight: collections.deque[tuple[Batch, asyncio.Future]] = collections.deque()
+        while True:
+            self.last_tick = time.monotonic()
+            expired = self.scheduler.expire(time.monotonic())
+            if expired:
+                self.deliver(expired, DEADLINE_MISSED)
+            while len(in_flight) < self.depth:
+                preempted = self.scheduler.num_preemptions
+                batch = self.scheduler.schedule()
+                self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+                if batch is None:
+                    break
+                self._observe(batch)
+                in_flight.append((batch, asyncio.ensure_future(self.executor.execute(batch.step))))
+                self.num_steps += 1
+            if not in_flight:
+                self._wake.clear()
+                try:  # wake up for new work, or to expire deadlines of waiting requests
+                    await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            batch, step = in_flight.popleft()
+            try:
+                sampled = await step
+            except ray.exceptions.RayError:
+                logger.exception("worker failed")
+                for _, other in in_flight:
+                    other.cancel()
+                in_flight.clear()
+                self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
+                await self._restart_workers()
+                continue
+            self.deliver(self.scheduler.process(batch, sampled), None)
+
+    def _observe(self, batch: Batch) -> None:
+        now = time.monotonic()
+        self.metrics.batch_requests.observe(len(batch.scheduled))
+        self.metrics.batch_tokens.observe(batch.step.num_tokens)
+        for item in batch.scheduled:
+            req = item.request
+            if req.num_iterations == 1 and req.num_preemptions == 0:  # its first iteration
+                self.metrics.queue_time.observe(now - req.arrival_time)
+
+    async def _restart_workers(self) -> None:
+        """Replace the worker group after a failure, with the same KV pool size."""
+        self.is_recovering = True
+        try:
+            name = self.executor.name
+            self.executor.shutdown()
+            self.executor = Executor(self.cfg, resolve_device(self.cfg), self.info.max_model_len,
+                                     name=name)
+            await self.executor.start(num_blocks=self.scheduler.kv.num_blocks)
+        finally:
+            self.is_recovering = False
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"heartbeat_age_s": time.monotonic() - self.last_tick,
+                "num_requests": s.num_requests, "num_waiting": s.num_waiting,
+                "num_running": s.num_running, "kv_usage": s.kv.usage,
+                "num_free_blocks": s.kv.num_free_blocks, "num_blocks": s.kv.num_blocks,
+                "num_steps": self.num_steps, "num_preemptions": s.num_preemptions}
+
+    def update_gauges(self) -> None:
+        s = self.scheduler
+        self.metrics.running.set(s.num_running)
+        self.metrics.waiting.set(s.num_waiting)
+        self.metrics.kv_usage.set(s.kv.usage)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
