@@ -26,6 +26,10 @@ class EngineUnavailable(RuntimeError):
     """The scheduler is starting, restarting or gone; worth retrying."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine could not start (the message says why); retrying would fail again."""
+
+
 class RequestRefused(ValueError):
     """The scheduler refused the request (see messages.Refusal for the codes)."""
 
@@ -130,7 +134,7 @@ class EngineClient:
                 except ray.exceptions.RayActorError:
                     raise EngineUnavailable("scheduler unavailable") from None
                 except ray.exceptions.RayTaskError as e:  # start failed: say why, no traceback
-                    raise EngineUnavailable(str(getattr(e, "cause", None) or e)) from None
+                    raise EngineFailed(str(getattr(e, "cause", None) or e)) from None
                 self._actor = actor
                 stream = detached(OutputStream, actor, self.client_id, _own_actor())
                 self._stream_task = asyncio.get_running_loop().create_task(

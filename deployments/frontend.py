@@ -10,7 +10,7 @@ import logging
 
 from starlette.requests import Request
 
-from deployments.engine_client import EngineClient, EngineUnavailable
+from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
 from deployments.http_metrics import HTTPMetrics
 from deployments.protocol import APIError, parse_body
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
@@ -31,13 +31,18 @@ class Frontend:
         self.metrics = HTTPMetrics(cfg.model_name)
         self.tokenizer = None
         self.is_draining = False
+        # why the engine could not start: final (vLLM exits too); every request gets it
+        self.failure: str | None = None
         self._starting: asyncio.Task | None = None
         self.on_ready = None  # called once, the first time the engine is up
+        self.on_failure = None  # called once, when the engine cannot start
 
     # ---- the engine ---------------------------------------------------------------------
     def start(self) -> asyncio.Task:
-        """Bring the engine up in the background (again, if the last try failed)."""
-        if self._starting is None or (self._starting.done() and self._starting.exception()):
+        """Bring the engine up in the background. Once it is up, a scheduler that died is
+        brought up again by the next request; a start that fails is final."""
+        if self._starting is None or (self._starting.done() and not self.failure
+                                      and not self.client.is_connected):
             self._starting = asyncio.get_running_loop().create_task(self._start())
         return self._starting
 
@@ -47,13 +52,26 @@ class Frontend:
             and not self._starting.exception() and self.client.is_connected
 
     async def _start(self) -> None:
-        if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer,
-                                                     resolve_model_path(self.cfg.model))
-        await self.client.connect()
-        if self.on_ready is not None:
+        try:
+            if self.tokenizer is None:
+                self.tokenizer = await asyncio.to_thread(load_tokenizer,
+                                                         resolve_model_path(self.cfg.model))
+            await self.client.connect()
+        except asyncio.CancelledError:
+            raise
+        except EngineFailed as e:
+            self._fail(str(e))
+        except Exception as e:
+            self._fail(f"{type(e).__name__}: {e}")
+        if self.failure is None and self.on_ready is not None:
             callback, self.on_ready = self.on_ready, None
             await callback()
+
+    def _fail(self, cause: str) -> None:
+        self.failure = cause
+        logger.error("orca-serve: the engine failed to start: %s", cause)
+        if self.on_failure is not None:
+            self.on_failure(cause)
 
     async def ready(self) -> ModelInfo:
         """The model info once the engine serves; APIError 503 while it cannot."""
@@ -61,11 +79,10 @@ class Frontend:
             await asyncio.shield(self.start())
         except EngineUnavailable as e:
             raise unavailable(f"engine unavailable: {e}") from None
-        except Exception as e:
-            logger.exception("engine start failed")
-            raise unavailable(f"engine failed to start: {type(e).__name__}: {e}") from None
+        if self.failure is not None:
+            raise APIError(503, f"the engine failed to start: {self.failure}", None,
+                           "engine_start_failed", "service_unavailable")
         if not self.client.is_connected:  # the scheduler died since: bring a new one up
-            self._starting = None
             return await self.ready()
         return self.client.info
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 
 import ray
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -39,6 +41,8 @@ class OpenAIIngress:
         self.cfg = cfg
         self.frontend = Frontend(cfg)
         self.frontend.on_ready = self._announce
+        self.frontend.on_failure = self._on_start_failure
+        self._ending: asyncio.Task | None = None
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [Route("/v1/models", self.models, methods=["GET"]),
@@ -66,6 +70,17 @@ class OpenAIIngress:
     async def _announce(self) -> None:
         logger.warning("orca-serve ready: model %s, OpenAI API at %s/v1", self.cfg.model_name,
                        await _http_url())
+
+    def _on_start_failure(self, cause: str) -> None:
+        """The engine cannot start: end a local `serve run`, as vLLM exits. Elsewhere (Serve
+        deployed through the dashboard, KubeRay) the failing health check says it."""
+        self._ending = asyncio.get_running_loop().create_task(end_serve_run(cause))
+
+    async def check_health(self) -> None:
+        """Serve's health check: a replica whose engine cannot start is unhealthy, and
+        `serve status` shows why (once `serve run` was told: Serve stops the replica)."""
+        if self.frontend.failure is not None and (self._ending is None or self._ending.done()):
+            raise RuntimeError(f"the engine failed to start: {self.frontend.failure}")
 
     async def _drain(self, timeout_s: float) -> None:
         """Refuse new requests; running ones get timeout_s, then finish_reason "abort"."""
@@ -103,6 +118,9 @@ class OpenAIIngress:
         if self.frontend.is_draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         self.frontend.start()
+        if self.frontend.failure is not None:
+            return JSONResponse({"status": "failed", "reason": self.frontend.failure},
+                                status_code=503)
         if not self.frontend.is_started:
             return JSONResponse({"status": "starting"}, status_code=503)
         try:
@@ -144,6 +162,29 @@ class OpenAIIngress:
             return Response(status_code=499)
         logger.exception("unhandled error on %s", request.url.path)
         return APIError(500, "internal server error", None, "internal_error").response()
+
+
+async def end_serve_run(cause: str, delay_s: float = 3.0) -> None:
+    """Stop the `serve run` process that started this application, if it runs on this node:
+    it exits non-zero (Ray's SIGTERM handler), taking its local Ray cluster down. The cause,
+    logged just before, reaches its terminal first (Ray forwards replica logs)."""
+    try:
+        job_id = ray.get_runtime_context().get_job_id()
+        node_ip = ray.util.get_node_ip_address()
+        jobs = ray._private.worker.global_worker.gcs_client.get_all_job_info()
+        driver = next((j for j in jobs.values() if j.job_id.hex() == job_id), None)
+        words = driver.entrypoint.split() if driver is not None else []
+        if driver is None or driver.is_dead or driver.driver_ip_address != node_ip or \
+                not any(w.endswith("serve") or w == "ray.serve.scripts" for w in words) or \
+                "run" not in words:
+            return
+        logger.error("orca-serve: stopping `serve run`: the engine failed to start: %s", cause)
+        # Ray forwards the line above to its terminal, and deployments.launch lets go of
+        # the cluster when it sees it
+        await asyncio.sleep(delay_s)
+        os.kill(driver.driver_pid, signal.SIGTERM)
+    except Exception:  # best effort: the failing health check reports it anyway
+        logger.warning("could not stop `serve run`", exc_info=True)
 
 
 async def _http_url() -> str:

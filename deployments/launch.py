@@ -11,15 +11,22 @@ supervisor that signals this whole process group cannot kill it before the drain
 """
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
+import threading
 
 import yaml
 
 from engine_actors.config import EngineConfig
 
-CONNECT_EVERY_S = 1.0  # until `serve run`'s Ray cluster is up
+# how often the launcher looks at things: it connects to `serve run`'s cluster once that is
+# up, and lets go of it when an engine start failure is reported (the ingress ends
+# `serve run` 3 s after it logs that, see deployments.ingress.end_serve_run)
+CONNECT_EVERY_S = 1.0
+FAILURE_MARK = "stopping `serve run`: the engine failed to start: "  # see deployments.ingress
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class Drainer:
@@ -81,7 +88,8 @@ class Drainer:
                 print(f"orca-serve: drain did not complete: {e}", file=sys.stderr)
 
     def disconnect(self) -> None:
-        """Before `serve run` takes the cluster down: a driver whose cluster dies fails."""
+        """Before `serve run` takes the cluster down: a driver whose cluster dies is ended by
+        Ray itself (the launcher would exit without a word)."""
         if self.connected:
             import ray
             ray.shutdown()
@@ -121,19 +129,40 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_sigint)
     # `serve run` through this Python: the `serve` script is not on PATH in every install
     child = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", config],
-                             start_new_session=True)
+                             start_new_session=True, stderr=subprocess.PIPE)
     drainer.serve_run_pid = child.pid
+    failure: list[str] = []  # an engine start failure that `serve run` reported
+    relay = threading.Thread(target=_relay_stderr, args=(child.stderr, failure), daemon=True)
+    relay.start()
     try:
         while True:
             try:
-                return child.wait(timeout=CONNECT_EVERY_S)
+                code = child.wait(timeout=CONNECT_EVERY_S)
+                break
             except subprocess.TimeoutExpired:
-                if not stopping and not drainer.connected:
+                if failure:  # `serve run` is about to take its cluster down: let go of it
+                    drainer.disconnect()
+                elif not stopping and not drainer.connected:
                     drainer.connect()
             except InterruptedError:
                 continue
     finally:
         drainer.disconnect()
+    relay.join(timeout=5)
+    if code != 0 and failure:  # the cause, as the last line
+        print(f"orca-serve: the engine failed to start: {failure[-1]}", file=sys.stderr)
+    return code
+
+
+def _relay_stderr(stream, failure: list[str]) -> None:
+    """Copy `serve run`'s stderr to ours, noting the cause of an engine start failure."""
+    for raw in stream:
+        sys.stderr.buffer.write(raw)
+        sys.stderr.flush()
+        line = ANSI.sub("", raw.decode(errors="replace"))
+        if FAILURE_MARK in line:
+            cause = line.split(FAILURE_MARK, 1)[1].split(" [repeated ")[0].strip()
+            failure.append(cause)
 
 
 if __name__ == "__main__":

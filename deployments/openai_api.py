@@ -88,8 +88,8 @@ class OpenAIRoutes:
                                "max_tokens", "context_length_exceeded")
             for j in range(req.n):
                 priority = 1 if req.priority is None else req.priority  # interactive default
-                engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids,
-                                           req.sampling_params(n_new, j), priority,
+                sampling = req.sampling_params(n_new, j, info.sampling_defaults)
+                engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids, sampling, priority,
                                            req.deadline_ms)
                 subs.append((engine_req, p_idx * req.n + j, text, ids))
         self.frontend.refuse_if_draining()

@@ -50,10 +50,12 @@ class StreamOptions(_Base):
 
 
 class SamplingOptions(_Base):
-    """How one request samples and stops: shared by the OpenAI routes and the batch API."""
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = 0  # extension (vLLM): 0 or -1 disables
+    """How one request samples and stops: shared by the OpenAI routes and the batch API.
+    Unset (or null) temperature, top_p and top_k take the checkpoint's generation_config
+    values, else OpenAI's defaults (1, 1, off), as vLLM does."""
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # vLLM: 0 or -1 disables
     seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
@@ -73,11 +75,17 @@ class SamplingOptions(_Base):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int = 0,
+                        defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the checkpoint's sampling defaults (ModelInfo.sampling_defaults)."""
+        def pick(name, fallback):
+            value = getattr(self, name)
+            return value if value is not None else (defaults or {}).get(name, fallback)
+
         seed = None if self.seed is None else self.seed + choice  # n choices must differ
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=max(self.top_k, 0), seed=seed,
-                              ignore_eos=self.ignore_eos)
+        return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature", 1.0),
+                              top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0),
+                              seed=seed, ignore_eos=self.ignore_eos)
 
     def check_supported(self) -> None:
         pass

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,9 +57,22 @@ def tiny_llama_config(**overrides):
 
 def save_random_llama(path: str, seed: int = 0, **config_overrides) -> None:
     """Write a random-weight Llama checkpoint and the byte tokenizer with save_pretrained."""
-    from transformers import LlamaForCausalLM
+    save_random_checkpoint(path, "llama", seed, **config_overrides)
+
+
+def save_random_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
+                           dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
+                           **config_overrides) -> None:
+    """A small random-weight checkpoint of any supported architecture (tiny_llama_config's
+    shape), saved by transformers in `dtype`, optionally sharded, with the byte tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kwargs = tiny_llama_config().to_diff_dict()
+    kwargs.pop("model_type", None)
+    kwargs.update(config_overrides)
     torch.manual_seed(seed)
-    LlamaForCausalLM(tiny_llama_config(**config_overrides)).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs))
+    model.to(dtype).save_pretrained(path, **({"max_shard_size": max_shard_size}
+                                             if max_shard_size else {}))
     save_byte_tokenizer(path)
 
 
@@ -124,12 +138,42 @@ def _build_once(dirname: str, build) -> str:
     return str(target)
 
 
+# architectures[0] of config.json (engine_actors/models has the classes); configs without
+# one (our random-weight presets) are named by their model_type
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def load_hf_config(path: str):
+    """The checkpoint's transformers config; ValueError for an architecture we do not serve."""
     from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(path)
-    if cfg.model_type not in ("llama",):
-        raise ValueError(f"model_type {cfg.model_type!r} is not supported; supported: llama")
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except ValueError as e:  # a model_type transformers does not know
+        raise ValueError(f"cannot read {path}/config.json: {e}") from None
+    if architecture(cfg) not in ARCHITECTURES.values():
+        raise ValueError(f"architecture {architecture(cfg)!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES.values())}")
     return cfg
+
+
+def architecture(hf_config) -> str:
+    names = getattr(hf_config, "architectures", None)
+    return names[0] if names else ARCHITECTURES.get(hf_config.model_type, hf_config.model_type)
+
+
+def check_attention_window(hf_config, max_model_len: int) -> None:
+    """Sliding-window attention is not implemented: refuse a window the context can exceed
+    (Mistral v0.1 has 4096; Qwen2 applies its window only with use_sliding_window)."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        window = None
+    if layer_types and "sliding_attention" not in layer_types:
+        window = None
+    if window is not None and window < max_model_len:
+        raise ValueError(f"sliding-window attention (window {window} tokens) is not supported; "
+                         f"set max_model_len to at most {window} to serve this model")
 
 
 def load_tokenizer(path: str):
@@ -190,6 +234,8 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    # generation_config.json's temperature/top_p/top_k: used when a request leaves them unset
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def model_info(cfg: EngineConfig) -> ModelInfo:
@@ -200,12 +246,20 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
                          f"max_position_embeddings {limit}")
+    check_attention_window(hf, cfg.max_model_len or limit)
     eos = _as_ids(hf.eos_token_id)
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        from transformers import GenerationConfig
-        eos |= _as_ids(GenerationConfig.from_pretrained(path).eos_token_id)
+    defaults = {}
+    generation_config = os.path.join(path, "generation_config.json")
+    if os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            gen = json.load(f)
+        eos |= _as_ids(gen.get("eos_token_id"))
+        defaults = {k: gen[k] for k in SAMPLING_DEFAULTS if gen.get(k) is not None}
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
-                     hf.vocab_size)
+                     hf.vocab_size, defaults)
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
 
 
 def _as_ids(value) -> set[int]:

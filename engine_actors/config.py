@@ -63,6 +63,9 @@ class EngineConfig:
     num_cpus_per_worker: NonNegativeFloat = 1.0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     distributed_timeout_s: PositiveFloat = 600.0  # collectives that wait longer fail the step
+    # The workers' placement group must be placed within this time, or the start fails
+    # naming the resources it asked for and those the cluster has.
+    placement_timeout_s: PositiveFloat = 120.0
 
     # Security: when set, every route but /health and /metrics needs this bearer token.
     # build_app also reads it from ORCA_SERVE_API_KEY.

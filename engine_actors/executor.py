@@ -67,19 +67,24 @@ class Executor:
         # the last stage's first rank returns the sampled tokens
         self.result_index = (cfg.pipeline_parallel_size - 1) * cfg.tensor_parallel_size
 
-    async def start(self, num_blocks: int | None = None, timeout_s: float = 600.0) -> int:
+    async def start(self, num_blocks: int | None = None) -> int:
         """Wait for the workers to load the model; size and allocate the KV pool.
 
         Returns the number of KV blocks: `num_blocks` if given (a replacement group must
         match the scheduler's bookkeeping), else the smallest any worker can hold.
         """
-        ready = self.placement_group.ready()
+        timeout_s = self.cfg.placement_timeout_s
         try:
-            await asyncio.wait_for(ready, timeout_s)
+            await asyncio.wait_for(self.placement_group.ready(), timeout_s)
         except asyncio.TimeoutError:
+            total, free = ray.cluster_resources(), ray.available_resources()
+            have = ", ".join(f"{k} {free.get(k, 0):g} free of {total[k]:g}"
+                             for k in ("CPU", "GPU") if k in total)
             raise RuntimeError(
-                f"placement group of {len(self.workers)} x {self.placement_group.bundle_specs[0]} "
-                f"not placed after {timeout_s:.0f}s: the cluster lacks those resources") from None
+                f"the workers' placement group ({len(self.workers)} x "
+                f"{self.placement_group.bundle_specs[0]}, {self.cfg.placement_strategy}) was not "
+                f"placed within placement_timeout_s={timeout_s:g}: the cluster has {have}. "
+                "Lower num_cpus_per_worker or the parallel sizes, or add nodes") from None
         address = await self.workers[0].address.remote() if len(self.workers) > 1 else ""
         await asyncio.gather(*[w.setup.remote(address) for w in self.workers])
         if num_blocks is None:

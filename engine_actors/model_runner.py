@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_actors.checkpoint import iter_checkpoint_tensors, load_hf_config
+from engine_actors.checkpoint import architecture, iter_checkpoint_tensors, load_hf_config
 from engine_actors.cuda_graphs import DecodeGraphs
 from engine_actors.kv_cache import cdiv
 from engine_actors.layers.attention import AttentionMetadata
 from engine_actors.messages import StepInput
+from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.sampler import Sampler
@@ -79,7 +80,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.hf_config, self.max_model_len, self.parallel)
+                model = model_class(architecture(self.hf_config))(
+                    self.hf_config, self.max_model_len, self.parallel)
         finally:
             torch.set_default_dtype(default_dtype)
         loaded = {model.load_weight(name, tensor.to(self.dtype))

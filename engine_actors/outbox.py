@@ -11,7 +11,6 @@ import asyncio
 import time
 from typing import Protocol
 
-from engine_actors.messages import RequestUpdate
 from engine_actors.scheduler import RequestOutput
 
 
@@ -25,11 +24,12 @@ class Sink(Protocol):
 
 class Outbox:
     """Outputs waiting to be streamed to one caller, merged per request between reads: one
-    stream item per iteration carries all of the caller's requests."""
+    stream item per iteration carries all of the caller's requests, each update in the wire
+    form of RequestUpdate (a list; see RequestUpdate.from_wire)."""
 
     def __init__(self, client_id: str):
         self.client_id = client_id
-        self.pending: dict[str, RequestUpdate] = {}
+        self.pending: dict[str, list] = {}
         self.request_ids: set[str] = set()  # unfinished requests of this caller
         self.event = asyncio.Event()
 
@@ -37,13 +37,14 @@ class Outbox:
         self.request_ids.add(request_id)
 
     def deliver(self, out: RequestOutput, error: str | None) -> None:
-        update = RequestUpdate(out.new_token_ids, out.finish_reason, out.num_prompt_tokens,
-                               out.num_output_tokens, error if out.finish_reason else None)
+        error = error if out.finish_reason else None
         item = self.pending.get(out.request_id)
         if item is None:
-            self.pending[out.request_id] = update
+            self.pending[out.request_id] = [out.new_token_ids, out.finish_reason,
+                                            out.num_prompt_tokens, out.num_output_tokens, error]
         else:
-            item.merge(update)
+            item[0].extend(out.new_token_ids)
+            item[1:] = out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, error
         if out.finish_reason is not None:
             self.request_ids.discard(out.request_id)
         self.event.set()

@@ -22,8 +22,8 @@ class OutputStream:
 
     async def __aiter__(self) -> AsyncIterator[tuple[str, RequestUpdate]]:
         async for ref in self._calls:
-            for request_id, update in (await ref).items():
-                yield request_id, update
+            for request_id, item in (await ref).items():
+                yield request_id, RequestUpdate.from_wire(item)
 
     def close(self) -> None:
         """End the stream call: the actor forgets this caller and aborts what is left."""

@@ -38,6 +38,15 @@ HEARTBEAT_S = 2.0
 MAX_UNKNOWN_ABORTS = 4096
 
 
+def _cause(e: Exception) -> str:
+    """One line: the error a worker raised, without Ray's wrapping and traceback."""
+    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        e = e.cause
+    elif isinstance(e, ray.exceptions.RayActorError):
+        return f"a worker died while starting: {e.error_msg.splitlines()[0]}"
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
 def actor_name(cfg: EngineConfig) -> str:
     return f"orca-scheduler-{cfg.fingerprint()}"
 
@@ -75,10 +84,11 @@ class SchedulerActor:
                                                  self.metrics, self._deliver)
             self._spawn(self._run())
         except Exception as e:
-            logger.exception("engine start failed")
-            self._start_error = f"engine failed to start: {type(e).__name__}: {e}"
-            # every waiting caller gets the error; then go, so a retry starts from scratch
-            self._spawn(self._teardown(delay_s=1.0))
+            self._start_error = _cause(e)
+            logger.error("engine failed to start: %s", self._start_error)
+            logger.debug("start failure", exc_info=True)
+            # every caller gets the error at once until the orphan teardown (no client ever
+            # registers): a retry by a new replica starts from scratch, ORPHAN_GRACE_S later
 
     async def _run(self) -> None:
         try:

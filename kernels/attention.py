@@ -53,8 +53,8 @@ def _paged_attention_kernel(
         block_tables_ptr, scale_log2e,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr):
+        DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     req = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -69,14 +69,16 @@ def _paged_attention_kernel(
     tok = tile * BLOCK_M + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_M * GROUP) & (tok < q_len)
-    dims = tl.arange(0, HEAD_DIM)
+    # a head size that is not a power of two (80, 96, 112, ...) is padded with masked zeros
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-                + dims[None, :], mask=row_ok[:, None], other=0.0)  # [R, D]
+                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [R, D]
     q_pos = first_pos + tok
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    acc = tl.zeros([ROWS, DIM_P2], tl.float32)
     # keys past the tile's last query position are masked for every row: skip them
     kv_end = tl.minimum(seq_len, first_pos + (tile + 1) * BLOCK_M)
     for start in range(0, kv_end, BLOCK_N):
@@ -85,7 +87,8 @@ def _paged_attention_kernel(
         block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_offs = slot[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=n_ok[:, None], other=0.0)  # [N, D]
+        kv_ok = n_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [R, N]
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -93,12 +96,13 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
-             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+             + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
 
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
@@ -106,12 +110,13 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    assert num_q_heads % num_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
+    assert num_q_heads % num_kv_heads == 0 and 8 <= head_dim <= 256
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert cu_seqlens_q.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
     # rows per program = BLOCK_M tokens x GROUP heads: at least 16 for tl.dot, and a
     # larger tile when prompts are being prefilled
-    rows = 16 if max_query_len == 1 else (64 if head_dim > 64 else 128)
+    dim_p2 = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    rows = 16 if max_query_len == 1 else (64 if dim_p2 > 64 else 128)
     block_m = max(rows // group, 1)
     out = torch.empty_like(q)
     grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_kv_heads)
@@ -120,8 +125,8 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        ROWS=triton.next_power_of_2(block_m * group), BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_M=block_m,
+        ROWS=triton.next_power_of_2(block_m * group), BLOCK_N=64 if dim_p2 <= 128 else 32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 

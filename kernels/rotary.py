@@ -25,10 +25,10 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 @triton.jit
 def _rotate(x_ptr, out_ptr, stride_xt, t, cos, sin, NUM_HEADS: tl.constexpr,
-            HEADS_P2: tl.constexpr, HALF: tl.constexpr):
+            HEADS_P2: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr):
     heads = tl.arange(0, HEADS_P2)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    mask = heads < NUM_HEADS
+    dims = tl.arange(0, HALF_P2)[None, :]
+    mask = (heads < NUM_HEADS) & (dims < HALF)
     base = t * stride_xt + heads * (2 * HALF) + dims
     x1 = tl.load(x_ptr + base, mask=mask, other=0.0)
     x2 = tl.load(x_ptr + base + HALF, mask=mask, other=0.0)
@@ -43,13 +43,15 @@ def _rotate(x_ptr, out_ptr, stride_xt, t, cos, sin, NUM_HEADS: tl.constexpr,
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_kt,
                    stride_ct, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-                   Q_HEADS_P2: tl.constexpr, K_HEADS_P2: tl.constexpr, HALF: tl.constexpr):
+                   Q_HEADS_P2: tl.constexpr, K_HEADS_P2: tl.constexpr, HALF: tl.constexpr,
+                   HALF_P2: tl.constexpr):
     t = tl.program_id(0)
-    dims = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_ptr + t * stride_ct + dims)
-    sin = tl.load(sin_ptr + t * stride_ct + dims)
-    _rotate(q_ptr, q_out_ptr, stride_qt, t, cos, sin, NUM_Q_HEADS, Q_HEADS_P2, HALF)
-    _rotate(k_ptr, k_out_ptr, stride_kt, t, cos, sin, NUM_K_HEADS, K_HEADS_P2, HALF)
+    # half a head that is not a power of two (40, 48, 56, ...) is padded, masked
+    dims = tl.arange(0, HALF_P2)[None, :]
+    cos = tl.load(cos_ptr + t * stride_ct + dims, mask=dims < HALF, other=0.0)
+    sin = tl.load(sin_ptr + t * stride_ct + dims, mask=dims < HALF, other=0.0)
+    _rotate(q_ptr, q_out_ptr, stride_qt, t, cos, sin, NUM_Q_HEADS, Q_HEADS_P2, HALF, HALF_P2)
+    _rotate(k_ptr, k_out_ptr, stride_kt, t, cos, sin, NUM_K_HEADS, K_HEADS_P2, HALF, HALF_P2)
 
 
 def rotary_triton(q, k, cos, sin):
@@ -64,7 +66,8 @@ def rotary_triton(q, k, cos, sin):
                                   NUM_K_HEADS=num_k_heads,
                                   Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
                                   K_HEADS_P2=triton.next_power_of_2(num_k_heads),
-                                  HALF=head_dim // 2)
+                                  HALF=head_dim // 2,
+                                  HALF_P2=triton.next_power_of_2(head_dim // 2))
     return q_out, k_out
 
 

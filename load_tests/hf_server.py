@@ -66,9 +66,8 @@ def parse_request(raw: bytes, tokenizer, vocab_size: int,
     if len(ids) + max_tokens > max_model_len:
         raise _bad(f"prompt ({len(ids)}) + max_tokens ({max_tokens}) is over the model's "
                    f"{max_model_len} tokens", "max_tokens")
-    # The schema's default temperature is 1.0, but a request that does not set one gets the
-    # baselines' greedy decoding: only an explicit non-zero temperature is refused.
-    if "temperature" in req.model_fields_set and req.temperature != 0:
+    # the baselines decode greedily: a request that sets a non-zero temperature is refused
+    if req.temperature not in (None, 0):
         raise _bad("the transformers baselines are greedy: temperature must be 0",
                    "temperature")
     if req.n != 1:

@@ -24,6 +24,17 @@ def app_config(**overrides) -> dict:
     return app
 
 
+def write_config(tmp_path, **args) -> tuple[pathlib.Path, int]:
+    """serve_config.yaml on a free port with these application args; (file, port)."""
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    cfg["applications"][0]["args"].update(args)
+    config_file = tmp_path / "serve_config.yaml"
+    config_file.write_text(yaml.safe_dump(cfg))
+    return config_file, port
+
+
 def start_app(app: dict):
     import ray
     from ray import serve

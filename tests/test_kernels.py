@@ -184,3 +184,42 @@ def test_rotary_kernel(device, dtype, num_tokens, q_heads, k_heads, dim):
     q_ref, k_ref = rotary_ref(q, k, angles.cos(), angles.sin())
     torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
     torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
+
+
+HEAD_SIZES = [16, 24, 64, 80, 96, 112, 128, 256]  # every size in use; non-powers of two masked
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("dim", HEAD_SIZES)
+def test_every_kernel_handles_every_head_size(device, dtype, dim):
+    q_lens, s_lens, block_size = [1, 6, 3], [9, 6, 20], 4
+    q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, q_lens, 4, 2, dim,
+                                                               block_size)
+    q, k_cache, v_cache = [t.to(device).to(dtype) for t in (q, k_cache, v_cache)]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    lens = torch.tensor(s_lens, dtype=torch.int32, device=device)
+    tables = tables.to(device)
+    scale = dim ** -0.5
+    out = paged_attention_triton(q, k_cache, v_cache, cu_t, lens, tables, block_size, scale,
+                                 max(q_lens))
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), cu_t, lens, tables,
+                              block_size, scale)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+    k = torch.randn(q.shape[0], 2, dim, device=device).to(dtype)
+    angles = torch.rand(q.shape[0], dim // 2, device=device) * 100
+    for got, want in zip(rotary_triton(q, k, angles.cos(), angles.sin()),
+                         rotary_ref(q, k, angles.cos(), angles.sin())):
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+    slots = torch.randperm(64, device=device)[:q.shape[0]]
+    caches = [torch.randn(64, 2, dim, device=device).to(dtype) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    kv_write_triton(k, k, caches[0], caches[1], slots)
+    kv_write_ref(k, k, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+    heads = q.reshape(-1, dim)  # Qwen3's per-head norm: rows of one head each
+    w = torch.randn(dim, device=device).to(dtype)
+    torch.testing.assert_close(rmsnorm_triton(heads, w, 1e-6), rmsnorm_ref(heads, w, 1e-6),
+                               **TOL[dtype])

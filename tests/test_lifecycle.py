@@ -158,8 +158,12 @@ def test_engine_that_cannot_start_reports_why_and_leaves_nothing(app, tmp_path):
     serve.run(build_app(args), name="broken", route_prefix="/broken")
     r = httpx.post(f"{url}/broken/v1/completions", json={"prompt": "x"}, timeout=120)
     assert r.status_code == 503
-    message = r.json()["error"]["message"]
-    assert "safetensors" in message and "Traceback" not in message
+    error = r.json()["error"]
+    assert error["code"] == "engine_start_failed"
+    assert "safetensors" in error["message"] and "Traceback" not in error["message"]
+    health = httpx.get(f"{url}/broken/health", timeout=30)
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert "safetensors" in health.json()["reason"]
 
     def gone():
         try:
@@ -168,5 +172,5 @@ def test_engine_that_cannot_start_reports_why_and_leaves_nothing(app, tmp_path):
         except ValueError:
             return True
 
-    assert wait_until(gone, timeout=20), "a scheduler that failed to start stayed alive"
-    serve.delete("broken")
+    serve.delete("broken")  # the failed scheduler goes with its application
+    assert wait_until(gone, timeout=30), "a scheduler that failed to start stayed alive"

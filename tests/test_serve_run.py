@@ -12,9 +12,8 @@ import time
 import httpx
 import psutil
 import pytest
-import yaml
 
-from tests.serve_fixture import ROOT, free_port, start_long_stream, wait_healthy
+from tests.serve_fixture import ROOT, start_long_stream, wait_healthy, write_config
 
 RAY_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "dashboard")
 
@@ -37,12 +36,7 @@ def as_background_job():
 
 
 def start_server(tmp_path, preexec_fn=None, **args):
-    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    port = free_port()
-    cfg["http_options"]["port"] = port
-    cfg["applications"][0]["args"].update(args)
-    config_file = tmp_path / "serve_config.yaml"
-    config_file.write_text(yaml.safe_dump(cfg))
+    config_file, port = write_config(tmp_path, **args)
     proc = subprocess.Popen([sys.executable, "-m", "deployments.launch", str(config_file)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, preexec_fn=preexec_fn)

@@ -1,0 +1,71 @@
+"""Checkpoints users have: Llama, Mistral, Qwen2 and Qwen3, in fp32, bf16 or fp16, whole or
+sharded, each with greedy outputs equal to transformers' (fp32 compute)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_actors.checkpoint import model_info, save_random_checkpoint
+from engine_actors.config import EngineConfig
+from tests.engine_harness import InProcessEngine
+from tests.test_parity import check_parity, ragged_workload
+
+CHECKPOINTS = {
+    "mistral": ("mistral", dict(sliding_window=None)),
+    "mistral-window-covers-context": ("mistral", dict(sliding_window=4096)),
+    "qwen2": ("qwen2", dict()),
+    "qwen2.5-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "qwen3": ("qwen3", dict(head_dim=32)),
+    "qwen3-bias-head24": ("qwen3", dict(head_dim=24, attention_bias=True)),
+    "llama-bf16-sharded": ("llama", dict(dtype=torch.bfloat16, max_shard_size="40KB")),
+    "llama-fp16": ("llama", dict(dtype=torch.float16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_greedy_matches_transformers(name, tmp_path):
+    model_type, overrides = CHECKPOINTS[name]
+    save_random_checkpoint(str(tmp_path), model_type, seed=5, **overrides)
+    engine = InProcessEngine(model=str(tmp_path), max_batch_size=8, block_size=4,
+                             max_num_batched_tokens=24, max_num_tokens=4096,
+                             max_model_len=4096)
+    check_parity(str(tmp_path), engine, ragged_workload(seed=3))
+
+
+def write_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path):
+    save_random_checkpoint(str(tmp_path), "llama")
+    write_config(tmp_path, architectures=["LlamaForSequenceClassification"])
+    with pytest.raises(ValueError) as e:
+        model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+    message = str(e.value)
+    assert "LlamaForSequenceClassification" in message
+    assert all(a in message for a in ["LlamaForCausalLM", "MistralForCausalLM",
+                                      "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
+    save_random_checkpoint(str(tmp_path), "mistral", sliding_window=512)
+    with pytest.raises(ValueError, match="sliding-window"):
+        model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+    info = model_info(EngineConfig.from_args({"model": str(tmp_path), "max_model_len": 512}))
+    assert info.max_model_len == 512
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type,head_dim", [("llama", 80), ("llama", 128), ("qwen3", 80)])
+def test_greedy_matches_transformers_on_gpu_fp32_for_head_sizes(model_type, head_dim, tmp_path):
+    """Triton kernels at head sizes that are not (80) and are (128) powers of two."""
+    save_random_checkpoint(str(tmp_path), model_type, seed=7, hidden_size=4 * head_dim,
+                           head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2)
+    engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
+                             max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
+    check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
+    assert engine.worker.runner.num_graph_replays > 0

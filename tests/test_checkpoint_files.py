@@ -1,0 +1,46 @@
+"""What real checkpoints carry besides weights: chat templates, generation configs."""
+from __future__ import annotations
+
+import json
+
+from deployments.protocol import CompletionRequest
+from engine_actors.checkpoint import load_tokenizer, model_info, save_random_checkpoint
+from engine_actors.config import EngineConfig
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>>"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_template_from_chat_template_jinja(tmp_path):
+    save_random_checkpoint(str(tmp_path))
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
+    text = load_tokenizer(str(tmp_path)).apply_chat_template(MESSAGES, tokenize=False)
+    assert text == "[user] hi\n>>"
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    save_random_checkpoint(str(tmp_path))
+    (tmp_path / "chat_template.jinja").unlink()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    text = load_tokenizer(str(tmp_path)).apply_chat_template(MESSAGES, tokenize=False)
+    assert text == "[user] hi\n>>"
+
+
+def test_generation_config_gives_eos_ids_and_sampling_defaults(tmp_path):
+    save_random_checkpoint(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [257, 9, 12], "temperature": 0.6, "top_p": 0.9, "do_sample": True}))
+    info = model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+    assert set(info.eos_token_ids) == {9, 12, 257}
+    assert info.sampling_defaults == {"temperature": 0.6, "top_p": 0.9}
+    unset = CompletionRequest(prompt="x").sampling_params(8, 0, info.sampling_defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 0)
+    nulls = CompletionRequest(prompt="x", temperature=None, top_p=None)
+    assert nulls.sampling_params(8, 0, info.sampling_defaults).temperature == 0.6
+    given = CompletionRequest(prompt="x", temperature=0.0, top_p=0.5, top_k=3)
+    s = given.sampling_params(8, 0, info.sampling_defaults)
+    assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.5, 3)
+    plain = CompletionRequest(prompt="x").sampling_params(8)  # no generation config
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)

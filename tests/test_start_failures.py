@@ -1,0 +1,82 @@
+"""An engine that cannot start ends `serve run` with a non-zero status and says why, within
+a bounded time; while it starts, /health says "starting"."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine_actors.checkpoint import save_random_checkpoint
+from tests.serve_fixture import ROOT, write_config
+
+TIME_LIMIT_S = 150
+
+
+def serve_run(tmp_path, **args) -> tuple[subprocess.Popen, str, list[str]]:
+    config_file, port = write_config(tmp_path, **args)
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", str(config_file)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    return proc, f"http://127.0.0.1:{port}", stderr
+
+
+def ends_with_the_cause(proc, stderr: list[str], cause: str) -> None:
+    try:
+        code = proc.wait(timeout=TIME_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"serve run still running after {TIME_LIMIT_S}s:\n" + "".join(stderr[-20:]))
+    time.sleep(0.5)  # the reader thread takes the last lines
+    assert code != 0
+    tail = "".join(stderr[-15:])
+    assert cause in tail, tail
+
+
+def test_a_missing_model_path_ends_serve_run(tmp_path):
+    proc, _, stderr = serve_run(tmp_path, model=str(tmp_path / "no-such-model"))
+    ends_with_the_cause(proc, stderr, "is not a local checkpoint directory")
+
+
+def test_an_unsupported_architecture_ends_serve_run(tmp_path):
+    model = tmp_path / "model"
+    save_random_checkpoint(str(model))
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForSequenceClassification"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    proc, _, stderr = serve_run(tmp_path, model=str(model))
+    ends_with_the_cause(proc, stderr, "architecture 'LlamaForSequenceClassification' is not "
+                                      "supported")
+
+
+def test_an_unplaceable_placement_group_ends_serve_run_and_health_said_starting(tmp_path):
+    # 2 x 2 workers of one CPU each: more than this 2-CPU machine (and CI's) has
+    proc, url, stderr = serve_run(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                  num_cpus_per_worker=1, placement_timeout_s=15)
+    seen = set()
+    deadline = time.monotonic() + TIME_LIMIT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            seen.add(httpx.get(f"{url}/health", timeout=5).json().get("status"))
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    ends_with_the_cause(proc, stderr, "was not placed within placement_timeout_s=15")
+    assert "starting" in seen
+    assert "the cluster has CPU" in "".join(stderr[-15:])
+
+
+def test_make_serve_ends_with_the_cause_as_its_last_line(tmp_path):
+    """`make serve` runs serve run through deployments.launch, which prints the cause last."""
+    config_file, _ = write_config(tmp_path, model=str(tmp_path / "no-such-model"))
+    done = subprocess.run([sys.executable, "-m", "deployments.launch", str(config_file)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=TIME_LIMIT_S)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("orca-serve: the engine failed to start: FileNotFoundError"), last
