@@ -107,6 +107,7 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         self._lock: asyncio.Lock | None = None
         self._stream_task: asyncio.Task | None = None
+        self._adds: list[tuple[list[EngineRequest], asyncio.Future]] = []  # this tick's
 
     @property
     def is_connected(self) -> bool:
@@ -161,13 +162,19 @@ class EngineClient:
                                                         unavailable=True)))
 
     async def submit(self, requests: list[EngineRequest]) -> RequestGroup:
-        """Queue requests (the choices of one HTTP request) in one call; returns their joint
-        output stream. Raises RequestRefused, with nothing left queued, if the scheduler
-        refuses any of them."""
+        """Queue requests (the choices of one HTTP request); returns their joint output
+        stream. Raises RequestRefused, with nothing left queued, if the scheduler refuses
+        any of them. The requests of every HTTP request submitted in the same event-loop
+        tick go to the scheduler in one call (they can start in the same iteration)."""
         actor = await self._connected_actor()
         group = RequestGroup(self, actor, [r.request_id for r in requests])
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
+        if not self._adds:
+            loop.call_soon(self._send_adds, actor)
+        self._adds.append((requests, result))
         try:
-            refusals = await actor.add_requests.remote(self.client_id, requests)
+            refusals = await result
         except ray.exceptions.RayActorError:
             group.close()
             raise EngineUnavailable("scheduler unavailable") from None
@@ -179,6 +186,15 @@ class EngineClient:
             group.close()
             raise RequestRefused(refusal)
         return group
+
+    def _send_adds(self, actor) -> None:
+        """One add_requests call for this tick's submissions, made outside any of their
+        request tasks (see detached): one client leaving must not cancel the others' call."""
+        batch, self._adds = self._adds, []
+        ref = detached(actor.add_requests.remote, self.client_id,
+                       [r for requests, _ in batch for r in requests])
+        asyncio.get_running_loop().create_task(_split_result(ref, batch),
+                                               context=contextvars.Context())
 
     async def _connected_actor(self):
         """The scheduler actor, connecting first; EngineUnavailable if it is gone."""
@@ -225,3 +241,20 @@ class EngineClient:
             await asyncio.wait_for(actor.unregister.remote(self.client_id), timeout=10)
         except Exception:  # the scheduler is gone already, or tearing down
             pass
+
+
+async def _split_result(ref, batch: list[tuple[list, asyncio.Future]]) -> None:
+    """Hand each submission its part of a joint add_requests answer (or its failure)."""
+    try:
+        refusals = await ref
+    except BaseException as e:  # the scheduler died, or this task was cancelled
+        for _, result in batch:
+            if not result.done():
+                result.set_exception(e if isinstance(e, Exception) else
+                                     EngineUnavailable("scheduler unavailable"))
+        return
+    start = 0
+    for requests, result in batch:
+        if not result.done():
+            result.set_result(refusals[start:start + len(requests)])
+        start += len(requests)

@@ -31,7 +31,7 @@ from engine_actors.config import EngineConfig
 
 logger = logging.getLogger("orca_serve.ingress")
 HEARTBEAT_LIMIT_S = 15.0  # a scheduler loop silent for longer is stuck
-WATCH_S = 1.0  # how often a replica checks whether its application is being deleted
+WATCH_S = 2.0  # how often a replica checks whether its application is being deleted
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
@@ -49,7 +49,10 @@ class OpenAIIngress:
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"])]
         routes += OpenAIRoutes(self.frontend).routes() + BatchAPI(self.frontend).routes()
-        handlers = {HTTPException: self._http_error, Exception: self._internal_error}
+        # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
+        # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
+        handlers = {HTTPException: self._http_error, Exception: self._internal_error,
+                    ray.exceptions.TaskCancelledError: self._client_left}
         middleware = [Middleware(APIKeyMiddleware, api_key=self.cfg.api_key)] \
             if self.cfg.api_key else []
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan,
@@ -156,10 +159,12 @@ class OpenAIIngress:
         return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
                         None, None, err_type).response()
 
+    async def _client_left(self, request: Request, exc: Exception):
+        """Serve cancels a request whose client left (and the Ray calls it made)."""
+        logger.info("client left during %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
     async def _internal_error(self, request: Request, exc: Exception):
-        if isinstance(exc, ray.exceptions.TaskCancelledError):  # Serve: the client left
-            logger.info("client left during %s %s", request.method, request.url.path)
-            return Response(status_code=499)
         logger.exception("unhandled error on %s", request.url.path)
         return APIError(500, "internal server error", None, "internal_error").response()
 

@@ -45,6 +45,16 @@ async def _replay(actor, trace: list[TraceRequest]) -> tuple[float, list[list[in
     return elapsed, [results[f"r{i}"].token_ids for i in range(len(trace))]
 
 
+def offline_traces(args) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """ORCA's trace (seed 0) and the warm-up requests (seed 1), token ids in the model's
+    vocabulary; args: model, num_requests, prompt_len, output_len, warmup."""
+    from engine_actors.checkpoint import load_hf_config, resolve_model_path
+    vocab = load_hf_config(resolve_model_path(args.model)).vocab_size
+    lengths = dict(prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len))
+    return (orca_trace(args.num_requests, vocab, seed=0, **lengths),
+            orca_trace(args.warmup, vocab, seed=1, **lengths))
+
+
 def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceRequest]) -> dict:
     import ray
 
@@ -154,12 +164,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", help="write the JSON results here")
     args = p.parse_args(argv)
 
-    from engine_actors.checkpoint import load_hf_config, resolve_model_path
-    vocab = load_hf_config(resolve_model_path(args.model)).vocab_size
-    trace = orca_trace(args.num_requests, vocab, seed=0, prompt_len=tuple(args.prompt_len),
-                       output_len=tuple(args.output_len))
-    warmup = orca_trace(args.warmup, vocab, seed=1, prompt_len=tuple(args.prompt_len),
-                        output_len=tuple(args.output_len))
+    trace, warmup = offline_traces(args)
     ceilings = {}
     if args.device == "cuda":
         from load_tests.gpu_ceilings import measure

@@ -27,6 +27,13 @@ for part in $BENCH; do
     online) MODEL=llama-8b DEVICE=cuda OUT="$OUT" PY=python3 RATES=${RATES:-4,16,48} \
               HF_RATES=${HF_RATES:-0.5,2,4} DURATION=${DURATION:-10} \
               bash load_tests/load_sweep.sh > "$OUT/online.log" 2>&1; tail -30 "$OUT/online.log" ;;
+    http-1b|http-8b) m=llama-${part#http-}
+      python3 -m load_tests.bench_http --model $m --replicas "${REPLICAS:-2,4}" \
+        --systems "${HTTP_SYSTEMS:-orca,http,http-stream}" --server-env "${SERVER_ENV:-}" \
+        --label="${LABEL:-}" --profile "/tmp/prof-$m${LABEL:-}" --out "$OUT/$part${LABEL:-}.json" \
+        > "$OUT/$part${LABEL:-}.log" 2>&1; tail -8 "$OUT/$part${LABEL:-}.log"
+      for f in /tmp/prof-$m${LABEL:-}/*/*.txt; do python3 -m load_tests.profile_summary --top 12 "$f"; done \
+        > "$OUT/$part${LABEL:-}-profile.txt" 2>&1 ;;
     dist-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tee "$OUT/dist-tests.log" | tail -5 ;;
     dist-decode) for tp in 1 2; do timeout 240 python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp $tp --out "$OUT/decode-8b-tp$tp.json" > "/tmp/decode-tp$tp.log" 2>&1; tail -14 "/tmp/decode-tp$tp.log"; done ;;
     dist-offline) for c in ${CONFIGS:-1,1 1,2 2,1 2,2}; do tp=${c%,*}; pp=${c#*,}; timeout 300 python3 -m load_tests.bench_offline --model llama-8b --systems orca --tp $tp --pp $pp --label "orca-tp$tp-pp$pp" --out "$OUT/offline-8b-tp$tp-pp$pp.json" > "/tmp/offline-tp$tp-pp$pp.log" 2>&1; tail -1 "/tmp/offline-tp$tp-pp$pp.log"; done ;;

@@ -1,0 +1,226 @@
+"""ORCA's offline trace through the HTTP route users call, beside the engine in-process.
+
+    python -m load_tests.bench_http --model llama-8b --out http.json
+
+Systems, one after another on the same device, the same trace (token-id prompts, greedy,
+EOS ignored, every request sent at t=0):
+  orca           the engine in-process (bench_offline's `orca`: scheduler actor + worker)
+  http           `deployments.launch` (as `make serve`) and POST /v1/completions
+  http-stream    the same with stream: true (server-sent events)
+  http-rN        non-streaming, N ingress replicas (--replicas 2,4)
+Each HTTP system checks every response's usage.completion_tokens against the trace and
+reports elapsed seconds and its ratio to `orca`. The client is one asyncio process
+(aiohttp, connections unbounded), as lean as a client can be in Python.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+from load_tests.traces import TraceRequest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_config(engine_args: dict, replicas: int, port: int) -> str:
+    with open(os.path.join(ROOT, "serve_config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["http_options"]["port"] = port
+    app = cfg["applications"][0]
+    app["args"] = {k: v for k, v in app["args"].items() if k != "max_num_tokens"}
+    app["args"].update(engine_args)
+    app["deployments"][0]["num_replicas"] = replicas
+    fd, path = tempfile.mkstemp(suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+async def _wait_healthy(session, url: str, timeout_s: float = 600.0) -> None:
+    import aiohttp
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(f"{url}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1.0)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
+
+
+async def _one(session, url: str, r: TraceRequest, stream: bool) -> int:
+    """Completion tokens of one request (from usage; streamed: the last usage chunk)."""
+    body = {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        if not stream:
+            return (await resp.json())["usage"]["completion_tokens"]
+        usage, buf = None, b""
+        async for chunk in resp.content.iter_any():
+            buf += chunk
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                data = event.removeprefix(b"data: ")
+                if data.startswith(b"{") and b'"usage": {' in data:
+                    usage = json.loads(data)["usage"]
+        return usage["completion_tokens"]
+
+
+PROCESSES = {"proxy": "ProxyActor", "replica": "ServeReplica", "scheduler": "SchedulerActor"}
+
+
+def _server_pids() -> dict[str, int]:
+    """The Serve proxy, an ingress replica and the scheduler actor (by their titles)."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = {}
+    for line in out.splitlines()[1:]:
+        pid, _, args = line.strip().partition(" ")
+        for name, mark in PROCESSES.items():
+            if mark in args and name not in pids:
+                pids[name] = int(pid)
+    return pids
+
+
+def _py_spy() -> str:
+    """The py-spy binary: on PATH, beside this Python, or in a `pip --target` dir's bin/."""
+    candidates = [shutil.which("py-spy"), os.path.join(os.path.dirname(sys.executable), "py-spy")]
+    candidates += [os.path.join(p, "bin", "py-spy") for p in sys.path if p]
+    found = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+    if found is None:
+        raise FileNotFoundError("py-spy is not installed (pip install py-spy)")
+    return found
+
+
+def _start_profiles(profile_dir: str | None, seconds: float) -> list[subprocess.Popen]:
+    """py-spy on each server process while the trace runs: non-blocking sampling (native
+    frames would need py-spy to pause the process at every sample)."""
+    if not profile_dir:
+        return []
+    os.makedirs(profile_dir, exist_ok=True)
+    return [subprocess.Popen([_py_spy(), "record", "-p", str(pid), "-d", str(int(seconds) + 1),
+                              "-r", "200", "-f", "raw", "--nonblocking",
+                              "-o", os.path.join(profile_dir, f"{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in _server_pids().items()]
+
+
+async def _replay(url: str, trace: list[TraceRequest], warmup: list[TraceRequest],
+                  stream: bool, profile_dir: str | None = None) -> float:
+    import aiohttp
+    timeout = aiohttp.ClientTimeout(total=None)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await _wait_healthy(session, url)
+        start = time.perf_counter()
+        await asyncio.gather(*[_one(session, url, r, stream) for r in warmup])
+        profiles = _start_profiles(profile_dir, 3 * (time.perf_counter() - start) + 2)
+        await asyncio.sleep(0.5 if profiles else 0.0)  # py-spy attaches
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*[_one(session, url, r, stream) for r in trace])
+        elapsed = time.perf_counter() - start
+        for p in profiles:
+            p.wait()
+    wrong = [i for i, (n, r) in enumerate(zip(tokens, trace)) if n != r.max_tokens]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} responses with the wrong completion_tokens")
+    return elapsed
+
+
+def run_http(engine_args: dict, trace, warmup, stream: bool, replicas: int,
+             port: int = 8000, profile_dir: str | None = None,
+             server_env: dict | None = None) -> dict:
+    config = write_config(engine_args, replicas, port)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           **(server_env or {})}
+    server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        elapsed = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, warmup, stream,
+                                      profile_dir))
+    finally:
+        server.terminate()  # drains, then stops serve run and its Ray cluster
+        server.wait(timeout=120)
+        os.unlink(config)
+    name = "http-stream" if stream else ("http" if replicas == 1 else f"http-r{replicas}")
+    return {"system": name, "elapsed_s": elapsed, "replicas": replicas, "stream": stream,
+            "server_env": server_env or {}}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama-8b")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--systems", default="orca,http,http-stream")
+    p.add_argument("--replicas", default="", help="extra non-streaming runs, e.g. 2,4")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
+    p.add_argument("--output-len", type=int, nargs=2, default=(1, 128))
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--warmup", type=int, default=32)
+    p.add_argument("--server-env", default="", metavar="K=V,...",
+                   help="environment of the server processes (Serve's knobs, for example)")
+    p.add_argument("--label", default="", help="appended to the HTTP systems' names")
+    p.add_argument("--profile", metavar="DIR", help="py-spy the server processes during the "
+                   "timed runs (DIR/<system>-<process>.txt, collapsed stacks)")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+
+    from load_tests.bench_offline import offline_traces, run_orca
+    trace, warmup = offline_traces(args)
+    engine_args = dict(model=args.model, device=args.device, max_batch_size=args.max_batch_size,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.device == "cpu":
+        engine_args["max_num_tokens"] = 200_000
+    results = []
+    systems = args.systems.split(",")
+    if "orca" in systems:
+        res, _ = run_orca(engine_args, trace, warmup)
+        results.append({"system": "orca", "elapsed_s": res["elapsed_s"]})
+    server_env = dict(kv.split("=", 1) for kv in filter(None, args.server_env.split(",")))
+
+    def http(stream: bool, replicas: int, name: str | None = None) -> None:
+        profile = os.path.join(args.profile, name + args.label) if args.profile and name else None
+        res = run_http(engine_args, trace, warmup, stream, replicas, profile_dir=profile,
+                       server_env=server_env)
+        res["system"] += args.label
+        results.append(res)
+
+    if "http" in systems:
+        http(False, 1, "http")
+    if "http-stream" in systems:
+        http(True, 1, "http-stream")
+    for n in filter(None, args.replicas.split(",")):
+        http(False, int(n))
+    base = next((r["elapsed_s"] for r in results if r["system"] == "orca"), None)
+    for r in results:
+        r["vs_orca"] = r["elapsed_s"] / base if base else None
+    report = {"model": args.model, "device": args.device, "num_requests": len(trace),
+              "results": results}
+    print("| system | elapsed s | vs in-process |\n| --- | --- | --- |")
+    for r in results:
+        ratio = f"{r['vs_orca']:.2f}x" if r["vs_orca"] else "-"
+        print(f"| {r['system']} | {r['elapsed_s']:.2f} | {ratio} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
