@@ -56,7 +56,8 @@ class BatchAPI:
                     raise APIError(400, f"request {i}: prompt ({len(ids)} tokens) + max_tokens "
                                         f"({item.max_tokens}) exceeds the context length {limit}",
                                    f"requests.{i}.max_tokens", "context_length_exceeded")
-                sampling = item.sampling_params(item.max_tokens, 0, info.sampling_defaults)
+                sampling = item.sampling_params(item.max_tokens, 0, info.sampling_defaults,
+                                                info.vocab_size)
                 requests.append(BatchRequest(ids, sampling, item.deadline_ms, item.stop_list()))
             frontend.refuse_if_draining()
             batch_id = "batch-" + uuid.uuid4().hex

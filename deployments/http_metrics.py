@@ -9,6 +9,9 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+FINISH_REASONS = ("stop", "length", "abort", "deadline")
+FAILURE_REASONS = ("timeout", "client_disconnect", "engine_failure", "engine_unavailable",
+                   "queue_full", "too_long", "draining")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -32,6 +35,11 @@ class HTTPMetrics:
                                 labelnames=[*labels, "finished_reason"], registry=r)
         self._failure = Counter("orca:request_failure", "Requests that failed or were "
                                 "aborted, by reason", labelnames=[*labels, "reason"], registry=r)
+        # every series from the start (at 0), so dashboards and rate() see them, as vLLM's
+        for reason in FINISH_REASONS:
+            self._success.labels(**labels, finished_reason=reason)
+        for reason in FAILURE_REASONS:
+            self._failure.labels(**labels, reason=reason)
 
     def success(self, reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()

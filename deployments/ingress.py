@@ -46,6 +46,7 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"])]
         routes += OpenAIRoutes(self.frontend).routes() + BatchAPI(self.frontend).routes()
@@ -150,9 +151,22 @@ class OpenAIIngress:
             info = await self.frontend.ready()
         except APIError as e:
             return e.response()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "orca-serve",
-            "max_model_len": info.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card(info)]})
+
+    async def model(self, request: Request):
+        """GET /v1/models/{id}: the model card, or 404 as OpenAI answers."""
+        name = request.path_params["model"]
+        try:
+            if name != self.cfg.model_name:
+                raise APIError(404, f"The model `{name}` does not exist.", "model",
+                               "model_not_found", "not_found_error")
+            return JSONResponse(self._model_card(await self.frontend.ready()))
+        except APIError as e:
+            return e.response()
+
+    def _model_card(self, info) -> dict:
+        return {"id": self.cfg.model_name, "object": "model", "created": 0,
+                "owned_by": "orca-serve", "max_model_len": info.max_model_len}
 
     async def _http_error(self, request: Request, exc: HTTPException):
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

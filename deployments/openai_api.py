@@ -19,6 +19,7 @@ from deployments.frontend import Frontend, unavailable
 from deployments.http_metrics import RequestTimer
 from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                   refusal_error)
+from deployments.logprobs import LogprobsWriter
 from deployments.responses import (Choice, SSEResponse, SSEWriter, deadline_error,
                                    response_body, timeout_error, usage)
 from engine_actors.checkpoint import ModelInfo
@@ -88,7 +89,9 @@ class OpenAIRoutes:
                                "max_tokens", "context_length_exceeded")
             for j in range(req.n):
                 priority = 1 if req.priority is None else req.priority  # interactive default
-                sampling = req.sampling_params(n_new, j, info.sampling_defaults)
+                sampling = req.sampling_params(n_new, j, info.sampling_defaults, info.vocab_size,
+                                               max_tokens_given=max_tokens is not None,
+                                               **req.logprob_fields())
                 engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids, sampling, priority,
                                            req.deadline_ms)
                 subs.append((engine_req, p_idx * req.n + j, text, ids))
@@ -103,8 +106,10 @@ class OpenAIRoutes:
             raise unavailable(str(e)) from None
         tokenizer = self.frontend.tokenizer
         choices = {r.request_id: Choice(index, index // req.n, TextStream(tokenizer, req.stop_list()),
-                                        len(ids), self._echo_text(req, text, ids) if not chat else None,
-                                        RequestTimer(self.metrics, arrival))
+                                        ids, self._echo_text(req, text, ids) if not chat else None,
+                                        RequestTimer(self.metrics, arrival),
+                                        LogprobsWriter(tokenizer, chat)
+                                        if r.sampling.logprobs is not None else None)
                    for r, index, text, ids in subs}
         limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
         timeout = min(limits) if limits else None  # a request may only shorten the limit
@@ -160,7 +165,8 @@ class OpenAIRoutes:
                     yield sse.error(choice.error)
                     continue
                 if delta or choice.finish_reason:
-                    yield sse.chunk(choice.index, delta, choice.finish_reason)
+                    yield sse.chunk(choice.index, delta, choice.finish_reason,
+                                    logprobs=choice.take_logprobs())
                 if choice.finish_reason == "deadline":
                     yield sse.error_event(deadline_error(req.deadline_ms))
             if sse.include_usage:

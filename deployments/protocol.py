@@ -9,17 +9,20 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
-from engine_actors.request import MAX_SEED as MAX_SEED_ENGINE, SamplingParams
+from engine_actors.request import MAX_LOGPROBS, MAX_SEED as MAX_SEED_ENGINE, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16  # stop strings per request, each at most MAX_STOP_CHARS (OpenAI allows 4)
 MAX_STOP_CHARS = 512
 MAX_SEED = MAX_SEED_ENGINE - MAX_N  # torch generators take 64-bit seeds; choice j uses seed + j
 MAX_BATCH = 10_000  # requests per submitted batch
+MAX_LOGIT_BIAS = 1024  # entries per request
+MAX_STOP_TOKEN_IDS = 64
 
 
 class APIError(Exception):
@@ -44,6 +47,17 @@ class APIError(Exception):
 class _Base(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """An explicit null in an optional field means its default, as OpenAI's API and
+        vLLM take it (openai-python sends null for a None in user code)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
 
 class StreamOptions(_Base):
     include_usage: bool = False
@@ -61,6 +75,14 @@ class SamplingOptions(_Base):
     ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
     # extension: a deadline to start by, in ms after arrival (finish_reason "deadline")
     deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0  # vLLM / transformers
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM: no EOS or stop token before this
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -75,17 +97,26 @@ class SamplingOptions(_Base):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int, choice: int = 0,
-                        defaults: dict | None = None) -> SamplingParams:
-        """`defaults`: the checkpoint's sampling defaults (ModelInfo.sampling_defaults)."""
+    def sampling_params(self, max_tokens: int, choice: int = 0, defaults: dict | None = None,
+                        vocab_size: int | None = None, **engine_fields) -> SamplingParams:
+        """`defaults`: the checkpoint's sampling defaults (ModelInfo.sampling_defaults);
+        `vocab_size` bounds logit_bias ids; engine_fields: further SamplingParams fields."""
         def pick(name, fallback):
             value = getattr(self, name)
             return value if value is not None else (defaults or {}).get(name, fallback)
 
+        if self.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) exceeds max_tokens "
+                                f"({max_tokens})", "min_tokens", "invalid_value")
         seed = None if self.seed is None else self.seed + choice  # n choices must differ
-        return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature", 1.0),
-                              top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0),
-                              seed=seed, ignore_eos=self.ignore_eos)
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0), seed=seed,
+            ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias, vocab_size), min_tokens=self.min_tokens,
+            **engine_fields)
 
     def check_supported(self) -> None:
         pass
@@ -102,21 +133,6 @@ class SamplingFields(SamplingOptions):
     # extension: end the request with HTTP 408 if it has not finished after this long
     timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
     user: str | None = None
-    # accepted only at their neutral values
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
-
-    def check_supported(self) -> None:
-        unsupported = {"presence_penalty": self.presence_penalty != 0.0,
-                       "frequency_penalty": self.frequency_penalty != 0.0,
-                       "logit_bias": bool(self.logit_bias),
-                       "logprobs": self.logprobs not in (None, False)}
-        for param, is_set in unsupported.items():
-            if is_set:
-                raise APIError(400, f"{param} is not supported by this server", param,
-                               "unsupported_parameter")
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -124,30 +140,48 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # null: the rest of the context
     echo: bool = False
+    # the sampled token's log-probability and this many alternatives, per generated token
+    # (and per prompt token with echo)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
-        super().check_supported()
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix",
                            "unsupported_parameter")
         if self.best_of not in (None, 1, self.n):
-            raise APIError(400, "best_of is not supported by this server", "best_of",
+            raise APIError(400, "best_of is not supported by this server (it would sample "
+                           "best_of completions and return the n best)", "best_of",
                            "unsupported_parameter")
 
+    def logprob_fields(self) -> dict:
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": self.logprobs,
+                "prompt_logprobs": self.logprobs if self.echo else None}
 
-class TextPart(_Base):
-    type: Literal["text"]
-    text: str
+
+class ContentPart(_Base):
+    type: str
+    text: str | None = None
+
+    def check_supported(self, param: str) -> None:
+        if self.type != "text":
+            raise APIError(400, f"content parts of type '{self.type}' are not supported: "
+                                "this server serves text-only models", param,
+                           "unsupported_content")
+        if self.text is None:
+            raise APIError(400, f"{param}.text: Field required", f"{param}.text",
+                           "missing_required_parameter")
 
 
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # required but for assistant messages (OpenAI answers a missing parameter with 400)
-    content: Annotated[str | list[TextPart] | None, Field(validate_default=True)] = None
+    content: Annotated[str | list[ContentPart] | None, Field(validate_default=True)] = None
     name: str | None = None
 
     @field_validator("content")
@@ -167,11 +201,23 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list | None = None
     response_format: dict | None = None
 
+    def logprob_fields(self) -> dict:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs",
+                               "invalid_value")
+            return {}
+        return {"logprobs": self.top_logprobs or 0}
+
     def check_supported(self) -> None:
-        super().check_supported()
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                part.check_supported(f"messages.{i}.content.{j}")
         if self.tools:
             raise APIError(400, "tools are not supported by this server", "tools",
                            "unsupported_parameter")
@@ -238,3 +284,14 @@ def _is_union_tag(loc_part) -> bool:
     """pydantic names union members in error locations ('str', 'list[int]'); OpenAI does not."""
     return isinstance(loc_part, str) and (loc_part in {"str", "int", "float", "bool"}
                                           or "[" in loc_part or loc_part.endswith("Part"))
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple:
+    """OpenAI's {"token id": bias} -> ((id, bias), ...), ids checked against the vocab."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), "
+                                f"got {key!r}", "logit_bias", "invalid_value")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)

@@ -54,19 +54,22 @@ class SSEResponse(EventSourceResponse):
 
 
 class Choice:
-    """One choice's accumulated text, token counts and finish reason."""
+    """One choice's accumulated text, token counts, log-probabilities and finish reason."""
 
     def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
-                 num_prompt_tokens: int, echo: str | None, timer=None):
+                 prompt_ids: list[int], echo: str | None, timer=None, logprobs=None):
         self.index = index
         self.prompt_index = prompt_index
         self.text_stream = text_stream
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_ids = prompt_ids
+        self.num_prompt_tokens = len(prompt_ids)
         self.echo = echo
         self.text = echo or ""
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.timer = timer  # deployments.http_metrics.RequestTimer, when measured
+        self.logprobs = logprobs  # deployments.logprobs.LogprobsWriter, when asked
+        self.num_prompt_entries = 0  # prompt tokens in self.logprobs (echo)
 
     def consume(self, update: RequestUpdate) -> str:
         """Apply one update; returns the new text."""
@@ -80,11 +83,29 @@ class Choice:
             self.finish_reason = "stop"
         elif is_final:
             self.finish_reason = update.finish_reason
+        if self.logprobs is not None and not was_stopped:
+            self._add_logprobs(update)
         if self.timer is not None and not was_stopped:
             self.timer.tokens(len(update.token_ids))
             if self.finish_reason is not None and not self.error:
                 self.timer.done(self.finish_reason)
         return delta
+
+    def _add_logprobs(self, update: RequestUpdate) -> None:
+        if self.echo is not None and (update.prompt_logprobs or update.token_ids):
+            if self.num_prompt_entries == 0:  # the first prompt token has none
+                self.logprobs.entries.append((self.prompt_ids[0], None))
+                self.num_prompt_entries = 1
+            for lp in update.prompt_logprobs or ():
+                self.logprobs.entries.append((self.prompt_ids[self.num_prompt_entries], lp))
+                self.num_prompt_entries += 1
+        if update.logprobs:
+            self.logprobs.add(update.token_ids, update.logprobs)
+        if self.text_stream.is_stopped:  # nothing after the stop string
+            self.logprobs.cut(self.num_output_tokens, self.num_prompt_entries)
+
+    def take_logprobs(self) -> dict | None:
+        return self.logprobs.take() if self.logprobs is not None else None
 
     @property
     def num_output_tokens(self) -> int:
@@ -101,11 +122,14 @@ def usage(choices: dict[str, Choice]) -> dict:
 
 def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choice]) -> dict:
     ordered = sorted(choices.values(), key=lambda c: c.index)
+    def logprobs(c: Choice):
+        return c.logprobs.result() if c.logprobs is not None else None
+
     if chat:
         items = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": None, "finish_reason": c.finish_reason} for c in ordered]
+                  "logprobs": logprobs(c), "finish_reason": c.finish_reason} for c in ordered]
     else:
-        items = [{"index": c.index, "text": c.text, "logprobs": None,
+        items = [{"index": c.index, "text": c.text, "logprobs": logprobs(c),
                   "finish_reason": c.finish_reason} for c in ordered]
     return {"id": base_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": items,
@@ -130,14 +154,15 @@ class SSEWriter:
         # on every Unicode line break (many do) still see one event per line
         return json.dumps(body)
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False) -> str:
+    def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False,
+              logprobs: dict | None = None) -> str:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else (
                 {"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None,
+            choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         return self._event([choice])
 

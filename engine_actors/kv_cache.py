@@ -15,7 +15,11 @@ Invariants:
 """
 from __future__ import annotations
 
+import logging
+
 from engine_actors.request import Request
+
+logger = logging.getLogger("orca_serve.scheduler")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -95,3 +99,17 @@ class KVCacheManager:
         if req.row >= 0:
             self._free_rows.append(req.row)
             req.row = -1
+
+
+def context_len(model_len: int, explicit: int | None, kv_capacity: int) -> int:
+    """The longest prompt + completion: a context longer than the KV pool could never be
+    used, so it is capped (an explicit max_model_len over it is refused, as vLLM refuses to
+    start in that case)."""
+    if explicit is not None and explicit > kv_capacity:
+        raise ValueError(f"max_model_len {explicit} exceeds the KV cache capacity of "
+                         f"{kv_capacity} tokens; lower it or raise max_num_tokens")
+    limit = explicit or model_len
+    if kv_capacity < limit:
+        logger.warning("max_model_len capped from %d to the KV cache capacity, %d tokens",
+                       limit, kv_capacity)
+    return min(limit, kv_capacity)

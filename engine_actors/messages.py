@@ -17,6 +17,19 @@ from engine_actors.request import SamplingParams
 
 
 @dataclass(slots=True)
+class ProcessorSettings:
+    """A request's logits processors (see engine_actors/logits_processors.py)."""
+    num_prompt_tokens: int
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    num_generated: int = 0  # tokens generated before admission (recomputed after preemption)
+    stop_ids: tuple[int, ...] = ()  # EOS and stop token ids, masked before min_tokens
+
+
+@dataclass(slots=True)
 class NewRequest:
     row: int
     temperature: float
@@ -24,6 +37,8 @@ class NewRequest:
     top_k: int
     seed: int | None
     num_skip_draws: int = 0  # a recomputed seeded request resumes its random stream here
+    processors: ProcessorSettings | None = None
+    logprobs: int = -1  # alternatives returned with each sampled token's logprob; -1: none
 
 
 @dataclass(slots=True)
@@ -41,10 +56,27 @@ class StepInput:
     table_rows: list[int] = field(default_factory=list)
     table_cols: list[int] = field(default_factory=list)
     table_blocks: list[int] = field(default_factory=list)
+    # requests whose prompt log-probabilities this chunk computes: (index in the batch,
+    # alternatives k, the prompt token after the chunk or -1 when the chunk ends the prompt)
+    prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+# One token's log-probabilities: (its logprob, the top ids, their logprobs)
+TokenLogprobs = tuple[float, list[int], list[float]]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the sampling worker returns for one step."""
+    token_ids: list[int]  # one per request with sample=True, in batch order
+    logprobs: list[TokenLogprobs | None] | None = None  # aligned with token_ids
+    # per StepInput.prompt_logprobs entry: one TokenLogprobs per prompt position of the
+    # chunk that has a next prompt token (the logprob of that next token)
+    prompt_logprobs: list[list[TokenLogprobs]] | None = None
 
 
 @dataclass(slots=True)
@@ -73,18 +105,25 @@ class RequestUpdate:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # why the engine ended it, when it failed
+    logprobs: list[TokenLogprobs] | None = None  # of each new token, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # of the next prompt positions
     # the engine is unreachable (set by the reader of the stream, never by the engine)
     unavailable: bool = False
 
     # On the stream, an update travels as a plain list [token_ids, finish_reason,
-    # num_prompt_tokens, num_output_tokens, error]: a stream item holds one per request of
-    # the caller, every iteration, and Ray pickles lists 4x faster than dataclasses.
+    # num_prompt_tokens, num_output_tokens, error, logprobs, prompt_logprobs]: a stream item
+    # holds one per request of the caller, every iteration, and Ray pickles lists 4x
+    # faster than dataclasses.
     @staticmethod
     def from_wire(item: list) -> RequestUpdate:
         return RequestUpdate(*item)
 
     def merge(self, later: RequestUpdate) -> None:
         self.token_ids.extend(later.token_ids)
+        if later.logprobs:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.prompt_logprobs:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + later.prompt_logprobs
         self.num_prompt_tokens = later.num_prompt_tokens
         self.num_output_tokens = later.num_output_tokens
         if later.finish_reason is not None:

@@ -37,10 +37,43 @@ class EngineMetrics:
         self._finished = Counter("orca:request_finished", "Requests the engine finished, by "
                                  "finish reason", labelnames=[*labels, "finished_reason"],
                                  registry=r)
+        # token throughput, as vLLM's prompt_tokens_total / generation_tokens_total
+        self.prompt_tokens = Counter("orca:prompt_tokens", "Prompt tokens of requests that "
+                                     "started generating", labelnames=labels,
+                                     registry=r).labels(**labels)
+        self.generation_tokens = Counter("orca:generation_tokens", "Generated tokens",
+                                         labelnames=labels, registry=r).labels(**labels)
+        self.request_prompt_tokens = Histogram(
+            "orca:request_prompt_tokens", "Prompt tokens per finished request",
+            labelnames=labels, buckets=TOKEN_BUCKETS, registry=r).labels(**labels)
+        self.request_generation_tokens = Histogram(
+            "orca:request_generation_tokens", "Generated tokens per finished request",
+            labelnames=labels, buckets=TOKEN_BUCKETS, registry=r).labels(**labels)
         self._labels = labels
+        for reason in ("stop", "length", "abort", "deadline"):  # every series from the start
+            self._finished.labels(**labels, finished_reason=reason)
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self._finished.labels(**self._labels, finished_reason=reason).inc()
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
+
+    def count(self, outputs) -> None:
+        """An iteration's outputs (engine_actors.scheduler.RequestOutput): generated tokens,
+        the prompt tokens of requests that produced their first token, finished requests.
+        The token counters move once per iteration: the loop stays cheap."""
+        generated = prompt = 0
+        for out in outputs:
+            n = len(out.new_token_ids)
+            generated += n
+            if n and out.num_output_tokens == n:  # its first token: its prompt ran
+                prompt += out.num_prompt_tokens
+            if out.finish_reason is not None:
+                self.finished(out.finish_reason, out.num_prompt_tokens, out.num_output_tokens)
+        if generated:
+            self.generation_tokens.inc(generated)
+        if prompt:
+            self.prompt_tokens.inc(prompt)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

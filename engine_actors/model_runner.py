@@ -11,6 +11,7 @@ runs its layers and sends them on; only the last stage samples.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,9 @@ from engine_actors.checkpoint import architecture, iter_checkpoint_tensors, load
 from engine_actors.cuda_graphs import DecodeGraphs
 from engine_actors.kv_cache import cdiv
 from engine_actors.layers.attention import AttentionMetadata
-from engine_actors.messages import StepInput
+from engine_actors.logits_processors import (ids_only, prompt_positions, stack, top_logprobs,
+                                             unpack)
+from engine_actors.messages import StepInput, StepResult
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
@@ -152,16 +155,28 @@ class ModelRunner:
         if self.timeline is not None:
             self.timeline.begin()
         logits, inputs = self.forward(step)
-        sampled = None
+        out, parse = None, ids_only
         if logits is not None:
-            sampled = self.sampler(logits, inputs.sample_rows_host, inputs.sample_rows)
+            num_sample = len(inputs.sample_rows_host)
+            sampled, packed, k = self.sampler.sample(logits[:num_sample],
+                                                     inputs.sample_rows_host, inputs.sample_rows)
             self.last_sampled[inputs.sample_rows] = sampled.to(torch.int32)
-        pending = self.staging.to_host(sampled)
+            out = sampled
+            kp = -1
+            if step.prompt_logprobs:
+                kp = max(k for _, k, _ in step.prompt_logprobs)
+                prompt = top_logprobs(logits[num_sample:], inputs.prompt_targets, kp)
+                packed = stack(sampled, packed, k, prompt, kp)
+            if packed is not None:  # ids and log-probabilities in one copy to the host
+                out = packed
+                parse = functools.partial(unpack, num_sample=num_sample, k=k, kp=kp,
+                                          prompt_counts=inputs.prompt_counts)
+        pending = self.staging.to_host(out, parse)
         if self.timeline is not None:
             self.timeline.end()
         return pending
 
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> StepResult:
         return self.launch(step).result()
 
     @torch.inference_mode()
@@ -171,7 +186,7 @@ class ModelRunner:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("fault injected into the forward pass")
-        self.sampler.add(step.new_requests)
+        self.sampler.add(step.new_requests)  # settings (and processors) of new rows
         num_reqs, num_tokens = len(step.rows), len(step.token_ids)
         bucket = self.graphs.bucket_for(num_reqs) if self._is_graphable(step) else 0
         inputs = self._prepare(step, pad_to=bucket or num_reqs)
@@ -189,6 +204,11 @@ class ModelRunner:
             block_tables=self.block_table[inputs.rows],
             slot_mapping=self._slot_mapping(inputs.token_rows, inputs.positions),
             block_size=self.block_size, max_query_len=inputs.max_query_len)
+        if self.parallel.is_last_stage and self.sampler.processors.counted:
+            # penalties count the step's tokens (pipelined stages have no -1 continuations)
+            resolved = input_ids if input_ids is not None else inputs.input_ids
+            self.sampler.processors.observe(step.rows, inputs.token_rows, inputs.positions,
+                                            resolved, self.hf_config.vocab_size)
         if bucket:
             self.num_graph_replays += 1
             out = self.graphs.replay(bucket, input_ids, inputs.positions, meta, hidden, residual)
@@ -200,10 +220,11 @@ class ModelRunner:
         if not self.parallel.is_last_stage:
             self.link.send(step.step_id, out[0][:num_tokens], out[1][:num_tokens])
             return None, inputs
-        return out[:num_reqs], inputs
+        return (out[:num_reqs] if bucket else out), inputs  # graphs pad the batch
 
     def _is_graphable(self, step: StepInput) -> bool:
-        return self.graphs is not None and max(step.query_lens) == 1 and all(step.sample)
+        return self.graphs is not None and max(step.query_lens) == 1 and all(step.sample) \
+            and not step.prompt_logprobs
 
     def _slot_mapping(self, token_rows, positions):
         blocks = self.block_table[token_rows, positions // self.block_size]
@@ -234,13 +255,16 @@ class ModelRunner:
         sample = np.asarray(step.sample, dtype=bool)
         logits_indices = (cu_seqlens_q[1:len(step.rows) + 1] - 1)[sample]
         sample_rows = rows[:len(step.rows)][sample]
+        prompt_indices, targets, counts = prompt_positions(step, cu_seqlens_q)
         parts = [token_ids, positions, token_rows, cu_seqlens_q, context_lens + query_lens, rows,
-                 logits_indices, sample_rows, np.asarray(step.table_rows, np.int32),
+                 np.concatenate([logits_indices, np.asarray(prompt_indices, np.int32)]),
+                 sample_rows, np.asarray(targets, np.int32),
+                 np.asarray(step.table_rows, np.int32),
                  np.asarray(step.table_cols, np.int32), np.asarray(step.table_blocks, np.int32)]
         device_buf = self.staging.to_device(np.concatenate(parts))
         views = torch.split(device_buf, [len(p) for p in parts])
         return _Inputs(*views, max_query_len=int(query_lens.max()),
-                       sample_rows_host=sample_rows.tolist())
+                       sample_rows_host=sample_rows.tolist(), prompt_counts=counts)
 
     # ---- CUDA graphs for decode-only steps ------------------------------------------------
     def capture_cuda_graphs(self, max_batch_size: int) -> None:
@@ -261,10 +285,13 @@ class _Inputs:
     cu_seqlens_q: torch.Tensor  # [B+1]
     seq_lens: torch.Tensor  # [B]
     rows: torch.Tensor  # [B]
-    logits_indices: torch.Tensor  # [N] the last token of each sampling request
+    logits_indices: torch.Tensor  # [N + M] the last token of each sampling request, then
+    #                               the M prompt positions whose log-probabilities are asked
     sample_rows: torch.Tensor  # [N]
+    prompt_targets: torch.Tensor  # [M] the prompt token after each of those positions
     table_rows: torch.Tensor
     table_cols: torch.Tensor
     table_blocks: torch.Tensor
     max_query_len: int
     sample_rows_host: list[int]
+    prompt_counts: list[int]  # positions per StepInput.prompt_logprobs entry

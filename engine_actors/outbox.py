@@ -41,10 +41,14 @@ class Outbox:
         item = self.pending.get(out.request_id)
         if item is None:
             self.pending[out.request_id] = [out.new_token_ids, out.finish_reason,
-                                            out.num_prompt_tokens, out.num_output_tokens, error]
+                                            out.num_prompt_tokens, out.num_output_tokens, error,
+                                            out.logprobs, out.prompt_logprobs]
         else:
             item[0].extend(out.new_token_ids)
-            item[1:] = out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, error
+            item[1:5] = out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, error
+            for i, more in ((5, out.logprobs), (6, out.prompt_logprobs)):
+                if more:
+                    item[i] = (item[i] or []) + more
         if out.finish_reason is not None:
             self.request_ids.discard(out.request_id)
         self.event.set()

@@ -65,7 +65,7 @@ class _Plan:
 class Policy(abc.ABC):
     """Greedy selection in `key` order, within the request and token budgets."""
 
-    stop_at_first_misfit = False  # FCFS never lets a later request pass an earlier one
+    stop_at_first_misfit = False  # FCFS never lets a later request start before an earlier one
 
     @abc.abstractmethod
     def key(self, req: Request):
@@ -81,8 +81,9 @@ class Policy(abc.ABC):
         list, which the scheduler keeps sorted by `key` (so this never scans it)."""
         return heapq.merge(sorted(ready, key=self.key), waiting, key=self.key)
 
-    def victim(self, admitted: list[Request]) -> Request:
-        """Which admitted request gives up its KV: by default the latest arrival."""
+    def victim(self, admitted: list[Request]) -> Request | None:
+        """Which admitted request gives up its KV (None: none may): by default the latest
+        arrival."""
         return max(admitted, key=lambda r: r.arrival_time)
 
     def outranks(self, a: Request, b: Request) -> bool:
@@ -108,8 +109,10 @@ class Policy(abc.ABC):
             if victims is None:
                 misfits += 1
                 # a full KV pool makes every later pick a failed preemption plan too: bound
-                # the scan, or a long queue costs more than a GPU step
-                if self.stop_at_first_misfit or misfits == MAX_MISFITS:
+                # the scan, or a long queue costs more than a GPU step. A running request
+                # that cannot grow now must not hold the others up (they free KV it needs).
+                if (self.stop_at_first_misfit and not req.is_admitted) \
+                        or misfits == MAX_MISFITS:
                     break
                 continue
             preempt.extend(victims)
@@ -132,10 +135,8 @@ class Policy(abc.ABC):
             candidates = [r for r in admitted if id(r) not in chosen]
             blocks, rows = plan.blocks, plan.rows
             while need > blocks or (need_row and rows == 0):
-                if not candidates:
-                    return None
-                victim = self.victim(candidates)
-                if self.outranks(victim, req):
+                victim = self.victim(candidates) if candidates else None
+                if victim is None or self.outranks(victim, req):
                     return None  # never preempt a request this policy prefers
                 candidates.remove(victim)
                 victims.append(victim)
@@ -156,7 +157,12 @@ class FCFS(Policy):
     Started requests always come before later arrivals, so an earlier request has run at
     least as many iterations as a later one (iteration-level FCFS). Selection stops at the
     first request that does not fit, never skipping ahead of it. A prompt larger than the
-    token budget is prefilled in chunks over several iterations."""
+    token budget is prefilled in chunks over several iterations.
+
+    A request that did not give max_tokens (a chat's default: the rest of the context) would
+    reserve a whole context and shrink concurrency: it grows its KV as it goes instead, and
+    when KV runs out the latest-arrived such request is preempted and recomputed later, as
+    vLLM does. Requests with reservations are never preempted."""
 
     stop_at_first_misfit = True
 
@@ -164,7 +170,11 @@ class FCFS(Policy):
         return req.arrival_time
 
     def reservation(self, req):
-        return req.max_num_tokens
+        return req.max_num_tokens if req.sampling.max_tokens_given else 0
+
+    def victim(self, admitted):
+        growing = [r for r in admitted if not r.sampling.max_tokens_given]
+        return max(growing, key=lambda r: r.arrival_time) if growing else None
 
 
 class PriorityPolicy(Policy):

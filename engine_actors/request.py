@@ -9,6 +9,7 @@ import pydantic
 from pydantic import ConfigDict, Field
 
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 
 
 # Validated on construction (pydantic), so the engine never holds parameters that could take a
@@ -24,6 +25,27 @@ class SamplingParams:
     seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # False when the client left max_tokens unset (it is then the rest of the context):
+    # ORCA's FCFS reserves KV for prompt + max_tokens only for requests that gave it
+    max_tokens_given: bool = True
+    # logits processors, applied to the model's logits before temperature and top-k/p:
+    # OpenAI's presence/frequency penalties over generated tokens, transformers'
+    # repetition penalty over prompt and generated tokens, token id -> bias, and no EOS or
+    # stop token before min_tokens
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    # log-probabilities of the model's distribution (log-softmax of the raw logits): of each
+    # sampled token plus this many top alternatives; of each prompt token (None: none)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def has_processors(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +80,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_iterations: int = 0  # iterations this request took part in
     num_preemptions: int = 0  # times its KV was taken away (it is then recomputed)
+    num_prompt_logprobs: int = 0  # prompt positions whose log-probabilities were delivered
 
     # KV bookkeeping, owned by KVCacheManager
     row: int = -1  # row in the workers' block table; -1 until admitted

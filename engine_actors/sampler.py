@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine_actors.logits_processors import LogitsProcessors, top_logprobs
 from engine_actors.messages import NewRequest
 from engine_actors.transfer import Staging
 
@@ -19,6 +20,8 @@ class Sampler:
                  staging: Staging | None = None):
         self.device = device
         self.staging = staging or Staging(device)
+        self.processors = LogitsProcessors(max_num_seqs, device, self.staging)
+        self.num_logprobs = [-1] * (max_num_seqs + 1)  # per row: alternatives wanted, or -1
         self.temperature = torch.zeros(max_num_seqs, device=device)
         self.top_p = torch.ones(max_num_seqs, device=device)
         self.top_k = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
@@ -44,6 +47,8 @@ class Sampler:
         self.top_p[rows] = top_p.float()
         self.top_k[rows] = top_k.long()
         for r in reqs:
+            self.processors.add(r.row, r.processors)
+            self.num_logprobs[r.row] = r.logprobs
             self.is_greedy[r.row] = r.temperature == 0.0
             self.is_truncated[r.row] = r.top_k > 0 or r.top_p < 1.0
             self.generators.pop(r.row, None)
@@ -53,6 +58,16 @@ class Sampler:
                 g.manual_seed(r.seed)
                 self.generators[r.row] = g
                 self.skips[r.row] = r.num_skip_draws
+
+    def sample(self, logits: torch.Tensor, rows: list[int], idx: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Raw logits [N, V] fp32 -> (token ids [N], their log-probabilities packed by
+        top_logprobs or None, the number of alternatives k in the packing)."""
+        processed = self.processors.apply(logits, rows, idx)
+        ids = self(processed, rows, idx)
+        self.processors.sampled(rows, idx)
+        k = max((self.num_logprobs[r] for r in rows), default=-1)
+        return ids, (top_logprobs(logits, ids, k) if k >= 0 else None), k
 
     def __call__(self, logits: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:
         """logits [N, V] fp32 for the N sampling rows (`rows` on the host, `idx` on the

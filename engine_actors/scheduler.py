@@ -18,17 +18,17 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_actors.config import EngineConfig
-from engine_actors.kv_cache import KVCacheManager
-from engine_actors.messages import NewRequest, StepInput
+from engine_actors.kv_cache import KVCacheManager, context_len
+from engine_actors.messages import StepInput, StepResult, TokenLogprobs
 from engine_actors.policies import Budget, Policy, Scheduled, make_policy
 from engine_actors.request import FinishReason, Request, RequestStatus
+from engine_actors.step_extras import (new_prompt_logprobs, new_request, trim,
+                                       wants_prompt_logprobs)
 
-logger = logging.getLogger("orca_serve.scheduler")
 CONTINUE = -1  # "the token this row's previous step samples", resolved on the worker
 
 
@@ -44,6 +44,8 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # of the next prompt positions
 
 
 @dataclass(slots=True)
@@ -51,20 +53,7 @@ class Batch:
     step: StepInput
     scheduled: list[Scheduled]
     epochs: list[int]  # each request's num_preemptions when scheduled: later results are stale
-
-
-def context_len(model_len: int, explicit: int | None, kv_capacity: int) -> int:
-    """The longest prompt + completion: a context longer than the KV pool could never be
-    used, so it is capped (an explicit max_model_len over it is refused, as vLLM refuses to
-    start in that case)."""
-    if explicit is not None and explicit > kv_capacity:
-        raise ValueError(f"max_model_len {explicit} exceeds the KV cache capacity of "
-                         f"{kv_capacity} tokens; lower it or raise max_num_tokens")
-    limit = explicit or model_len
-    if kv_capacity < limit:
-        logger.warning("max_model_len capped from %d to the KV cache capacity, %d tokens",
-                       limit, kv_capacity)
-    return min(limit, kv_capacity)
+    prompt_starts: list[int] = field(default_factory=list)  # per step.prompt_logprobs entry
 
 
 class Scheduler:
@@ -163,15 +152,19 @@ class Scheduler:
         if not selection.batch:
             return None
         step = StepInput()
-        for item in selection.batch:
+        batch = Batch(step, selection.batch, [s.request.num_preemptions for s in selection.batch])
+        for index, item in enumerate(selection.batch):
             req, n = item.request, item.num_tokens
             start = req.num_computed_tokens
             if not req.is_admitted:
                 self._admit(req)
             if start == 0:  # just admitted: the workers learn its row's sampling settings
-                s = req.sampling
-                step.new_requests.append(NewRequest(req.row, s.temperature, s.top_p, s.top_k,
-                                                    s.seed, req.num_output_tokens))
+                step.new_requests.append(new_request(req, self.eos_token_ids))
+            if wants_prompt_logprobs(req, start):
+                end = start + n
+                following = req.token_ids[end] if end < req.num_prompt_tokens else -1
+                step.prompt_logprobs.append((index, req.sampling.prompt_logprobs, following))
+                batch.prompt_starts.append(start)
             self.kv.grow(req, start + n)
             first_col = req.num_blocks_sent  # the workers' table row has blocks up to here
             new_blocks = req.blocks[first_col:]
@@ -192,7 +185,7 @@ class Scheduler:
             req.num_iterations += 1
             req.num_inflight_steps += 1
             req.status = RequestStatus.RUNNING
-        return Batch(step, selection.batch, [s.request.num_preemptions for s in selection.batch])
+        return batch
 
     def _admit(self, req: Request) -> None:
         self.waiting.remove(req)
@@ -214,27 +207,39 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(req)
 
-    def process(self, batch: Batch, sampled: list[int]) -> list[RequestOutput]:
+    def process(self, batch: Batch, result: StepResult | list[int]) -> list[RequestOutput]:
         """Apply one step's sampled tokens (one per request with sample=True)."""
+        if not isinstance(result, StepResult):
+            result = StepResult(result)
         outputs = []
-        tokens = iter(sampled)
-        for item, epoch, do_sample in zip(batch.scheduled, batch.epochs, batch.step.sample):
+        tokens = iter(result.token_ids)
+        logprobs = iter(result.logprobs or ())
+        prompt = new_prompt_logprobs(batch, result)
+        for index, (item, epoch, do_sample) in enumerate(zip(batch.scheduled, batch.epochs,
+                                                             batch.step.sample)):
             req = item.request
             token = next(tokens) if do_sample else None
+            token_logprobs = next(logprobs, None) if do_sample else None
             if req.is_finished or req.num_preemptions != epoch:
                 continue  # finished, aborted or preempted while this step was in flight
             req.num_inflight_steps -= 1
             req.num_inflight_samples -= do_sample
             if req.num_inflight_steps == 0:
                 req.status = RequestStatus.WAITING
+            new_prompt = prompt.get(index)
             if token is None:
+                if new_prompt:
+                    outputs.append(self._output(req, [], prompt_logprobs=new_prompt))
                 continue
             req.token_ids.append(token)
+            lps = None
+            if req.sampling.logprobs is not None and token_logprobs is not None:
+                lps = [trim(token_logprobs, req.sampling.logprobs)]
             reason = self._stop_reason(req, token)
-            if reason is not None:
-                outputs.append(self._finish(req, reason, [token]))
-            else:
-                outputs.append(self._output(req, [token]))
+            out = self._finish(req, reason, [token]) if reason is not None else \
+                self._output(req, [token])
+            out.logprobs, out.prompt_logprobs = lps, new_prompt
+            outputs.append(out)
         return outputs
 
     def fail_all(self) -> list[RequestOutput]:
@@ -271,6 +276,6 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _output(req: Request, tokens: list[int]) -> RequestOutput:
-        return RequestOutput(req.request_id, req.sink, tokens, None,
-                             req.num_prompt_tokens, req.num_output_tokens)
+    def _output(req: Request, tokens: list[int], prompt_logprobs=None) -> RequestOutput:
+        return RequestOutput(req.request_id, req.sink, tokens, None, req.num_prompt_tokens,
+                             req.num_output_tokens, prompt_logprobs=prompt_logprobs)

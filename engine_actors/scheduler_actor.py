@@ -24,7 +24,7 @@ import ray
 from engine_actors.batches import Batches
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
 from engine_actors.config import EngineConfig
-from engine_actors.engine_loop import EngineLoop
+from engine_actors.engine_loop import EngineLoop, start_failure_cause
 from engine_actors.messages import BatchRequest, EngineRequest, Refusal
 from engine_actors.metrics import EngineMetrics
 from engine_actors.outbox import Outbox
@@ -36,15 +36,6 @@ NAMESPACE = "orca-serve"
 ORPHAN_GRACE_S = 30.0
 HEARTBEAT_S = 2.0
 MAX_UNKNOWN_ABORTS = 4096
-
-
-def _cause(e: Exception) -> str:
-    """One line: the error a worker raised, without Ray's wrapping and traceback."""
-    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
-        e = e.cause
-    elif isinstance(e, ray.exceptions.RayActorError):
-        return f"a worker died while starting: {e.error_msg.splitlines()[0]}"
-    return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
 def actor_name(cfg: EngineConfig) -> str:
@@ -84,7 +75,7 @@ class SchedulerActor:
                                                  self.metrics, self._deliver)
             self._spawn(self._run())
         except Exception as e:
-            self._start_error = _cause(e)
+            self._start_error = start_failure_cause(e)
             logger.error("engine failed to start: %s", self._start_error)
             logger.debug("start failure", exc_info=True)
             # every caller gets the error at once until the orphan teardown (no client ever
@@ -173,13 +164,13 @@ class SchedulerActor:
                 while len(self._early_aborts) > MAX_UNKNOWN_ABORTS:
                     self._early_aborts.popitem(last=False)
                 continue
-            self.metrics.finished(out.finish_reason)
+            self.metrics.finished(out.finish_reason, out.num_prompt_tokens,
+                                  out.num_output_tokens)
             out.sink.aborted(out)
 
     def _deliver(self, outputs: list[RequestOutput], error: str | None) -> None:
+        self.metrics.count(outputs)
         for out in outputs:
-            if out.finish_reason is not None:
-                self.metrics.finished(out.finish_reason)
             out.sink.deliver(out, error)
 
     async def stream(self, client_id: str, owner=None):

@@ -79,19 +79,21 @@ class Staging:
         self._mark(i)
         return out
 
-    def to_host(self, tensor: torch.Tensor | None) -> PendingStep:
-        """The values of `tensor` once the device gets there (None: just the moment)."""
+    def to_host(self, tensor: torch.Tensor | None, parse: Callable = list) -> PendingStep:
+        """The values of `tensor` once the device gets there (None: just the moment),
+        turned into a result by `parse(values as lists)`."""
         if not self.is_cuda:
-            return PendingStep(tensor if tensor is not None else torch.empty(0, dtype=torch.long))
+            empty = torch.empty(0, dtype=torch.long)
+            return PendingStep(tensor if tensor is not None else empty, parse=parse)
         if tensor is None:
-            pending = PendingStep(torch.empty(0, dtype=torch.long))
+            pending = PendingStep(torch.empty(0, dtype=torch.long), parse=parse)
         else:
             nbytes = tensor.numel() * tensor.element_size()
             i = self.ring.acquire(nbytes, hold=True)
             host = self._host_view(i, nbytes, tensor)
             host.copy_(tensor, non_blocking=True)
             self._mark(i)
-            pending = PendingStep(host, lambda: self.ring.release(i))
+            pending = PendingStep(host, lambda: self.ring.release(i), parse)
         pending.event = torch.cuda.Event()
         pending.event.record()
         return pending
@@ -101,20 +103,22 @@ class PendingStep:
     """A step's sampled ids on their way back to the host (empty on a stage that does not
     sample: then it only marks the end of the step's device work)."""
 
-    def __init__(self, host: torch.Tensor, release: Callable[[], None] | None = None):
+    def __init__(self, host: torch.Tensor, release: Callable[[], None] | None = None,
+                 parse: Callable = list):
         self.host = host
         self.event: torch.cuda.Event | None = None
         self._release = release
-        self._values: list[int] | None = None
+        self._parse = parse
+        self._values = None
 
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
 
-    def result(self) -> list[int]:
+    def result(self):
         if self._values is None:
             self.wait()
-            self._values = self.host.tolist()
+            self._values = self._parse(self.host.tolist())
             if self._release is not None:  # read: its buffer may be reused
                 self._release()
                 self._release = None

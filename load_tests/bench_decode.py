@@ -19,7 +19,7 @@ import torch
 
 from engine_actors.checkpoint import resolve_model_path
 from engine_actors.kv_cache import cdiv
-from engine_actors.messages import NewRequest, StepInput
+from engine_actors.messages import NewRequest, ProcessorSettings, StepInput
 from engine_actors.model_runner import ModelRunner
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
 
@@ -32,10 +32,27 @@ def weight_bytes(model) -> int:
                if tied or not name.startswith("embed_tokens"))
 
 
-def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int) -> float:
+# what every request of the batch asks for, besides greedy decoding
+VARIANTS = {
+    "plain": {},
+    "logprobs": dict(logprobs=5),  # the sampled token's logprob and the top 5
+    "penalties": dict(processors=True),  # repetition, presence and frequency penalties
+}
+
+
+def new_request(row: int, variant: str, context_len: int) -> NewRequest:
+    extra = dict(VARIANTS[variant])
+    if extra.pop("processors", False):
+        extra["processors"] = ProcessorSettings(context_len, presence_penalty=0.5,
+                                                frequency_penalty=0.5, repetition_penalty=1.1)
+    return NewRequest(row, 0.0, 1.0, 0, None, **extra)
+
+
+def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int,
+                variant: str = "plain") -> float:
     """Mean ms per step over `iters` back-to-back steps, after warm-up."""
     blocks_each = cdiv(context_len + iters + 8, runner.block_size)
-    first = StepInput(new_requests=[NewRequest(r, 0.0, 1.0, 0, None) for r in range(batch)],
+    first = StepInput(new_requests=[new_request(r, variant, context_len) for r in range(batch)],
                       rows=list(range(batch)), context_lens=[context_len] * batch,
                       query_lens=[1] * batch, sample=[True] * batch, token_ids=[1] * batch,
                       table_rows=[r for r in range(batch) for _ in range(blocks_each)],
@@ -74,8 +91,10 @@ def _bench_worker_class():
             graph = time_decode(runner, batch, context_len, iters)
             kv = batch * (context_len + iters // 2) * runner.kv_bytes_per_block() \
                 // runner.block_size
+            variants = {v: time_decode(runner, batch, context_len, iters, v)
+                        for v in VARIANTS if v != "plain"}
             return {"eager_ms": eager, "graph_ms": graph, "weight_bytes": weight_bytes(runner.model),
-                    "kv_bytes": kv}
+                    "kv_bytes": kv, "variants_ms": variants}
 
     return DecodeBenchWorker
 
@@ -131,6 +150,9 @@ def main(argv=None) -> dict:
               "kv_gb_per_rank": r["kv_bytes"] / 1e9, "floor_ms": floor_ms,
               "eager_ms": r["eager_ms"], "graph_ms": r["graph_ms"],
               "graph_over_floor": r["graph_ms"] / floor_ms}
+    for variant, ms in r.get("variants_ms", {}).items():  # every request asking for it
+        report[f"{variant}_ms"] = ms
+        report[f"{variant}_over_plain"] = ms / r["graph_ms"]
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -23,3 +23,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def url():
+    """serve_config.yaml's application, started for the test module (a module may define
+    its own `url` with other args)."""
+    from tests.serve_fixture import app_config, start_app, stop_app
+    base = start_app(app_config())
+    yield base
+    stop_app()
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    """The official openai client on `url` (a test extra)."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -26,6 +26,8 @@ class InProcessEngine:
         self.scheduler = Scheduler.from_config(self.cfg, num_blocks, info.max_model_len,
                                                info.eos_token_ids)
         self.steps = []
+        self.logprobs: dict[str, list] = {}  # request id -> per generated token, when asked
+        self.prompt_logprobs: dict[str, list] = {}
 
     def run(self, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]):
         """arrivals: loop round -> requests added before it. Returns request id -> tokens."""
@@ -48,6 +50,9 @@ class InProcessEngine:
                 batch, pending = in_flight.popleft()
                 for out in self.scheduler.process(batch, pending.result()):
                     outputs[out.request_id].extend(out.new_token_ids)
+                    self.logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
+                    self.prompt_logprobs.setdefault(out.request_id, []).extend(
+                        out.prompt_logprobs or [])
         return outputs
 
 

@@ -13,22 +13,10 @@ openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machin
 from engine_actors.checkpoint import resolve_model_path
 from engine_actors.config import DEFAULT_MODEL
 from tests.engine_harness import hf_greedy
-from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy, wait_idle
+from tests.serve_fixture import wait_healthy, wait_idle
 
 MODEL = "tiny-random-llama"
 NO_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def url():
-    base = start_app(app_config())
-    yield base
-    stop_app()
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +189,24 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, None, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": "s" * 513}, None, "stop"),
     ("/v1/completions", b"[" * 100000 + b"]" * 100000, "invalid_json", None),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "unsupported_parameter",
-     "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, None, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, None, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -2.5}, None, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, None, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, None, "logit_bias.5"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, None, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, None, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, None,
+     "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "unsupported_parameter", "best_of"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "unsupported_parameter", "suffix"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, None, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 21}, None, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "unsupported_content", "messages.0.content.0"),
     ("/v1/chat/completions", {"messages": []}, None, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None,
      "messages.0.role"),

@@ -233,3 +233,39 @@ def test_preemption_happens_only_when_it_makes_room():
     drain(sched, runner, outs, now=10.0)
     assert outs["l1"] == expected_output([2] * 8, 8)
     assert outs["h2"] == expected_output([3] * 20, 4)
+
+
+def test_fcfs_grows_requests_without_max_tokens_and_preempts_the_latest_of_them():
+    """A request that gave max_tokens reserves it (ORCA); one that did not (a chat's
+    default) grows, and is the one preempted when KV runs out."""
+    sched, runner, outs = make("fcfs", num_blocks=16, block_size=4, max_batch=8), \
+        FakeRunner(4), {}
+
+    def chat(rid, t, token):
+        return Request(rid, [token] * 8, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                         max_tokens_given=False), t)
+
+    sched.add(req("given", 8, 8, t=0.0))  # reserves 4 blocks for 16 tokens
+    for i in range(3):
+        sched.add(chat(f"chat{i}", 1.0 + i, token=2 + i))
+    step(sched, runner, outs)
+    assert sched.num_running == 4  # a full reservation each would have fitted only 1 chat
+    assert sched.pool["chat0"].num_reserved_blocks == 0
+    drain(sched, runner, outs)
+    assert sched.num_preemptions > 0
+    assert sched.pool == {} and outs["given"] == expected_output([1] * 8, 8)
+    for i in range(3):
+        assert outs[f"chat{i}"] == expected_output([2 + i] * 8, 40)
+
+
+def test_fcfs_running_request_that_cannot_grow_does_not_block_the_others():
+    """The earliest chat needs a block while reserved requests hold the pool: they keep
+    running (and free it), instead of the whole iteration stopping at the chat."""
+    sched, runner, outs = make("fcfs", num_blocks=6, block_size=4, max_batch=4), \
+        FakeRunner(4), {}
+    sched.add(Request("chat", [5] * 4, SamplingParams(max_tokens=12, ignore_eos=True,
+                                                      max_tokens_given=False), 0.0))
+    sched.add(req("given", 4, 16, t=1.0, token=6))  # reserves 5 blocks: all but the chat's
+    drain(sched, runner, outs)
+    assert outs["chat"] == expected_output([5] * 4, 12)
+    assert outs["given"] == expected_output([6] * 4, 16)

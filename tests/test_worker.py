@@ -43,7 +43,7 @@ def test_steps_run_in_step_id_order_whatever_the_delivery_order():
     expect_first = reference.runner.execute(prefill_step(0, [1, 2, 3], block=0))
     expect_second = reference.runner.execute(
         StepInput(rows=[0], context_lens=[3], query_lens=[1], sample=[True],
-                  token_ids=expect_first))
+                  token_ids=expect_first.token_ids))
     assert (out_first, out_second) == (expect_first, expect_second)
 
 

@@ -1,0 +1,67 @@
+"""Log-probabilities in OpenAI's response shapes.
+
+Completions: {"tokens", "token_logprobs", "top_logprobs" ({token: logprob}), "text_offset"},
+the prompt's tokens first with `echo` (the first one has no log-probability: null).
+Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+"bytes"}]}]}. Tokens are shown as their own decoded text; log-probabilities are of the
+model's distribution (log-softmax of its logits, before temperature and penalties).
+"""
+from __future__ import annotations
+
+from engine_actors.messages import TokenLogprobs
+
+
+class LogprobsWriter:
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.entries: list[tuple[int, TokenLogprobs | None]] = []  # (token id, its logprobs)
+        self.num_taken = 0  # entries already streamed
+        self.offset = 0  # characters of the returned text before the next token
+
+    def add(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> None:
+        self.entries += zip(token_ids, logprobs)
+
+    def add_prompt(self, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
+        """The prompt tokens (echo): the first has no log-probability."""
+        self.entries += zip(prompt_ids, [None] + list(logprobs))
+
+    def cut(self, num_generated: int, num_prompt: int = 0) -> None:
+        """Keep the prompt entries and the first num_generated generated ones (a stop
+        string ended the text there)."""
+        del self.entries[num_prompt + num_generated:]
+
+    def take(self) -> dict | None:
+        """The entries since the last take, in the response shape (streaming)."""
+        new, self.num_taken = self.entries[self.num_taken:], len(self.entries)
+        return self._shape(new) if new else None
+
+    def result(self) -> dict:
+        self.offset = 0
+        return self._shape(self.entries)
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _shape(self, entries) -> dict:
+        if self.chat:
+            return {"content": [self._chat_entry(i, lp) for i, lp in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp in entries:
+            text = self._token(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if lp is None else lp[0])
+            top = None
+            if lp is not None:  # tokens that decode alike keep the likeliest's value
+                top = {}
+                for i, v in zip(lp[1], lp[2]):
+                    top.setdefault(self._token(i), v)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def _chat_entry(self, token_id: int, lp: TokenLogprobs) -> dict:
+        def one(i: int, value: float) -> dict:
+            text = self._token(i)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+        return {**one(token_id, lp[0]), "top_logprobs": [one(i, v) for i, v in zip(lp[1], lp[2])]}

@@ -1,0 +1,151 @@
+"""The OpenAI fields tools send, over HTTP with the official client: logprobs (echo
+included), penalties and logit_bias, nulls, GET /v1/models/{id}."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from engine_actors.request import SamplingParams  # noqa: E402
+from tests.serve_fixture import wait_idle  # noqa: E402
+from tests.test_logits import hf_logprobs, reference  # noqa: E402
+
+MODEL = "tiny-random-llama"
+NO_EOS = {"ignore_eos": True}
+
+
+def test_completion_logprobs_with_echo_equal_transformers(client):
+    prompt = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114]
+    res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                    logprobs=3, echo=True, extra_body=NO_EOS)
+    choice = res.choices[0]
+    lps = choice.logprobs
+    generated = res.usage.completion_tokens
+    assert len(lps.tokens) == len(lps.token_logprobs) == len(prompt) + generated
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    # the generated ids, to recompute: greedy is reproducible
+    ids = reference(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    ref = hf_logprobs(prompt + ids)
+    full = prompt + ids
+    for t in range(1, len(full)):
+        assert abs(lps.token_logprobs[t] - ref[t - 1, full[t]].item()) < 1e-4, t
+        top = ref[t - 1].topk(3).values.tolist()
+        assert max(lps.top_logprobs[t].values()) == pytest.approx(top[0], abs=1e-4)
+        assert all(any(abs(v - w) < 1e-4 for w in top) for v in lps.top_logprobs[t].values())
+    assert lps.text_offset == sorted(lps.text_offset) and lps.text_offset[0] == 0
+    assert choice.text.startswith(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, echo=True, temperature=0).choices[0].text[:5])
+
+
+def test_logprobs_zero_returns_the_sampled_tokens_logprob(client):
+    res = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0,
+                                    logprobs=0, extra_body=NO_EOS)
+    lps = res.choices[0].logprobs
+    assert len(lps.token_logprobs) == 4 and all(v <= 0 for v in lps.token_logprobs)
+    assert all(len(d) == 0 for d in lps.top_logprobs)
+
+
+def test_chat_logprobs_in_openai_shape_streamed_or_not(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                  temperature=0, logprobs=True, top_logprobs=2, extra_body=NO_EOS)
+    res = client.chat.completions.create(**kwargs)
+    content = res.choices[0].logprobs.content
+    assert len(content) == res.usage.completion_tokens == 5
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 and c.bytes for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy
+    streamed = [c for chunk in client.chat.completions.create(stream=True, **kwargs)
+                for choice in chunk.choices if choice.logprobs
+                for c in choice.logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content])
+
+
+@pytest.mark.parametrize("settings", [
+    dict(repetition_penalty=1.7), dict(presence_penalty=1.2, frequency_penalty=0.8),
+    dict(logit_bias={"65": 9.0, "66": 8.0})])
+def test_penalties_and_logit_bias_give_transformers_tokens(client, url, settings):
+    prompt = [3, 9, 27, 81, 243 % 256, 100, 17]
+    res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={**NO_EOS, **{k: v for k, v in settings.items()
+                                                             if k == "repetition_penalty"}},
+                                    **{k: v for k, v in settings.items()
+                                       if k != "repetition_penalty"})
+    engine = dict(settings)
+    if "logit_bias" in engine:
+        engine["logit_bias"] = tuple((int(k), v) for k, v in engine["logit_bias"].items())
+    ids = reference(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                           **engine))
+    tokenizer_text = httpx.post(f"{url}/v1/completions", timeout=30, json={
+        "prompt": ids, "max_tokens": 1, "echo": True, **NO_EOS}).json()["choices"][0]["text"]
+    assert tokenizer_text.startswith(res.choices[0].text)
+    wait_idle(url)
+
+
+def test_nulls_mean_defaults(url):
+    body = {"prompt": "x", "temperature": None, "top_p": None, "n": None, "stream": None,
+            "top_k": None, "echo": None, "logprobs": None, "stop": None, "seed": None,
+            "presence_penalty": None, "frequency_penalty": None, "logit_bias": None,
+            "user": None, "stream_options": None, "max_tokens": 3}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": None,
+            "max_completion_tokens": None, "temperature": None, "logprobs": None,
+            "top_logprobs": None, "tools": None, "response_format": None, "n": None}
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_a_model_by_id(client, url):
+    assert client.models.retrieve(MODEL).id == MODEL
+    r = httpx.get(f"{url}/v1/models/gpt-4", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_32_default_chats_run_at_once(url):
+    """Chats without max_tokens (the default of openai, LangChain and LiteLLM) must not
+    reserve a whole context each: on the default config all 32 run together."""
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            body = {"messages": [{"role": "user", "content": "tell me more"}], "stream": True,
+                    **NO_EOS}
+            streams = [http.stream("POST", "/v1/chat/completions", json=body)
+                       for _ in range(32)]
+            responses = [await s.__aenter__() for s in streams]
+            readers = [r.aiter_lines() for r in responses]  # kept: a dropped one closes
+            try:
+                for lines in readers:  # every stream produced tokens
+                    while '"delta": {"content"' not in await anext(lines):
+                        pass
+                return (await http.get("/health")).json()
+            finally:
+                for s in streams:
+                    await s.__aexit__(None, None, None)
+
+    health = asyncio.run(run())
+    assert health["num_running"] == 32 and health["num_waiting"] == 0, health
+    wait_idle(url)
+
+
+def test_every_metric_of_the_grafana_dashboard_is_served(url, client):
+    import json
+    import pathlib
+    import re
+
+    client.completions.create(model=MODEL, prompt="x", max_tokens=3, extra_body=NO_EOS)
+    dashboard = json.loads((pathlib.Path(__file__).parents[1] / "deployments" / "grafana"
+                            / "orca-serve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"])
+    used = {m for e in exprs for m in re.findall(r"orca:[a-z0-9_:]+", e)}
+    assert len(used) >= 15
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    served = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert used <= served, sorted(used - served)
+    for name in ("orca:prompt_tokens_total", "orca:generation_tokens_total"):
+        value = next(float(line.split()[-1]) for line in text.splitlines()
+                     if line.startswith(name + "{"))
+        assert value >= 1, name

@@ -1,0 +1,143 @@
+"""Logits processors and log-probabilities against transformers on the same fp32 model:
+penalties, logit bias and min_tokens give transformers' greedy tokens, logprobs equal its
+log-softmax; requests with and without them share iterations (ragged, chunked prefill)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import (LogitsProcessor, LogitsProcessorList,
+                          MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                          SequenceBiasLogitsProcessor)
+
+from engine_actors.checkpoint import EOS_ID, resolve_model_path
+from engine_actors.config import DEFAULT_MODEL
+from engine_actors.request import SamplingParams
+from tests.engine_harness import InProcessEngine, hf_model
+
+MODEL = resolve_model_path(DEFAULT_MODEL)
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens (reference)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        counts = torch.zeros_like(scores)
+        generated = input_ids[:, self.prompt_len:]
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+def reference(prompt: list[int], s: SamplingParams) -> list[int]:
+    """transformers' greedy generate() with the same processors, in the engine's order."""
+    processors = []
+    if s.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(s.repetition_penalty))
+    if s.presence_penalty or s.frequency_penalty:
+        processors.append(OpenAIPenalties(len(prompt), s.presence_penalty, s.frequency_penalty))
+    if s.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor({(i,): b for i, b in s.logit_bias}))
+    if s.min_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), s.min_tokens, EOS_ID))
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model(MODEL).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=s.max_tokens, eos_token_id=None if s.ignore_eos else EOS_ID,
+            pad_token_id=0, logits_processor=LogitsProcessorList(processors))
+    return out[0, len(prompt):].tolist()
+
+
+SETTINGS = [
+    dict(repetition_penalty=1.8),
+    dict(repetition_penalty=0.6),
+    dict(presence_penalty=1.5, frequency_penalty=0.7),
+    dict(frequency_penalty=-1.0),
+    dict(logit_bias=((65, 8.0), (66, 7.5), (10, -100.0))),
+    dict(repetition_penalty=1.3, presence_penalty=0.5, logit_bias=((97, 3.0),)),
+    # EOS made almost certain, but not before min_tokens: finishes with "stop" right after
+    dict(logit_bias=((EOS_ID, 30.0),), min_tokens=5, ignore_eos=False),
+    dict(),  # no processors, in the same iterations
+]
+
+
+def workload(seed=0):
+    rng = random.Random(seed)
+    arrivals = {}
+    for i in range(24):
+        settings = dict(SETTINGS[i % len(SETTINGS)])
+        ignore_eos = settings.pop("ignore_eos", True)
+        sampling = SamplingParams(max_tokens=rng.randint(6, 20), temperature=0.0,
+                                  ignore_eos=ignore_eos, **settings)
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+        arrivals.setdefault(rng.randint(0, 12), []).append((f"r{i}", prompt, sampling))
+    return arrivals
+
+
+# overlapped steps or not; and a KV pool so small that requests are preempted and recomputed
+ENGINES = [dict(async_scheduling=True), dict(async_scheduling=False),
+           dict(scheduling_policy="priority", max_num_tokens=160)]
+
+
+@pytest.mark.parametrize("engine_args", ENGINES)
+def test_processors_give_transformers_greedy_tokens(engine_args):
+    engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=8, block_size=4,
+                             max_num_batched_tokens=24, **engine_args)
+    arrivals = workload()
+    outputs = engine.run(arrivals)
+    if "max_num_tokens" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+    for reqs in arrivals.values():
+        for rid, prompt, sampling in reqs:
+            assert outputs[rid] == reference(prompt, sampling), (rid, sampling)
+    stopped = [rid for reqs in arrivals.values() for rid, _, s in reqs if s.min_tokens]
+    assert all(len(outputs[rid]) == 6 and outputs[rid][-1] == EOS_ID for rid in stopped)
+
+
+def hf_logprobs(tokens: list[int]) -> torch.Tensor:
+    """log-softmax of transformers' fp32 logits at every position of `tokens`: [L, V]."""
+    with torch.no_grad():
+        logits = hf_model(MODEL)(torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("engine_args", [ENGINES[0], dict(ENGINES[2], max_num_tokens=96)])
+def test_logprobs_equal_transformers_log_softmax(engine_args):
+    rng = random.Random(1)
+    arrivals = {}
+    for i in range(10):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 60))]
+        sampling = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0,
+                                  ignore_eos=True, logprobs=rng.choice([0, 1, 5, 20]),
+                                  prompt_logprobs=rng.choice([None, 0, 3]),
+                                  presence_penalty=rng.choice([0.0, 1.0]))
+        arrivals.setdefault(rng.randint(0, 6), []).append((f"r{i}", prompt, sampling))
+    engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=8, block_size=4,
+                             max_num_batched_tokens=16, **engine_args)  # chunked prompts
+    outputs = engine.run(arrivals)
+    if "max_num_tokens" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+    for reqs in arrivals.values():
+        for rid, prompt, s in reqs:
+            full = prompt + outputs[rid]
+            ref = hf_logprobs(full)
+            got = engine.logprobs[rid]
+            assert len(got) == len(outputs[rid])
+            for j, (lp, ids, values) in enumerate(got):
+                row = ref[len(prompt) - 1 + j]  # the distribution the j-th token came from
+                assert abs(lp - row[outputs[rid][j]].item()) < 1e-4
+                top = row.topk(s.logprobs)
+                assert ids == top.indices.tolist()
+                torch.testing.assert_close(torch.tensor(values), top.values, atol=1e-4, rtol=0)
+            if s.prompt_logprobs is None:
+                assert not engine.prompt_logprobs[rid]
+                continue
+            got = engine.prompt_logprobs[rid]
+            assert len(got) == len(prompt) - 1  # every prompt token but the first
+            for p, (lp, ids, _) in enumerate(got):
+                assert abs(lp - ref[p, prompt[p + 1]].item()) < 1e-4
+                assert ids == ref[p].topk(s.prompt_logprobs).indices.tolist()
