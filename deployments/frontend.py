@@ -13,6 +13,7 @@ from starlette.requests import Request
 from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
 from deployments.http_metrics import HTTPMetrics
 from deployments.protocol import APIError, parse_body
+from deployments.structured import default_tool_parser
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
 from engine_actors.config import EngineConfig
 
@@ -113,6 +114,13 @@ class Frontend:
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
                                 f"`{self.cfg.model_name}`.", "model", "model_not_found")
         return req
+
+    def tool_parser(self, info: ModelInfo) -> str:
+        """The tool-call format of the served model (the tool_call_parser arg, or its
+        family's)."""
+        if self.cfg.tool_call_parser != "auto":
+            return self.cfg.tool_call_parser
+        return default_tool_parser(self.tokenizer, info.architecture)
 
     def prompt_ids(self, prompt: str | list[int], info: ModelInfo, param: str) -> list[int]:
         """Token ids of one prompt: text is tokenized, ids are checked against the vocab."""

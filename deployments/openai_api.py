@@ -17,9 +17,12 @@ from starlette.routing import Route
 from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, unavailable
 from deployments.http_metrics import RequestTimer
-from deployments.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+from deployments.chat_protocol import ChatCompletionRequest
+from deployments.protocol import (APIError, CompletionRequest,
                                   refusal_error)
 from deployments.logprobs import LogprobsWriter
+from deployments.structured import grammar_for, tool_grammar
+from deployments.tool_parsers import ToolCallStream, make_parser
 from deployments.responses import (Choice, SSEResponse, SSEWriter, deadline_error,
                                    response_body, timeout_error, usage)
 from engine_actors.checkpoint import ModelInfo
@@ -49,7 +52,8 @@ class OpenAIRoutes:
                 raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
             prompts = [(p if isinstance(p, str) else None,
                         self.frontend.prompt_ids(p, info, "prompt")) for p in prompts]
-            return await self._generate(req, prompts, req.max_tokens, info, False, arrival)
+            return await self._generate(req, prompts, req.max_tokens, info, False, arrival,
+                                        grammar_for(req))
         except APIError as e:
             return e.response()
 
@@ -58,21 +62,32 @@ class OpenAIRoutes:
         try:
             req = await self.frontend.parse(request, ChatCompletionRequest)
             info = await self.frontend.ready()
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [m.for_template() for m in req.messages]
+            tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] \
+                if req.uses_tools else None
             try:
                 ids = self.frontend.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+                    messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                    return_dict=False)
             except Exception as e:
                 raise APIError(400, f"messages could not be formatted: {e}", "messages") from None
             if hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding
                 ids = ids["input_ids"]
+            grammar = grammar_for(req)
+            parser = self.frontend.tool_parser(info) if req.uses_tools else None
+            forced = tool_grammar(req.tools, req.tool_choice, parser) if parser else None
+            if grammar is not None and forced is not None:
+                raise APIError(400, "a tool_choice that forces a call cannot be combined with "
+                                    "response_format or guided_*", "tool_choice",
+                               "invalid_value")
             return await self._generate(req, [(None, list(ids))], req.max_new_tokens(), info,
-                                        True, arrival)
+                                        True, arrival, grammar or forced, parser)
         except APIError as e:
             return e.response()
 
     async def _generate(self, req, prompts, max_tokens, info: ModelInfo, chat: bool,
-                        arrival: float):
+                        arrival: float, grammar: tuple[str, str] | None = None,
+                        tool_parser: str | None = None):
         limit = info.max_model_len
         subs = []  # (engine request, choice index, prompt text, prompt ids)
         base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -91,7 +106,7 @@ class OpenAIRoutes:
                 priority = 1 if req.priority is None else req.priority  # interactive default
                 sampling = req.sampling_params(n_new, j, info.sampling_defaults, info.vocab_size,
                                                max_tokens_given=max_tokens is not None,
-                                               **req.logprob_fields())
+                                               grammar=grammar, **req.logprob_fields())
                 engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids, sampling, priority,
                                            req.deadline_ms)
                 subs.append((engine_req, p_idx * req.n + j, text, ids))
@@ -109,7 +124,9 @@ class OpenAIRoutes:
                                         ids, self._echo_text(req, text, ids) if not chat else None,
                                         RequestTimer(self.metrics, arrival),
                                         LogprobsWriter(tokenizer, chat)
-                                        if r.sampling.logprobs is not None else None)
+                                        if r.sampling.logprobs is not None else None,
+                                        ToolCallStream(make_parser(tool_parser))
+                                        if tool_parser else None)
                    for r, index, text, ids in subs}
         limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
         timeout = min(limits) if limits else None  # a request may only shorten the limit
@@ -164,6 +181,10 @@ class OpenAIRoutes:
                     self.metrics.failure("engine_failure")
                     yield sse.error(choice.error)
                     continue
+                if choice.tool_calls and choice.finish_reason:
+                    yield sse.chunk(choice.index, delta, None,
+                                    tool_calls=choice.tool_call_deltas(), logprobs=choice.take_logprobs())
+                    delta = ""
                 if delta or choice.finish_reason:
                     yield sse.chunk(choice.index, delta, choice.finish_reason,
                                     logprobs=choice.take_logprobs())

@@ -11,7 +11,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
-from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from engine_actors.request import MAX_LOGPROBS, MAX_SEED as MAX_SEED_ENGINE, SamplingParams
@@ -109,10 +108,12 @@ class SamplingOptions(_Base):
             raise APIError(400, f"min_tokens ({self.min_tokens}) exceeds max_tokens "
                                 f"({max_tokens})", "min_tokens", "invalid_value")
         seed = None if self.seed is None else self.seed + choice  # n choices must differ
+        # a grammar ends its output with EOS (all that is left to sample): keep it
+        ignore_eos = self.ignore_eos and not engine_fields.get("grammar")
         return SamplingParams(
             max_tokens=max_tokens, temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0), seed=seed,
-            ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=_logit_bias(self.logit_bias, vocab_size), min_tokens=self.min_tokens,
@@ -122,8 +123,25 @@ class SamplingOptions(_Base):
         pass
 
 
+class JSONSchemaSpec(_Base):
+    name: str = "response"
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
 class SamplingFields(SamplingOptions):
     """Fields shared by completions and chat completions."""
+    # structured output: OpenAI's response_format, or vLLM's guided_* extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
@@ -162,71 +180,6 @@ class CompletionRequest(SamplingFields):
             return {}
         return {"logprobs": self.logprobs,
                 "prompt_logprobs": self.logprobs if self.echo else None}
-
-
-class ContentPart(_Base):
-    type: str
-    text: str | None = None
-
-    def check_supported(self, param: str) -> None:
-        if self.type != "text":
-            raise APIError(400, f"content parts of type '{self.type}' are not supported: "
-                                "this server serves text-only models", param,
-                           "unsupported_content")
-        if self.text is None:
-            raise APIError(400, f"{param}.text: Field required", f"{param}.text",
-                           "missing_required_parameter")
-
-
-class ChatMessage(_Base):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # required but for assistant messages (OpenAI answers a missing parameter with 400)
-    content: Annotated[str | list[ContentPart] | None, Field(validate_default=True)] = None
-    name: str | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _content_required(cls, v, info):
-        if v is None and info.data.get("role", "assistant") != "assistant":
-            raise PydanticCustomError("missing", "Field required")
-        return v
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list | None = None
-    response_format: dict | None = None
-
-    def logprob_fields(self) -> dict:
-        if not self.logprobs:
-            if self.top_logprobs:
-                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs",
-                               "invalid_value")
-            return {}
-        return {"logprobs": self.top_logprobs or 0}
-
-    def check_supported(self) -> None:
-        for i, m in enumerate(self.messages):
-            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-                part.check_supported(f"messages.{i}.content.{j}")
-        if self.tools:
-            raise APIError(400, "tools are not supported by this server", "tools",
-                           "unsupported_parameter")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than text is not supported",
-                           "response_format", "unsupported_parameter")
-
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
 
 
 class BatchItem(SamplingOptions):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 from ray.exceptions import TaskCancelledError
 from sse_starlette.sse import EventSourceResponse
@@ -57,7 +58,8 @@ class Choice:
     """One choice's accumulated text, token counts, log-probabilities and finish reason."""
 
     def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
-                 prompt_ids: list[int], echo: str | None, timer=None, logprobs=None):
+                 prompt_ids: list[int], echo: str | None, timer=None, logprobs=None,
+                 tools=None):
         self.index = index
         self.prompt_index = prompt_index
         self.text_stream = text_stream
@@ -70,6 +72,9 @@ class Choice:
         self.timer = timer  # deployments.http_metrics.RequestTimer, when measured
         self.logprobs = logprobs  # deployments.logprobs.LogprobsWriter, when asked
         self.num_prompt_entries = 0  # prompt tokens in self.logprobs (echo)
+        self.tools = tools  # deployments.tool_parsers.ToolCallStream, with tools
+        self.tool_calls: list = []  # parsed at the end
+        self.call_ids: list[str] = []
 
     def consume(self, update: RequestUpdate) -> str:
         """Apply one update; returns the new text."""
@@ -78,11 +83,19 @@ class Choice:
             self.error = update.error
         was_stopped = self.text_stream.is_stopped
         delta = self.text_stream.add(update.token_ids, is_final)
+        if self.tools is not None:  # what may be a tool call is held until it is parsed
+            delta = self.tools.add(delta)
+            if is_final or self.text_stream.is_stopped:
+                rest, self.tool_calls = self.tools.finish()
+                delta += rest or ""
+                self.call_ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in self.tool_calls]
         self.text += delta
         if self.text_stream.is_stopped:
             self.finish_reason = "stop"
         elif is_final:
             self.finish_reason = update.finish_reason
+        if self.tool_calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
         if self.logprobs is not None and not was_stopped:
             self._add_logprobs(update)
         if self.timer is not None and not was_stopped:
@@ -103,6 +116,17 @@ class Choice:
             self.logprobs.add(update.token_ids, update.logprobs)
         if self.text_stream.is_stopped:  # nothing after the stop string
             self.logprobs.cut(self.num_output_tokens, self.num_prompt_entries)
+
+    def tool_call_deltas(self) -> list[dict]:
+        return [{"index": i, **call.to_openai(call_id)}
+                for i, (call, call_id) in enumerate(zip(self.tool_calls, self.call_ids))]
+
+    def message(self) -> dict:
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        return {"role": "assistant", "content": self.text or None,
+                "tool_calls": [call.to_openai(call_id)
+                               for call, call_id in zip(self.tool_calls, self.call_ids)]}
 
     def take_logprobs(self) -> dict | None:
         return self.logprobs.take() if self.logprobs is not None else None
@@ -126,8 +150,8 @@ def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choic
         return c.logprobs.result() if c.logprobs is not None else None
 
     if chat:
-        items = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": logprobs(c), "finish_reason": c.finish_reason} for c in ordered]
+        items = [{"index": c.index, "message": c.message(), "logprobs": logprobs(c),
+                  "finish_reason": c.finish_reason} for c in ordered]
     else:
         items = [{"index": c.index, "text": c.text, "logprobs": logprobs(c),
                   "finish_reason": c.finish_reason} for c in ordered]
@@ -155,10 +179,12 @@ class SSEWriter:
         return json.dumps(body)
 
     def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False,
-              logprobs: dict | None = None) -> str:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> str:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else (
                 {"content": text} if text else {})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:

@@ -15,11 +15,19 @@ import torch
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
 
 # Bump when the built-in model changes so stale copies are not reused.
-_DEFAULT_VERSION = 1
+_DEFAULT_VERSION = 2
 BYTE_VOCAB = 256
 BOS_ID, EOS_ID = 256, 257
+# The built-in model's template; tools in the Hermes format (see deployments/tool_parsers.py)
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}<|system|>\nYou may call these tools. To call one, answer with\n"
+    "<tool_call>\n{\"name\": <name>, \"arguments\": <an object>}\n</tool_call>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{\"name\": {{ c['function']['name'] | tojson }}, "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>\n{% endfor %}"
+    "{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
@@ -234,6 +242,7 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    architecture: str = "LlamaForCausalLM"
     # generation_config.json's temperature/top_p/top_k: used when a request leaves them unset
     sampling_defaults: dict = field(default_factory=dict)
 
@@ -256,7 +265,7 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
         eos |= _as_ids(gen.get("eos_token_id"))
         defaults = {k: gen[k] for k in SAMPLING_DEFAULTS if gen.get(k) is not None}
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
-                     hf.vocab_size, defaults)
+                     hf.vocab_size, architecture(hf), defaults)
 
 
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")

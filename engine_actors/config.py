@@ -17,7 +17,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 DEFAULT_MODEL = "tiny-random-llama"
 
 
-HTTP_ONLY = {"api_key", "request_timeout_s", "served_model_name"}
+HTTP_ONLY = {"api_key", "request_timeout_s", "served_model_name", "tool_call_parser"}
 
 
 class ConfigError(ValueError):
@@ -66,6 +66,10 @@ class EngineConfig:
     # The workers' placement group must be placed within this time, or the start fails
     # naming the resources it asked for and those the cluster has.
     placement_timeout_s: PositiveFloat = 120.0
+
+    # Tool calls: the output format to parse ("auto": from the chat template, else the
+    # architecture: hermes for Qwen and templates with <tool_call>, llama3_json for Llama).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
 
     # Security: when set, every route but /health and /metrics needs this bearer token.
     # build_app also reads it from ORCA_SERVE_API_KEY.

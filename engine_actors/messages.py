@@ -39,6 +39,8 @@ class NewRequest:
     num_skip_draws: int = 0  # a recomputed seeded request resumes its random stream here
     processors: ProcessorSettings | None = None
     logprobs: int = -1  # alternatives returned with each sampled token's logprob; -1: none
+    grammar: tuple[str, str] | None = None  # structured output (engine_actors/grammar.py)
+    replay_tokens: list[int] = field(default_factory=list)  # generated before (recomputed)
 
 
 @dataclass(slots=True)

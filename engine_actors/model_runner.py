@@ -11,7 +11,6 @@ runs its layers and sends them on; only the last stage samples.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,14 +19,15 @@ import torch
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors, load_hf_config
 from engine_actors.cuda_graphs import DecodeGraphs
 from engine_actors.kv_cache import cdiv
+from engine_actors.grammar import Grammars
 from engine_actors.layers.attention import AttentionMetadata
-from engine_actors.logits_processors import (ids_only, prompt_positions, stack, top_logprobs,
-                                             unpack)
+from engine_actors.logits_processors import ids_only, prompt_positions
 from engine_actors.messages import StepInput, StepResult
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.sampler import Sampler
+from engine_actors.sampling_head import SamplingHead
 from engine_actors.stage_link import StageLink
 from engine_actors.timeline import StepTimeline
 from engine_actors.transfer import PendingStep, Staging
@@ -64,7 +64,8 @@ class ModelRunner:
                                        dtype=torch.int32, device=self.device)
         self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.staging = Staging(self.device)
-        self.sampler = Sampler(max_num_seqs, self.device, seed, self.staging)
+        self.head = SamplingHead(Sampler(max_num_seqs, self.device, seed, self.staging),
+                                 Grammars(model_path, self.hf_config.vocab_size), self.staging)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.num_graph_replays = 0
@@ -155,23 +156,11 @@ class ModelRunner:
         if self.timeline is not None:
             self.timeline.begin()
         logits, inputs = self.forward(step)
-        out, parse = None, ids_only
+        out, parse = None, None
         if logits is not None:
-            num_sample = len(inputs.sample_rows_host)
-            sampled, packed, k = self.sampler.sample(logits[:num_sample],
-                                                     inputs.sample_rows_host, inputs.sample_rows)
-            self.last_sampled[inputs.sample_rows] = sampled.to(torch.int32)
-            out = sampled
-            kp = -1
-            if step.prompt_logprobs:
-                kp = max(k for _, k, _ in step.prompt_logprobs)
-                prompt = top_logprobs(logits[num_sample:], inputs.prompt_targets, kp)
-                packed = stack(sampled, packed, k, prompt, kp)
-            if packed is not None:  # ids and log-probabilities in one copy to the host
-                out = packed
-                parse = functools.partial(unpack, num_sample=num_sample, k=k, kp=kp,
-                                          prompt_counts=inputs.prompt_counts)
-        pending = self.staging.to_host(out, parse)
+            out, parse = self.head.sample(logits, inputs, step, self.last_sampled)
+        pending = self.staging.to_host(out, parse or ids_only)
+        self.head.launched(pending)
         if self.timeline is not None:
             self.timeline.end()
         return pending
@@ -186,7 +175,7 @@ class ModelRunner:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("fault injected into the forward pass")
-        self.sampler.add(step.new_requests)  # settings (and processors) of new rows
+        self.head.add(step.new_requests, self.parallel.is_last_stage)
         num_reqs, num_tokens = len(step.rows), len(step.token_ids)
         bucket = self.graphs.bucket_for(num_reqs) if self._is_graphable(step) else 0
         inputs = self._prepare(step, pad_to=bucket or num_reqs)
@@ -204,10 +193,10 @@ class ModelRunner:
             block_tables=self.block_table[inputs.rows],
             slot_mapping=self._slot_mapping(inputs.token_rows, inputs.positions),
             block_size=self.block_size, max_query_len=inputs.max_query_len)
-        if self.parallel.is_last_stage and self.sampler.processors.counted:
+        if self.parallel.is_last_stage and self.head.sampler.processors.counted:
             # penalties count the step's tokens (pipelined stages have no -1 continuations)
             resolved = input_ids if input_ids is not None else inputs.input_ids
-            self.sampler.processors.observe(step.rows, inputs.token_rows, inputs.positions,
+            self.head.sampler.processors.observe(step.rows, inputs.token_rows, inputs.positions,
                                             resolved, self.hf_config.vocab_size)
         if bucket:
             self.num_graph_replays += 1

@@ -41,6 +41,9 @@ class SamplingParams:
     # sampled token plus this many top alternatives; of each prompt token (None: none)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # structured output: (kind, spec) for engine_actors/grammar.py: "json_schema" (the
+    # schema as JSON), "json_object", "regex", "structural_tag" (xgrammar's, as JSON)
+    grammar: tuple[str, str] | None = None
 
     @property
     def has_processors(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine_actors.grammar import apply_bitmask
 from engine_actors.logits_processors import LogitsProcessors, top_logprobs
 from engine_actors.messages import NewRequest
 from engine_actors.transfer import Staging
@@ -59,11 +60,15 @@ class Sampler:
                 self.generators[r.row] = g
                 self.skips[r.row] = r.num_skip_draws
 
-    def sample(self, logits: torch.Tensor, rows: list[int], idx: torch.Tensor
+    def sample(self, logits: torch.Tensor, rows: list[int], idx: torch.Tensor,
+               grammar_mask: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Raw logits [N, V] fp32 -> (token ids [N], their log-probabilities packed by
-        top_logprobs or None, the number of alternatives k in the packing)."""
+        top_logprobs or None, the number of alternatives k in the packing). grammar_mask:
+        [N, V/32] allowed-token bits on the device (structured output)."""
         processed = self.processors.apply(logits, rows, idx)
+        if grammar_mask is not None:
+            processed = apply_bitmask(processed, grammar_mask)
         ids = self(processed, rows, idx)
         self.processors.sampled(rows, idx)
         k = max((self.num_logprobs[r] for r in rows), default=-1)

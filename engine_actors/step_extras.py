@@ -16,7 +16,8 @@ def new_request(req: Request, eos_token_ids: set[int]) -> NewRequest:
             req.num_prompt_tokens, s.presence_penalty, s.frequency_penalty,
             s.repetition_penalty, s.logit_bias, s.min_tokens, req.num_output_tokens, stops)
     return NewRequest(req.row, s.temperature, s.top_p, s.top_k, s.seed, req.num_output_tokens,
-                      processors, -1 if s.logprobs is None else s.logprobs)
+                      processors, -1 if s.logprobs is None else s.logprobs, s.grammar,
+                      req.token_ids[req.num_prompt_tokens:] if s.grammar else [])
 
 
 def wants_prompt_logprobs(req: Request, start: int) -> bool:

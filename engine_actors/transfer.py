@@ -6,6 +6,7 @@ pinned memory per step (cudaHostAlloc) can stall the host too. On CPU there is n
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -110,15 +111,23 @@ class PendingStep:
         self._release = release
         self._parse = parse
         self._values = None
+        # the step launched before, when results must be read in step order (its parse
+        # advances grammar matchers): read first, whichever thread reads this one
+        self.before: PendingStep | None = None
+        self._lock = threading.Lock()
 
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
 
     def result(self):
-        if self._values is None:
-            self.wait()
-            self._values = self._parse(self.host.tolist())
+        with self._lock:  # the worker's loop and its launcher thread may both read it
+            if self._values is None:
+                if self.before is not None:
+                    self.before.result()
+                    self.before = None
+                self.wait()
+                self._values = self._parse(self.host.tolist())
             if self._release is not None:  # read: its buffer may be reused
                 self._release()
                 self._release = None

@@ -1,0 +1,136 @@
+"""Chat completions: messages, tools and the request schema (see protocol.py for the
+fields shared with completions and the error objects)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from deployments.protocol import MAX_LOGPROBS, APIError, SamplingFields, _Base
+
+
+class FunctionDefinition(_Base):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Base):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Base):
+    name: str
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Base):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCallMessage(_Base):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        import json
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class ContentPart(_Base):
+    type: str
+    text: str | None = None
+
+    def check_supported(self, param: str) -> None:
+        if self.type != "text":
+            raise APIError(400, f"content parts of type '{self.type}' are not supported: "
+                                "this server serves text-only models", param,
+                           "unsupported_content")
+        if self.text is None:
+            raise APIError(400, f"{param}.text: Field required", f"{param}.text",
+                           "missing_required_parameter")
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # required but for assistant messages (OpenAI answers a missing parameter with 400)
+    content: Annotated[str | list[ContentPart] | None, Field(validate_default=True)] = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v, info):
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise PydanticCustomError("missing", "Field required")
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates expect it (tool call arguments as objects)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def logprob_fields(self) -> dict:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs",
+                               "invalid_value")
+            return {}
+        return {"logprobs": self.top_logprobs or 0}
+
+    def check_supported(self) -> None:
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                part.check_supported(f"messages.{i}.content.{j}")
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in names:
+            raise APIError(400, f"tool_choice names {self.tool_choice.function.name!r}, which "
+                                "is not among the tools", "tool_choice", "invalid_value")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are rendered, and the output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

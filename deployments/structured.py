@@ -1,0 +1,90 @@
+"""Structured output and tool calls: from a request's fields to the grammar the engine
+enforces (engine_actors/grammar.py), and the tool-call format of the served model.
+
+Grammars: OpenAI's `response_format` (`json_object`, `json_schema`), or vLLM's extensions
+`guided_json`, `guided_regex`, `guided_choice` (one of them per request). Tool calls: with
+`tool_choice: "required"` or a named function the output is forced to be one call in the
+model family's format (an xgrammar structural tag); with `"auto"` the model chooses and
+the text is parsed afterwards (deployments/tool_parsers.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from deployments.protocol import APIError
+
+# our parser name -> xgrammar's name of the same output format
+XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
+
+
+def grammar_for(req) -> tuple[str, str] | None:
+    """The grammar spec a request asks for, checked (APIError 400 naming the field)."""
+    specs = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":  # OpenAI's JSON mode: an object
+        specs.append(("response_format", ("json_schema", '{"type": "object"}')))
+    if rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError(400, "response_format.json_schema is required with type "
+                                "json_schema", "response_format.json_schema",
+                           "missing_required_parameter")
+        specs.append(("response_format", ("json_schema", json.dumps(rf.json_schema.schema_))))
+    if req.guided_json is not None:
+        schema = req.guided_json if isinstance(req.guided_json, str) \
+            else json.dumps(req.guided_json)
+        specs.append(("guided_json", ("json_schema", schema)))
+    if req.guided_regex is not None:
+        specs.append(("guided_regex", ("regex", req.guided_regex)))
+    if req.guided_choice is not None:
+        alternatives = "|".join(re.escape(c) for c in req.guided_choice)
+        specs.append(("guided_choice", ("regex", f"({alternatives})")))
+    if len(specs) > 1:
+        raise APIError(400, "only one of response_format, guided_json, guided_regex and "
+                            "guided_choice may be given", specs[1][0], "invalid_value")
+    if not specs:
+        return None
+    param, spec = specs[0]
+    _check(spec, param)
+    return spec
+
+
+def tool_grammar(tools, tool_choice, parser_name: str) -> tuple[str, str] | None:
+    """With tool_choice "required" or a named function: exactly one call, in the format of
+    `parser_name`, its arguments valid against the function's parameters."""
+    if tool_choice in (None, "none", "auto"):
+        return None
+    import xgrammar as xgr
+    fmt = XGRAMMAR_FORMATS[parser_name]
+    named = [tool_choice.function.name] if not isinstance(tool_choice, str) \
+        else [t.function.name for t in tools]
+    tags = []
+    for tool in tools:
+        if tool.function.name in named:
+            choice = {"type": "function", "function": {"name": tool.function.name}}
+            # whitespace bounded: weak models loop on it otherwise
+            tag = xgr.get_model_structural_tag(fmt, tools=[tool.model_dump(by_alias=True)],
+                                               tool_choice=choice, reasoning=False,
+                                               max_whitespace_cnt=1)
+            tags.append(tag.model_dump()["format"])
+    fmt_json = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    spec = ("structural_tag", json.dumps({"type": "structural_tag", "format": fmt_json}))
+    _check(spec, "tools")
+    return spec
+
+
+def default_tool_parser(tokenizer, architecture: str) -> str:
+    """The format of a model family: the chat template's own tags, else its architecture."""
+    template = tokenizer.chat_template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    return "llama3_json" if architecture == "LlamaForCausalLM" else "hermes"
+
+
+def _check(spec: tuple[str, str], param: str) -> None:
+    from engine_actors.grammar import check_grammar
+    try:
+        check_grammar(spec)
+    except ValueError as e:
+        raise APIError(400, f"{param}: the grammar could not be compiled: {e}", param,
+                       "invalid_value") from None

@@ -1,0 +1,186 @@
+"""Tool calls found in a chat model's generated text, as OpenAI `tool_calls`.
+
+Two formats:
+- "hermes" (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  any number of them, with text before, between and after.
+- "llama3_json" (Llama 3.1/3.2): the whole output is `{"name": ..., "parameters": {...}}`
+  (or "arguments"), possibly several objects separated by ";".
+
+A malformed call is never an error: its raw text is returned as content instead.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+LEADING_SPACE = re.compile(r"\s*")
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"  # hermes
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, serialized with json.dumps(obj, ensure_ascii=False)
+
+    def to_openai(self, call_id: str) -> dict:
+        """The call as an entry of an OpenAI message's `tool_calls`."""
+        return {"id": call_id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def make_call(obj, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    """The call that a decoded JSON value describes, or None if it is not a call.
+    A call without arguments gets {} (models write {"name": "f"} for functions of no
+    parameters)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = next((obj[k] for k in argument_keys if k in obj), {})
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def content_or_none(text: str) -> str | None:
+    return text.strip() or None
+
+
+class ToolParser(Protocol):
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the text outside calls with surrounding whitespace stripped, or None if empty;
+        the calls)."""
+        ...
+
+    def could_start_call(self, text: str) -> int:
+        """The index in `text` from which a tool call may be starting, or len(text) when
+        all of `text` is plain content (streaming: what is before the index can be sent)."""
+        ...
+
+
+class HermesParser:
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        pos = 0
+        while (start := text.find(CALL_START, pos)) >= 0:
+            content.append(text[pos:start])
+            end = text.find(CALL_END, start + len(CALL_START))
+            if end < 0:  # unterminated: the rest is content
+                pos = start
+                break
+            again = text.find(CALL_START, start + len(CALL_START), end)
+            if again >= 0:  # a call left open: it is content, and the next one may be good
+                content.append(text[start:again])
+                pos = again
+                continue
+            pos = end + len(CALL_END)
+            try:
+                call = make_call(json.loads(text[start + len(CALL_START):end]),
+                                 ("arguments",))
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                content.append(text[start:pos])
+            else:
+                calls.append(call)
+        content.append(text[pos:])
+        return content_or_none("".join(content)), calls
+
+    def could_start_call(self, text: str) -> int:
+        start = text.find(CALL_START)
+        if start >= 0:
+            return start
+        # Longest first: the earliest index where a partial marker may begin.
+        for n in range(min(len(CALL_START) - 1, len(text)), 0, -1):
+            if text.endswith(CALL_START[:n]):
+                return len(text) - n
+        return len(text)
+
+
+class Llama3JsonParser:
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls = self._parse_calls(text)
+        if calls is None:
+            return content_or_none(text), []
+        return None, calls
+
+    def _parse_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls, if the whole text is call objects separated by ";", else None."""
+        decoder = json.JSONDecoder()
+        calls: list[ToolCall] = []
+        pos = LEADING_SPACE.match(text).end()
+        if not text.startswith("{", pos):
+            return None
+        while pos < len(text):
+            # raw_decode rather than split(";"): a ";" may be inside a JSON string.
+            try:
+                obj, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                return None
+            call = make_call(obj, ("parameters", "arguments"))
+            if call is None:
+                return None
+            calls.append(call)
+            pos = LEADING_SPACE.match(text, pos).end()
+            if pos < len(text):
+                if text[pos] != ";":
+                    return None
+                pos = LEADING_SPACE.match(text, pos + 1).end()  # a trailing ";" is allowed
+        return calls
+
+    def could_start_call(self, text: str) -> int:
+        # Only the first non-whitespace character decides: "{" makes the whole output
+        # calls, anything else makes it all content. Whitespace alone decides nothing.
+        first = LEADING_SPACE.match(text).end()
+        if first == len(text) or text[first] == "{":
+            return 0
+        return len(text)
+
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def make_parser(name: str) -> ToolParser:
+    """The parser for a format name, one of PARSERS."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(PARSERS)}")
+    return PARSERS[name]()
+
+
+class ToolCallStream:
+    """Streaming: feed text deltas; returns content that is safe to send now (never a part
+    of a tool call), holding back anything that may be a call; finish() parses what was held.
+
+    The sent pieces and finish()'s content concatenate to exactly parse(whole text)'s
+    content: whitespace at the start is dropped and whitespace at the end of what is safe
+    is held until something follows it, as parse strips both.
+    """
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.text = ""
+        self.num_sent = 0  # text[:num_sent] is decided: sent, or leading whitespace dropped
+        self.num_chars_sent = 0
+
+    def add(self, delta: str) -> str:
+        """The content to send now (may be "")."""
+        self.text += delta
+        # The whole text is passed each time: llama3_json decides on its first character.
+        # The rescan is a C-speed find over one response, cheap next to generating it.
+        num_safe = max(self.parser.could_start_call(self.text), self.num_sent)
+        piece = self.text[self.num_sent:num_safe].rstrip()
+        if not piece:
+            return ""
+        self.num_sent += len(piece)
+        if self.num_chars_sent == 0:
+            piece = piece.lstrip()
+        self.num_chars_sent += len(piece)
+        return piece
+
+    def finish(self) -> tuple[str | None, list[ToolCall]]:
+        """(the content not yet sent, or None if there is none; the calls)."""
+        content, calls = self.parser.parse(self.text)
+        # Invariant: what was sent is a prefix of content (it was text before any call).
+        rest = (content or "")[self.num_chars_sent:]
+        return rest or None, calls

@@ -1,0 +1,109 @@
+"""Structured output: token masks from a grammar library (xgrammar), on the sampling worker.
+
+A request's grammar (`SamplingParams.grammar`: a JSON schema, any JSON, a regex, or an
+xgrammar structural tag for tool calls) is compiled once per distinct spec (cached) and
+followed by a matcher per table row. Each step, the rows that sample under a grammar get a
+token bitmask filled on the CPU while the GPU runs the step's forward, then applied to the
+logits on the device. A matcher advances when its step's sampled tokens reach the host: a
+step that samples a grammar row first waits for the results of the steps before it (the
+overlapped schedule lets the next step start before the previous token is known; only its
+sampling waits). A request recomputed after preemption gets a fresh matcher that replays its
+generated tokens.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from engine_actors.messages import StepResult
+
+
+class Grammars:
+    def __init__(self, model_path: str, vocab_size: int):
+        self.model_path, self.vocab_size = model_path, vocab_size
+        self.matchers: dict[int, object] = {}  # row -> xgrammar GrammarMatcher
+        self._compiler = None
+
+    def _compile(self, spec: tuple[str, str]):
+        import xgrammar as xgr
+        if self._compiler is None:
+            from engine_actors.checkpoint import load_tokenizer
+            info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(self.model_path),
+                                                      vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info)  # caches compiled grammars
+        return _compiled(self._compiler, spec)
+
+    def add(self, row: int, spec: tuple[str, str] | None, replay: list[int]) -> None:
+        """A request admitted at `row`; `replay`: the tokens it generated before (it is
+        recomputed after preemption)."""
+        self.matchers.pop(row, None)
+        if spec is None:
+            return
+        import xgrammar as xgr
+        matcher = xgr.GrammarMatcher(self._compile(spec))
+        for token in replay:
+            matcher.accept_token(token)
+        self.matchers[row] = matcher
+
+    def active(self, rows: list[int]) -> list[object | None]:
+        """The matcher of each sampling row (None: no grammar)."""
+        return [self.matchers.get(r) for r in rows]
+
+    def bitmask(self, matchers: list[object | None]) -> torch.Tensor:
+        """[N, V/32] int32 on the CPU: allowed tokens of each grammar row (others: all)."""
+        import xgrammar as xgr
+        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, m in enumerate(matchers):
+            # a terminated one ended its request: a step already in flight samples a token
+            # the scheduler drops
+            if m is not None and not m.is_terminated():
+                m.fill_next_token_bitmask(mask, i)
+        return mask
+
+
+def _compiled(compiler, spec: tuple[str, str]):
+    """The compiled grammar (xgrammar's compiler caches them by spec)."""
+    kind, value = spec
+    if kind == "json_schema":  # whitespace bounded: weak models loop on it otherwise
+        return compiler.compile_json_schema(value, max_whitespace_cnt=1)
+    if kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    if kind == "regex":
+        return compiler.compile_regex(value)
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(value)
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def check_grammar(spec: tuple[str, str]) -> None:
+    """Raise ValueError when a grammar spec cannot be compiled (before it reaches the
+    engine: the ingress answers 400)."""
+    import xgrammar as xgr
+    kind, value = spec
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(value)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(value)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(value)
+    except Exception as e:  # xgrammar raises RuntimeError("[time] file.cc:line: message")
+        message = str(e).strip().splitlines()[-1]
+        raise ValueError(re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message)) from None
+
+
+def advance(matchers: list[object | None], result: StepResult) -> StepResult:
+    """A step's tokens reached the host: the matchers of its grammar rows accept them."""
+    for m, token in zip(matchers, result.token_ids):
+        if m is not None and not m.is_terminated():
+            m.accept_token(token)
+    return result
+
+
+def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] fp32 (a new tensor), the mask [N, V/32] int32 on the same device."""
+    import xgrammar as xgr
+    logits = logits.clone()
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1])
+    return logits

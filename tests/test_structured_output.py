@@ -1,0 +1,186 @@
+"""Structured output and tool calls over HTTP on the random-weight model: whatever it
+samples, the output follows the schema, regex, choice or tool signature (xgrammar masks)."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+
+from engine_actors.checkpoint import load_tokenizer, resolve_model_path  # noqa: E402
+from engine_actors.config import DEFAULT_MODEL  # noqa: E402
+from engine_actors.request import SamplingParams  # noqa: E402
+from tests.engine_harness import InProcessEngine  # noqa: E402
+from tests.serve_fixture import wait_idle  # noqa: E402
+
+MODEL = "tiny-random-llama"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["ann", "bob", "cy"]},
+        "age": {"type": "integer"},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                   "zip": {"type": "integer"}},
+                    "required": ["city"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]},
+                 "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "address", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer"}}, "required": ["city", "days"],
+        "additionalProperties": False}}}
+
+
+def test_json_schema_outputs_always_validate(url):
+    """20 sampled requests at temperature 1, chat and completions mixed, in one batch."""
+    import asyncio
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+            calls = []
+            for i in range(20):
+                common = {"max_tokens": 400, "temperature": 1.0, "seed": i,
+                          "response_format": fmt}
+                if i % 2:
+                    calls.append(http.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": f"person {i}"}], **common}))
+                else:
+                    calls.append(http.post("/v1/completions", json={"prompt": f"p{i}", **common}))
+            return await asyncio.gather(*calls)
+
+    for r in asyncio.run(run()):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_choice_and_regex(url):
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "json please"}], "max_tokens": 1500,
+        "temperature": 0.0, "response_format": {"type": "json_object"}})
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+    for seed in range(4):
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": "pick", "max_tokens": 20, "temperature": 1.0, "seed": seed,
+            "guided_choice": ["yes", "no", "maybe later"]})
+        assert r.json()["choices"][0]["text"] in {"yes", "no", "maybe later"}
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": "date", "max_tokens": 30, "temperature": 1.0, "seed": seed,
+            "guided_regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"})
+        assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]",
+                            r.json()["choices"][0]["text"])
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x",
+                                                               "schema": {"type": "objectx"}}},
+     "response_format"),
+    ("guided_regex", "(unclosed", "guided_regex"),
+    ("response_format", {"type": "json_schema"}, "response_format.json_schema"),
+])
+def test_a_bad_grammar_is_a_400_naming_the_field(url, field, value, param):
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "x"}], field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_required_and_named_tool_calls_streamed_or_not(url):
+    body = {"messages": [{"role": "user", "content": "weather in Rome?"}], "max_tokens": 200,
+            "temperature": 1.0, "tools": [WEATHER]}
+    for seed, choice in enumerate(["required", {"type": "function",
+                                                "function": {"name": "get_weather"}}] * 2):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                       json={**body, "tool_choice": choice, "seed": seed})
+        out = r.json()["choices"][0]
+        assert out["finish_reason"] == "tool_calls", out
+        call = out["message"]["tool_calls"][0]
+        assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            WEATHER["function"]["parameters"])
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
+                      json={**body, "tool_choice": "required", "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    wait_idle(url)
+
+
+def test_tool_messages_and_none_go_through_the_template(url):
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather",
+                                 "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "messages": messages, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] != "tool_calls"
+    assert r.json()["usage"]["prompt_tokens"] > 100  # the call and the tool answer included
+
+
+def test_langchain_bind_tools_and_structured_output(url):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(json_schema_extra={"enum": ["ann", "bob"]})
+        age: int
+
+    llm = langchain_openai.ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model=MODEL,
+                                      max_tokens=200, temperature=1.0, max_retries=0)
+    message = llm.bind_tools([WEATHER], tool_choice="required").invoke("weather in Oslo?")
+    call = message.tool_calls[0]
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+    person = llm.with_structured_output(Person).invoke("make up a person")
+    assert isinstance(person, Person) and person.name in {"ann", "bob"}
+
+
+@pytest.mark.parametrize("engine_args", [dict(async_scheduling=True),
+                                         dict(scheduling_policy="priority", max_num_tokens=200)])
+def test_grammars_hold_across_overlap_chunks_and_preemption(engine_args):
+    """In-process: overlapped steps (a grammar row's next step is scheduled before its token
+    is known), chunked prefill, and preemption (matchers rebuilt from replayed tokens)."""
+    import xgrammar as xgr
+    spec = ("json_schema", json.dumps(SCHEMA))
+    engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=8, block_size=4,
+                             max_num_batched_tokens=24, **engine_args)
+    arrivals = {}
+    for i in range(10):
+        sampling = SamplingParams(max_tokens=150, temperature=1.0, seed=i,
+                                  grammar=spec if i % 3 else None, ignore_eos=not i % 3)
+        arrivals.setdefault(i % 4, []).append((f"r{i}", [7 + i] * (3 + 3 * i), sampling))
+    outputs = engine.run(arrivals)
+    if "max_num_tokens" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+    tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=258)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(spec[1])
+    for reqs in arrivals.values():
+        for rid, _, s in reqs:
+            if s.grammar is None:
+                assert len(outputs[rid]) == 150
+                continue
+            matcher = xgr.GrammarMatcher(compiled)
+            assert all(matcher.accept_token(t) for t in outputs[rid]), rid
+            assert matcher.is_terminated(), rid
+            text = tokenizer.decode(outputs[rid], skip_special_tokens=True)
+            jsonschema.validate(json.loads(text), SCHEMA)
