@@ -113,7 +113,8 @@ class BatchAPI:
         return {"batch_id": batch_id, "index": r.index, "text": out,
                 "finish_reason": r.finish_reason,
                 "usage": {"prompt_tokens": r.num_prompt_tokens, "completion_tokens": used,
-                          "total_tokens": r.num_prompt_tokens + used},
+                          "total_tokens": r.num_prompt_tokens + used,
+                          "prompt_tokens_details": {"cached_tokens": r.num_cached_tokens}},
                 "error": error}
 
     async def _by_id(self, request: Request, method: str):

@@ -157,7 +157,8 @@ class OpenAIRoutes:
             raise unavailable(f"request failed: {failed}")
         if all(c.finish_reason == "deadline" for c in choices.values()):
             raise deadline_error(req.deadline_ms)
-        return JSONResponse(response_body(base_id, self.model_name, chat, choices))
+        return JSONResponse(response_body(base_id, self.model_name, chat, choices,
+                                          req.return_token_ids))
 
     def _echo_text(self, req, text: str | None, ids: list[int]) -> str | None:
         if not req.echo:
@@ -183,11 +184,13 @@ class OpenAIRoutes:
                     continue
                 if choice.tool_calls and choice.finish_reason:
                     yield sse.chunk(choice.index, delta, None,
-                                    tool_calls=choice.tool_call_deltas(), logprobs=choice.take_logprobs())
+                                    tool_calls=choice.tool_call_deltas(), logprobs=choice.take_logprobs(),
+                                    token_ids=choice.take_token_ids())
                     delta = ""
                 if delta or choice.finish_reason:
                     yield sse.chunk(choice.index, delta, choice.finish_reason,
-                                    logprobs=choice.take_logprobs())
+                                    logprobs=choice.take_logprobs(),
+                                    token_ids=choice.take_token_ids())
                 if choice.finish_reason == "deadline":
                     yield sse.error_event(deadline_error(req.deadline_ms))
             if sse.include_usage:

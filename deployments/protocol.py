@@ -148,6 +148,8 @@ class SamplingFields(SamplingOptions):
     stream_options: StreamOptions | None = None
     # extension: scheduling priority (higher first; default 1 = interactive, batches get 0)
     priority: Annotated[int, Field(ge=-100, le=100)] | None = None
+    # extension (vLLM): each choice also carries its prompt's and its output's token ids
+    return_token_ids: bool = False
     # extension: end the request with HTTP 408 if it has not finished after this long
     timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
     user: str | None = None

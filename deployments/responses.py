@@ -65,6 +65,9 @@ class Choice:
         self.text_stream = text_stream
         self.prompt_ids = prompt_ids
         self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0  # of the prompt, found in the engine's prefix cache
+        self.token_ids: list[int] = []  # generated (return_token_ids)
+        self.num_ids_sent = 0
         self.echo = echo
         self.text = echo or ""
         self.finish_reason: str | None = None
@@ -79,10 +82,14 @@ class Choice:
     def consume(self, update: RequestUpdate) -> str:
         """Apply one update; returns the new text."""
         is_final = update.finish_reason is not None
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         if update.error and update.finish_reason != "deadline":
             self.error = update.error
         was_stopped = self.text_stream.is_stopped
         delta = self.text_stream.add(update.token_ids, is_final)
+        if not was_stopped:
+            self.token_ids += update.token_ids
+            del self.token_ids[self.text_stream.num_tokens_used:]  # after a stop string
         if self.tools is not None:  # what may be a tool call is held until it is parsed
             delta = self.tools.add(delta)
             if is_final or self.text_stream.is_stopped:
@@ -128,6 +135,12 @@ class Choice:
                 "tool_calls": [call.to_openai(call_id)
                                for call, call_id in zip(self.tool_calls, self.call_ids)]}
 
+    def take_token_ids(self) -> list[int]:
+        """The generated token ids not streamed yet."""
+        ids = self.token_ids[self.num_ids_sent:]
+        self.num_ids_sent = len(self.token_ids)
+        return ids
+
     def take_logprobs(self) -> dict | None:
         return self.logprobs.take() if self.logprobs is not None else None
 
@@ -138,13 +151,18 @@ class Choice:
 
 def usage(choices: dict[str, Choice]) -> dict:
     per_prompt = {c.prompt_index: c.num_prompt_tokens for c in choices.values()}
+    cached: dict[int, int] = {}  # per prompt: its choices may have found different amounts
+    for c in choices.values():
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
     prompt_tokens = sum(per_prompt.values())
     completion = sum(c.num_output_tokens for c in choices.values())
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
-def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choice]) -> dict:
+def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choice],
+                  token_ids: bool = False) -> dict:
     ordered = sorted(choices.values(), key=lambda c: c.index)
     def logprobs(c: Choice):
         return c.logprobs.result() if c.logprobs is not None else None
@@ -155,6 +173,9 @@ def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choic
     else:
         items = [{"index": c.index, "text": c.text, "logprobs": logprobs(c),
                   "finish_reason": c.finish_reason} for c in ordered]
+    if token_ids:
+        for item, c in zip(items, ordered):
+            item["prompt_token_ids"], item["token_ids"] = c.prompt_ids, c.token_ids
     return {"id": base_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": items,
             "usage": usage(choices)}
@@ -166,6 +187,7 @@ class SSEWriter:
     def __init__(self, base_id: str, model: str, chat: bool, req: SamplingFields):
         self.base_id, self.model, self.chat = base_id, model, chat
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.return_token_ids = req.return_token_ids
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
@@ -179,7 +201,8 @@ class SSEWriter:
         return json.dumps(body)
 
     def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False,
-              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> str:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None,
+              token_ids: list[int] | None = None) -> str:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else (
                 {"content": text} if text else {})
@@ -190,6 +213,8 @@ class SSEWriter:
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids or []
         return self._event([choice])
 
     def usage(self, usage: dict) -> str:

@@ -55,24 +55,25 @@ class BatchState:
             stream.add(out.new_token_ids, is_final=reason is not None)
             if stream.is_stopped:
                 del tokens[stream.num_tokens_used:]  # what came after the stop string
-                self._finish(index, "stop", out.num_prompt_tokens, None)
+                self._finish(index, "stop", out, None)
                 if reason is None:  # still running: end it now
                     self._stop_request(out.request_id)
                 return
         if reason is not None:
-            self._finish(index, reason, out.num_prompt_tokens, error)
+            self._finish(index, reason, out, error)
 
     def aborted(self, out: RequestOutput) -> None:
         index = int(out.request_id.rpartition("-")[2])
         if index not in self.results:
             self.tokens.setdefault(index, array("i"))
-            self._finish(index, "abort", out.num_prompt_tokens, CANCELLED)
+            self._finish(index, "abort", out, CANCELLED)
 
-    def _finish(self, index: int, reason: str, num_prompt_tokens: int, error: str | None):
+    def _finish(self, index: int, reason: str, out: RequestOutput, error: str | None):
         stream = self.text_streams.pop(index, None)
         self.results[index] = BatchResult(index, self.tokens.pop(index).tolist(), reason,
-                                          num_prompt_tokens, error,
-                                          stream.stop if stream is not None else [])
+                                          out.num_prompt_tokens, error,
+                                          stream.stop if stream is not None else [],
+                                          out.num_cached_tokens)
         if len(self.results) == self.num_requests:
             self.finished_at = time.time()
         old, self.changed = self.changed, asyncio.Event()

@@ -54,6 +54,9 @@ class EngineConfig:
     # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.
     max_num_tokens: PositiveInt | None = None  # default: 16384 on CPU, sized from free GPU memory
     block_size: PositiveInt = 16
+    # Reuse the KV of full blocks of a prompt prefix computed before (the system prompt,
+    # a conversation's earlier turns) instead of recomputing it.
+    enable_prefix_caching: bool = True
     gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
 
     # Placement: workers form pipeline_parallel_size stages of tensor_parallel_size ranks.

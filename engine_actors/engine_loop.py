@@ -146,13 +146,15 @@ class EngineLoop:
                 "num_requests": s.num_requests, "num_waiting": s.num_waiting,
                 "num_running": s.num_running, "kv_usage": s.kv.usage,
                 "num_free_blocks": s.kv.num_free_blocks, "num_blocks": s.kv.num_blocks,
-                "num_steps": self.num_steps, "num_preemptions": s.num_preemptions}
+                "num_steps": self.num_steps, "num_preemptions": s.num_preemptions,
+                "prefix_cache_hit_rate": s.kv.num_hit_tokens / max(1, s.kv.num_queried_tokens)}
 
     def update_gauges(self) -> None:
         s = self.scheduler
         self.metrics.running.set(s.num_running)
         self.metrics.waiting.set(s.num_waiting)
         self.metrics.kv_usage.set(s.kv.usage)
+        self.metrics.prefix_cache(s.kv.num_queried_tokens, s.kv.num_hit_tokens)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -109,13 +109,14 @@ class RequestUpdate:
     error: str | None = None  # why the engine ended it, when it failed
     logprobs: list[TokenLogprobs] | None = None  # of each new token, when asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # of the next prompt positions
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # the engine is unreachable (set by the reader of the stream, never by the engine)
     unavailable: bool = False
 
     # On the stream, an update travels as a plain list [token_ids, finish_reason,
-    # num_prompt_tokens, num_output_tokens, error, logprobs, prompt_logprobs]: a stream item
-    # holds one per request of the caller, every iteration, and Ray pickles lists 4x
-    # faster than dataclasses.
+    # num_prompt_tokens, num_output_tokens, error, logprobs, prompt_logprobs,
+    # num_cached_tokens]: a stream item holds one per request of the caller, every
+    # iteration, and Ray pickles lists 4x faster than dataclasses.
     @staticmethod
     def from_wire(item: list) -> RequestUpdate:
         return RequestUpdate(*item)
@@ -128,6 +129,7 @@ class RequestUpdate:
             self.prompt_logprobs = (self.prompt_logprobs or []) + later.prompt_logprobs
         self.num_prompt_tokens = later.num_prompt_tokens
         self.num_output_tokens = later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
         if later.finish_reason is not None:
             self.finish_reason, self.error = later.finish_reason, later.error
 
@@ -151,3 +153,4 @@ class BatchResult:
     num_prompt_tokens: int
     error: str | None = None
     stop: list[str] = field(default_factory=list)  # its stop strings, to cut the text again
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -49,6 +49,14 @@ class EngineMetrics:
         self.request_generation_tokens = Histogram(
             "orca:request_generation_tokens", "Generated tokens per finished request",
             labelnames=labels, buckets=TOKEN_BUCKETS, registry=r).labels(**labels)
+        # prefix cache, in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits
+        self.prefix_queries = Counter("orca:prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache", labelnames=labels,
+                                      registry=r).labels(**labels)
+        self.prefix_hits = Counter("orca:prefix_cache_hits", "Prompt tokens found in the "
+                                   "prefix cache", labelnames=labels,
+                                   registry=r).labels(**labels)
+        self._prefix_seen = 0, 0
         self._labels = labels
         for reason in ("stop", "length", "abort", "deadline"):  # every series from the start
             self._finished.labels(**labels, finished_reason=reason)
@@ -74,6 +82,13 @@ class EngineMetrics:
             self.generation_tokens.inc(generated)
         if prompt:
             self.prompt_tokens.inc(prompt)
+
+    def prefix_cache(self, queried: int, hits: int) -> None:
+        """Bring the prefix cache counters up to the KV manager's running totals."""
+        seen_queried, seen_hits = self._prefix_seen
+        self.prefix_queries.inc(queried - seen_queried)
+        self.prefix_hits.inc(hits - seen_hits)
+        self._prefix_seen = queried, hits
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

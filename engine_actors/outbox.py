@@ -42,10 +42,12 @@ class Outbox:
         if item is None:
             self.pending[out.request_id] = [out.new_token_ids, out.finish_reason,
                                             out.num_prompt_tokens, out.num_output_tokens, error,
-                                            out.logprobs, out.prompt_logprobs]
+                                            out.logprobs, out.prompt_logprobs,
+                                            out.num_cached_tokens]
         else:
             item[0].extend(out.new_token_ids)
             item[1:5] = out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, error
+            item[7] = out.num_cached_tokens
             for i, more in ((5, out.logprobs), (6, out.prompt_logprobs)):
                 if more:
                     item[i] = (item[i] or []) + more

@@ -19,7 +19,7 @@ import abc
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine_actors.kv_cache import KVCacheManager
 from engine_actors.request import Request
@@ -37,6 +37,7 @@ class Budget:
 class Scheduled:
     request: Request
     num_tokens: int  # new tokens this iteration: a prompt chunk, or 1 for a decode
+    hits: list[int] = field(default_factory=list)  # cached prefix blocks it starts from
 
 
 @dataclass(slots=True)
@@ -46,19 +47,24 @@ class Selection:
 
 
 class _Plan:
-    """The policy's copy of the free KV blocks and rows while it picks a batch."""
+    """The policy's copy of the free KV blocks and rows while it picks a batch. Reused
+    cached blocks count too: taking an unreferenced one uses up an available block."""
 
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
         self.blocks = kv.num_unreserved_blocks
         self.rows = kv.num_free_rows
+        self.pinned: set[int] = set()  # cached blocks that earlier picks reuse
 
-    def extra_blocks(self, req: Request, num_tokens: int, reserve_tokens: int) -> int:
-        """Unreserved blocks `req` takes to run num_tokens more tokens."""
+    def extra_blocks(self, item: Scheduled, reserve_tokens: int, gone: list[Request]) -> int:
+        """Available blocks `item` takes (its reservation included) if `gone` are
+        preempted first."""
+        req, kv = item.request, self.kv
         if not req.is_admitted:
-            return max(self.kv.blocks_for(reserve_tokens),
-                       self.kv.blocks_for(req.num_computed_tokens + num_tokens))
-        need = self.kv.num_new_blocks(req, req.num_computed_tokens + num_tokens)
+            end = len(item.hits) * kv.block_size + item.num_tokens
+            new = max(kv.blocks_for(reserve_tokens), kv.blocks_for(end)) - len(item.hits)
+            return new + kv.num_taken(item.hits, gone, self.pinned)
+        need = kv.num_new_blocks(req, req.num_computed_tokens + item.num_tokens)
         return max(0, need - req.num_reserved_blocks)
 
 
@@ -104,8 +110,11 @@ class Policy(abc.ABC):
                 break
             if any(req is p for p in preempt):
                 continue  # gave its KV to an earlier pick of this iteration
-            num_tokens = min(req.num_new_tokens, tokens_left)
-            victims = self._make_room(req, num_tokens, plan, batch, preempt, admitted)
+            # a new request starts after its cached prefix: only the rest is computed
+            hits = [] if req.is_admitted else kv.cached_prefix(req)
+            item = Scheduled(req, min(req.num_new_tokens - len(hits) * kv.block_size,
+                                      tokens_left), hits)
+            victims = self._make_room(item, plan, batch, preempt, admitted)
             if victims is None:
                 misfits += 1
                 # a full KV pool makes every later pick a failed preemption plan too: bound
@@ -116,18 +125,20 @@ class Policy(abc.ABC):
                     break
                 continue
             preempt.extend(victims)
-            batch.append(Scheduled(req, num_tokens))
-            tokens_left -= num_tokens
+            plan.pinned.update(hits)
+            batch.append(item)
+            tokens_left -= item.num_tokens
         return Selection(batch, preempt)
 
-    def _make_room(self, req, num_tokens, plan: _Plan, batch, preempt,
+    def _make_room(self, item: Scheduled, plan: _Plan, batch, preempt,
                    admitted) -> list[Request] | None:
-        """Take blocks (and a row) for `req` from the plan, naming the fewest victims, in
+        """Take blocks (and a row) for `item` from the plan, naming the fewest victims, in
         victim order, that make room; None if even all it outranks would not do. A request
         that reserves never preempts (ORCA). Nothing is freed here, so a failed plan costs
         no one their work."""
+        req = item.request
         reserve = self.reservation(req) if not req.is_admitted else 0
-        need = plan.extra_blocks(req, num_tokens, reserve)
+        need = plan.extra_blocks(item, reserve, preempt)
         need_row = not req.is_admitted
         victims: list[Request] = []
         if reserve == 0 and (need > plan.blocks or (need_row and plan.rows == 0)):
@@ -140,8 +151,9 @@ class Policy(abc.ABC):
                     return None  # never preempt a request this policy prefers
                 candidates.remove(victim)
                 victims.append(victim)
-                blocks += len(victim.blocks) + victim.num_reserved_blocks
+                blocks += plan.kv.num_freed_by(victim, plan.pinned)
                 rows += 1
+                need = plan.extra_blocks(item, reserve, preempt + victims)
             plan.blocks, plan.rows = blocks, rows
         if need > plan.blocks or (need_row and plan.rows == 0):
             return None

@@ -90,6 +90,12 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     num_reserved_blocks: int = 0  # reserved for this request but not yet allocated
     num_blocks_sent: int = 0  # blocks the workers' table row already holds
+    # prefix caching: hashes of its full blocks so far, how many of its blocks are
+    # registered as reusable, what keys its cache entries (a LoRA adapter, say)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    cache_salt: str = ""
+    num_cached_tokens: int = -1  # prompt tokens reused at its first admission (-1: not yet)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -112,6 +118,20 @@ class Request:
         """Tokens that can run next: the uncomputed known ones plus those being sampled now
         (a worker substitutes its own last sample for those)."""
         return self.num_tokens + self.num_inflight_samples - self.num_computed_tokens
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """How many of its first tokens a prefix-cache hit may cover: all known ones but the
+        last (the step computing it gives the logits to sample from), or the prompt's only
+        (presence/frequency penalties count the generated tokens as they go through the
+        model), or none (prompt log-probabilities and the repetition penalty need every
+        prompt position computed)."""
+        s = self.sampling
+        if s.prompt_logprobs is not None or s.repetition_penalty != 1.0:
+            return 0
+        if s.presence_penalty or s.frequency_penalty:
+            return self.num_prompt_tokens - 1
+        return self.num_tokens - 1
 
     @property
     def can_sample_more(self) -> bool:

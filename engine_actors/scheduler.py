@@ -5,6 +5,9 @@ the only one that changes KV state) and builds the step message; `process()` app
 sampled tokens, finishes requests and frees their KV at once. The scheduler actor drives
 these two around the workers; tests drive them with a fake runner.
 
+With prefix caching, a request starts from its prefix's cached blocks (taken before any
+block is given out: that may evict), and `process()` registers the blocks a step filled.
+
 No per-iteration work scans the whole pool: waiting requests are kept in the policy's order,
 admitted ones (at most max_num_seqs) in their own table, deadlines in a heap.
 
@@ -46,6 +49,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # of the next prompt positions
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the cache
 
 
 @dataclass(slots=True)
@@ -79,7 +83,8 @@ class Scheduler:
         """The one place that turns engine args into a scheduler (actor, tests, simulator).
         model_len: the checkpoint's context; `policy` overrides the configured one."""
         capacity = num_blocks * cfg.block_size
-        kv = KVCacheManager(num_blocks, cfg.block_size, cfg.max_num_seqs)
+        kv = KVCacheManager(num_blocks, cfg.block_size, cfg.max_num_seqs,
+                            cfg.enable_prefix_caching)
         # with pipeline stages, batches in flight must be disjoint (ORCA)
         continuation = cfg.async_scheduling and cfg.pipeline_parallel_size == 1
         return cls(kv, policy or make_policy(cfg.scheduling_policy),
@@ -153,12 +158,16 @@ class Scheduler:
             return None
         step = StepInput()
         batch = Batch(step, selection.batch, [s.request.num_preemptions for s in selection.batch])
+        # every new request takes its cached blocks before any block is given out: giving
+        # out blocks may evict unreferenced cached ones
+        new = {id(item.request) for item in selection.batch if not item.request.is_admitted}
+        for item in selection.batch:
+            if id(item.request) in new:
+                self._admit(item.request, item.hits)
         for index, item in enumerate(selection.batch):
             req, n = item.request, item.num_tokens
             start = req.num_computed_tokens
-            if not req.is_admitted:
-                self._admit(req)
-            if start == 0:  # just admitted: the workers learn its row's sampling settings
+            if id(req) in new:  # the workers learn its row's sampling settings
                 step.new_requests.append(new_request(req, self.eos_token_ids))
             if wants_prompt_logprobs(req, start):
                 end = start + n
@@ -187,10 +196,14 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
         return batch
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, hits: list[int]) -> None:
+        """Give `req` KV; its cached prefix counts as computed."""
         self.waiting.remove(req)
-        self.kv.admit(req, self.policy.reservation(req))
+        self.kv.admit(req, self.policy.reservation(req), hits)
         self.admitted[req.request_id] = req
+        req.num_computed_tokens = len(hits) * self.kv.block_size
+        if req.num_cached_tokens < 0:  # what its response reports: the first admission's
+            req.num_cached_tokens = req.num_computed_tokens
 
     def _enqueue(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=self.policy.key)
@@ -224,6 +237,10 @@ class Scheduler:
                 continue  # finished, aborted or preempted while this step was in flight
             req.num_inflight_steps -= 1
             req.num_inflight_samples -= do_sample
+            # the step wrote its tokens' KV: the blocks it filled may serve later prompts
+            end = batch.step.context_lens[index] + batch.step.query_lens[index]
+            if end >= (req.num_registered_blocks + 1) * self.kv.block_size:
+                self.kv.cache_blocks(req, end)
             if req.num_inflight_steps == 0:
                 req.status = RequestStatus.WAITING
             new_prompt = prompt.get(index)
@@ -278,4 +295,5 @@ class Scheduler:
     @staticmethod
     def _output(req: Request, tokens: list[int], prompt_logprobs=None) -> RequestOutput:
         return RequestOutput(req.request_id, req.sink, tokens, None, req.num_prompt_tokens,
-                             req.num_output_tokens, prompt_logprobs=prompt_logprobs)
+                             req.num_output_tokens, prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=max(0, req.num_cached_tokens))

@@ -21,6 +21,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 from httpx_sse import aconnect_sse
@@ -49,12 +50,15 @@ class LoadConfig:
     show_progress: bool = True
 
 
-async def send_request(client: httpx.AsyncClient, cfg: LoadConfig,
-                       req: TraceRequest) -> RequestOutcome:
-    """One streamed completion, timed from just before it is sent."""
+async def send_request(client: httpx.AsyncClient, cfg: LoadConfig, req: TraceRequest,
+                       answer: list[int] | None = None) -> RequestOutcome:
+    """One streamed completion, timed from just before it is sent. `answer`, if given,
+    receives the generated token ids (vLLM's return_token_ids)."""
     body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
             "temperature": cfg.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if answer is not None:
+        body["return_token_ids"] = True
     if cfg.model is not None:
         body["model"] = cfg.model
     o = RequestOutcome(len(req.prompt_token_ids), req.max_tokens, req.deadline_s)
@@ -76,6 +80,11 @@ async def send_request(client: httpx.AsyncClient, cfg: LoadConfig,
                 now = time.perf_counter()
                 if event.get("usage"):
                     usage_tokens = event["usage"].get("completion_tokens")
+                    o.num_cached_tokens = (event["usage"].get("prompt_tokens_details")
+                                           or {}).get("cached_tokens", 0)
+                if answer is not None:
+                    for c in event.get("choices") or []:
+                        answer.extend(c.get("token_ids") or [])
                 if any(c.get("text") for c in event.get("choices") or []):
                     if last is None:
                         o.ttft_s = now - start
@@ -103,10 +112,12 @@ def _http_error(status: int, body: bytes) -> str:
         return f"HTTP {status}: {body[:200].decode(errors='replace')}"
 
 
-def schedule(trace: list[TraceRequest], rate: float | str, cfg: LoadConfig
-             ) -> list[tuple[float, TraceRequest]]:
-    """(offset s, request) pairs of one run: the trace cycled at `rate` within the duration."""
+def schedule(trace: list, rate: float | str, cfg: LoadConfig) -> list[tuple[float, Any]]:
+    """(offset s, request) pairs of one run: the trace (requests, or conversations) cycled
+    at `rate` within the duration."""
     if rate == "trace":
+        if isinstance(trace[0], list):
+            raise ValueError("a multi-turn trace has no arrival times to replay")
         pairs = [(r.arrival_s, r) for r in trace]
     else:
         n = cfg.max_requests or (len(trace) if math.isinf(rate)
@@ -117,31 +128,73 @@ def schedule(trace: list[TraceRequest], rate: float | str, cfg: LoadConfig
     return (kept or pairs[:1])[:cfg.max_requests or None]
 
 
+def conversations(trace: list[TraceRequest]) -> list[list[TraceRequest]]:
+    """A multi-turn trace's turns grouped by conversation, in order."""
+    groups: dict[int, list[TraceRequest]] = {}
+    for r in trace:
+        groups.setdefault(r.conversation, []).append(r)
+    return list(groups.values())
+
+
+async def run_conversation(client: httpx.AsyncClient, cfg: LoadConfig,
+                           turns: list[TraceRequest], bar) -> list[RequestOutcome]:
+    """The turns one after another, each sent when the previous answer arrived, its prompt
+    the whole history (earlier prompts and answers) plus its own message."""
+    history: list[int] = []
+    outcomes = []
+    for turn in turns:
+        answer: list[int] = []
+        prompt = history + turn.prompt_token_ids
+        outcomes.append(await send_request(client, cfg, TraceRequest(prompt, turn.max_tokens),
+                                           answer))
+        bar.update(1)
+        if not outcomes[-1].is_success:
+            break
+        if len(answer) != outcomes[-1].num_output_tokens:
+            outcomes[-1].is_success = False
+            outcomes[-1].error = "the server did not return the answer's token ids"
+            break
+        history = prompt + answer
+    return outcomes
+
+
 async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[TraceRequest],
                    rate: float | str) -> dict:
-    """Offer `rate` requests/s for the configured duration; the run's metrics."""
-    plan = schedule(trace, rate, cfg)
-    bar = tqdm(total=len(plan), desc=f"rate {rate}", unit="req", disable=not cfg.show_progress)
+    """Offer `rate` requests/s (conversations/s for a multi-turn trace) for the configured
+    duration; the run's metrics."""
+    units = conversations(trace) if trace[0].conversation is not None else trace
+    plan = schedule(units, rate, cfg)
+    size = {id(u): len(u) if isinstance(u, list) else 1 for _, u in plan}
+    bar = tqdm(total=sum(size.values()), desc=f"rate {rate}", unit="req",
+               disable=not cfg.show_progress)
     tasks = []
     start = time.perf_counter()
-    for offset, req in plan:
+    for offset, unit in plan:
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        task = asyncio.create_task(send_request(client, cfg, req))
-        task.add_done_callback(lambda _: bar.update(1))
+        if isinstance(unit, list):
+            task = asyncio.create_task(run_conversation(client, cfg, unit, bar))
+        else:
+            task = asyncio.create_task(send_request(client, cfg, unit))
+            task.add_done_callback(lambda _: bar.update(1))
         tasks.append(task)
     done, pending = await asyncio.wait(tasks, timeout=cfg.drain_timeout_s)
     for task in pending:
         task.cancel()
     bar.close()
     outcomes = []
-    for task, (_, req) in zip(tasks, plan):
-        if task in done:
-            outcomes.append(task.result())
-        else:
-            outcomes.append(RequestOutcome(len(req.prompt_token_ids), req.max_tokens,
-                                           req.deadline_s, error="unfinished at drain timeout"))
+    for task, (_, unit) in zip(tasks, plan):
+        result = task.result() if task in done else None
+        for i, req in enumerate(unit if isinstance(unit, list) else [unit]):
+            got = result if isinstance(result, list) else [result] if result else []
+            if i < len(got):
+                outcomes.append(got[i])
+            else:
+                why = "unfinished at drain timeout" if result is None else \
+                    "not sent: an earlier turn of its conversation failed"
+                outcomes.append(RequestOutcome(len(req.prompt_token_ids), req.max_tokens,
+                                               req.deadline_s, error=why))
     ends = [o.end_s for o in outcomes if o.is_success]
     duration = (max(ends) if ends and not pending else time.perf_counter()) - start
     result = {"rate": rate if isinstance(rate, str) or math.isfinite(rate) else "inf",
@@ -199,7 +252,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--system", default="orca", help="label of this system in reports/plots")
     p.add_argument("--model", help="`model` field to send (default: none)")
-    p.add_argument("--trace", default="sharegpt", help="orca, tcb, sharegpt or a .jsonl file")
+    p.add_argument("--trace", default="sharegpt",
+                   help="orca, tcb, sharegpt, shared-prefix, multi-turn or a .jsonl file")
+    p.add_argument("--prefix-len", type=int, default=2000,
+                   help="shared-prefix: length of the shared system prompt")
+    p.add_argument("--turns", type=int, default=5, help="multi-turn: turns per conversation "
+                   "(--rates are then conversations started per second)")
     p.add_argument("--num-prompts", type=int, default=1000, help="size of a generated trace")
     p.add_argument("--vocab-size", type=int, default=256,
                    help="prompt ids are drawn below this (256 fits every model here)")
@@ -228,14 +286,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     trace = make_trace(args.trace, args.num_prompts, args.vocab_size, args.seed,
                        rate=args.tcb_rate, variance=args.tcb_variance, per_token_s=args.tcb_per_token_ms / 1e3,
-                       max_context=args.max_context)
+                       max_context=args.max_context, prefix_len=args.prefix_len,
+                       turns=args.turns)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     cfg = LoadConfig(args.url.rstrip("/"), args.model, args.temperature, args.duration,
                      args.max_requests, args.burstiness, args.seed, args.warmup,
                      args.drain_timeout, slo, not args.no_progress)
     report = {"system": args.system, "url": cfg.url, "model": args.model,
               "trace": {"name": args.trace, "num_prompts": len(trace), "seed": args.seed,
-                        "vocab_size": args.vocab_size},
+                        "vocab_size": args.vocab_size, "prefix_len": args.prefix_len,
+                        "turns": args.turns},
               "config": {k: v for k, v in asdict(cfg).items() if k not in ("url", "model")},
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
 

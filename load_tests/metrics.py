@@ -32,6 +32,7 @@ class RequestOutcome:
     latency_s: float = 0.0
     end_s: float = 0.0  # completion time on the run's clock (perf_counter)
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, as the server's usage reported
     itl_s: list[float] = field(default_factory=list)
 
     @property
@@ -93,6 +94,8 @@ def summarize(outcomes: Sequence[RequestOutcome], duration_s: float, slo: SLO = 
         "output_throughput": num_out / duration_s,
         "total_token_throughput": (num_prompt + num_out) / duration_s,
         "total_prompt_tokens": num_prompt, "total_output_tokens": num_out,
+        # prompt tokens the server's prefix cache supplied (its usage.prompt_tokens_details)
+        "cached_prompt_fraction": sum(o.num_cached_tokens for o in ok) / max(1, num_prompt),
         # with ignore_eos every request must produce max_tokens; fewer means a server bug
         "num_short_outputs": sum(1 for o in ok if o.num_output_tokens < o.max_tokens),
         "ttft_ms": distribution([o.ttft_s for o in ok]),

@@ -13,6 +13,12 @@ Workloads:
             variance 20 or 100), Poisson arrivals, per-request deadlines (ours, see tcb_trace).
   sharegpt  a ShareGPT-like synthetic: long-tailed lognormal lengths, mean ~160 prompt /
             ~340 output tokens, clipped to a maximum context.
+  shared-prefix  one system prompt of --prefix-len tokens (2000), then a distinct question
+            of ~100 tokens; 128 output tokens (prefix caching).
+  multi-turn  conversations of --turns turns (5): each turn sends the whole history (earlier
+            prompts and answers) plus a new ~100-token user message; 100 output tokens. Only
+            the new messages are stored: the load client builds each prompt from the
+            answers it got (prefix caching).
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ class TraceRequest:
     max_tokens: int
     arrival_s: float = 0.0
     deadline_s: float | None = None  # must finish this long after arrival (None: no deadline)
+    # multi-turn: the conversation this turn belongs to (prompt_token_ids: only its new
+    # message; the client puts the history before it)
+    conversation: int | None = None
 
 
 def orca_trace(num_requests: int = 256, vocab_size: int = 128256, seed: int = 0,
@@ -117,6 +126,32 @@ def sharegpt_trace(num_requests: int = 1000, vocab_size: int = 128256, seed: int
     return out
 
 
+def shared_prefix_trace(num_requests: int = 1000, vocab_size: int = 128256, seed: int = 0,
+                        prefix_len: int = 2000, question_len: tuple[int, int] = (90, 110),
+                        output_len: int = 128) -> list[TraceRequest]:
+    """Every prompt is the same system prompt of prefix_len random ids followed by its own
+    question of ~100 random ids; all arrive at t=0."""
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    return [TraceRequest(system + [rng.randrange(vocab_size)
+                                   for _ in range(rng.randint(*question_len))], output_len)
+            for _ in range(num_requests)]
+
+
+def multi_turn_trace(num_requests: int = 1000, vocab_size: int = 128256, seed: int = 0,
+                     turns: int = 5, message_len: tuple[int, int] = (80, 120),
+                     output_len: int = 100) -> list[TraceRequest]:
+    """ceil(num_requests / turns) conversations of `turns` user messages (~100 random ids
+    each), in order; a turn's prompt is built by the client (history + this message)."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(-(-num_requests // turns)):
+        for _ in range(turns):
+            message = [rng.randrange(vocab_size) for _ in range(rng.randint(*message_len))]
+            out.append(TraceRequest(message, output_len, conversation=c))
+    return out
+
+
 def save_jsonl(trace: list[TraceRequest], path: str) -> None:
     with open(path, "w") as f:
         for req in trace:
@@ -131,7 +166,8 @@ def load_jsonl(path: str) -> list[TraceRequest]:
 
 def make_trace(name: str, num_requests: int, vocab_size: int, seed: int, rate: float = 100.0,
                variance: float = 20.0, per_token_s: float = 0.02,
-               max_context: int = 2048) -> list[TraceRequest]:
+               max_context: int = 2048, prefix_len: int = 2000,
+               turns: int = 5) -> list[TraceRequest]:
     """A named workload, or a saved JSONL trace when `name` is a path."""
     if name == "orca":
         return orca_trace(num_requests, vocab_size, seed)
@@ -139,15 +175,21 @@ def make_trace(name: str, num_requests: int, vocab_size: int, seed: int, rate: f
         return tcb_trace(num_requests, rate, variance, vocab_size, seed, per_token_s=per_token_s)
     if name == "sharegpt":
         return sharegpt_trace(num_requests, vocab_size, seed, max_context=max_context)
+    if name == "shared-prefix":
+        return shared_prefix_trace(num_requests, vocab_size, seed, prefix_len)
+    if name == "multi-turn":
+        return multi_turn_trace(num_requests, vocab_size, seed, turns)
     if name.endswith(".jsonl"):
         return load_jsonl(name)
-    raise ValueError(f"unknown trace {name!r}: use orca, tcb, sharegpt or a .jsonl file")
+    raise ValueError(f"unknown trace {name!r}: use orca, tcb, sharegpt, shared-prefix, "
+                     "multi-turn or a .jsonl file")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", choices=["orca", "tcb", "sharegpt"])
+    p.add_argument("workload", choices=["orca", "tcb", "sharegpt", "shared-prefix",
+                                        "multi-turn"])
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=256,
@@ -156,10 +198,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variance", type=float, default=20.0, help="tcb: length variance (20/100)")
     p.add_argument("--per-token-ms", type=float, default=20.0, help="tcb: deadline unit")
     p.add_argument("--max-context", type=int, default=2048, help="sharegpt: prompt + output cap")
+    p.add_argument("--prefix-len", type=int, default=2000, help="shared-prefix: its length")
+    p.add_argument("--turns", type=int, default=5, help="multi-turn: turns per conversation")
     p.add_argument("--out", required=True, help="JSON Lines file to write")
     args = p.parse_args(argv)
     trace = make_trace(args.workload, args.num_requests, args.vocab_size, args.seed, args.rate,
-                       args.variance, args.per_token_ms / 1e3, args.max_context)
+                       args.variance, args.per_token_ms / 1e3, args.max_context,
+                       args.prefix_len, args.turns)
     save_jsonl(trace, args.out)
     print(f"wrote {len(trace)} requests to {args.out}")
 

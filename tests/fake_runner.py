@@ -1,8 +1,9 @@
 """A stand-in for the model workers that checks every step message it receives.
 
-It mirrors what a worker keeps (per-row token history and block table) and asserts the
-scheduler's messages are consistent with it; the "model" answers a deterministic function
-of the whole sequence, so outputs depend on the scheduler having sent the right tokens.
+It keeps what a worker keeps, a KV pool of token slots and a block table per row, but
+stores token ids in the slots; the "model" answers a deterministic function of the tokens it
+reads back through the block table, so outputs depend on the scheduler having sent the right
+tokens and blocks (a reused cached block must hold its prefix's tokens).
 """
 from __future__ import annotations
 
@@ -10,35 +11,46 @@ from engine_actors.messages import StepInput
 
 
 def next_token(seq: list[int]) -> int:
-    return (sum(seq) * 31 + len(seq)) % 199
+    """Depends on every token and its position (KV blocks in the wrong order are caught)."""
+    h = len(seq)
+    for t in seq:
+        h = (h * 31 + t) % 1_000_003
+    return h % 199
 
 
 class FakeRunner:
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.seqs: dict[int, list[int]] = {}  # row -> tokens whose KV exists
+        self.slots: dict[int, int] = {}  # KV slot (block * block_size + offset) -> token
         self.tables: dict[int, dict[int, int]] = {}  # row -> col -> block
         self.last_sample: dict[int, int] = {}  # row -> token it sampled last (for -1 tokens)
         self.steps: list[StepInput] = []
 
+    def _slot(self, row: int, position: int) -> int:
+        col, offset = divmod(position, self.block_size)
+        assert col in self.tables[row], f"row {row}: no KV block for position {position}"
+        return self.tables[row][col] * self.block_size + offset
+
     def execute(self, step: StepInput) -> list[int]:
         self.steps.append(step)
         for new in step.new_requests:
-            self.seqs[new.row] = []
             self.tables[new.row] = {}
         for row, col, block in zip(step.table_rows, step.table_cols, step.table_blocks):
             self.tables[row][col] = block
         assert len(set(step.rows)) == len(step.rows), "a request twice in one step"
         out, offset = [], 0
         for row, ctx, n, sample in zip(step.rows, step.context_lens, step.query_lens, step.sample):
-            seq = self.seqs[row]
-            assert ctx == len(seq), f"row {row}: context {ctx} but {len(seq)} tokens cached"
             new = step.token_ids[offset:offset + n]
             assert all(t >= 0 for t in new[:-1]), "only the last new token can be a continuation (-1)"
-            seq.extend(self.last_sample[row] if t < 0 else t for t in new)
+            new = [self.last_sample[row] if t < 0 else t for t in new]
+            for i, t in enumerate(new):
+                self.slots[self._slot(row, ctx + i)] = t
+            seq = []
+            for p in range(ctx + n):
+                slot = self._slot(row, p)
+                assert slot in self.slots, f"row {row}: position {p} was never computed"
+                seq.append(self.slots[slot])
             offset += n
-            needed = -(-len(seq) // self.block_size)
-            assert all(c in self.tables[row] for c in range(needed)), "KV block missing"
             if sample:
                 out.append(next_token(seq))
                 self.last_sample[row] = out[-1]

@@ -149,3 +149,68 @@ def test_every_metric_of_the_grafana_dashboard_is_served(url, client):
         value = next(float(line.split()[-1]) for line in text.splitlines()
                      if line.startswith(name + "{"))
         assert value >= 1, name
+
+
+def test_a_repeated_prefix_is_reported_as_cached_tokens(client, url):
+    """Prefix caching is on by default: the second request with the same 70-token prefix
+    (byte tokens) reuses its 4 full blocks of 16, says so in usage, and answers the same
+    greedy tokens; the engine's counters and /health show the hits."""
+    prefix = "You are a helpful assistant. Answer in one short sentence, please. Q: "
+    assert len(prefix.encode()) == 70
+    first = client.completions.create(model=MODEL, prompt=prefix + "one", max_tokens=5,
+                                      temperature=0, extra_body=NO_EOS)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.completions.create(model=MODEL, prompt=prefix + "two", max_tokens=5,
+                                       temperature=0, stream=True,
+                                       extra_body={**NO_EOS, "return_token_ids": True},
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    usage = [chunk.usage for chunk in chunks if chunk.usage][-1]
+    streamed_ids = [t for c in chunks for choice in c.choices for t in choice.token_ids]
+    assert streamed_ids == reference(list((prefix + "two").encode()), SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert usage.prompt_tokens_details.cached_tokens == 64 and usage.prompt_tokens == 73
+    again = client.completions.create(model=MODEL, prompt=prefix + "one", max_tokens=5,
+                                      temperature=0,
+                                      extra_body={**NO_EOS, "return_token_ids": True})
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    assert again.choices[0].text == first.choices[0].text
+    prompt_ids = list((prefix + "one").encode())  # the default model's byte tokens
+    expected = reference(prompt_ids, SamplingParams(max_tokens=5, temperature=0.0,
+                                                    ignore_eos=True))
+    assert again.choices[0].prompt_token_ids == prompt_ids
+    assert again.choices[0].token_ids == expected
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prefix}], max_tokens=2)
+    assert 0 <= chat.usage.prompt_tokens_details.cached_tokens < chat.usage.prompt_tokens
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    value = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+             if line.startswith("orca:prefix_cache_")}
+    assert value["orca:prefix_cache_hits_total"] >= 128
+    assert value["orca:prefix_cache_queries_total"] >= 73 * 3
+    assert httpx.get(f"{url}/health", timeout=30).json()["prefix_cache_hit_rate"] > 0
+
+
+def test_multi_turn_load_client_sends_whole_histories_that_hit_the_cache(url):
+    """The load client's multi-turn trace: each turn's prompt is the previous prompt, the
+    answer's token ids (return_token_ids) and a new message, so most of it is cached."""
+    import asyncio
+    import math
+
+    from load_tests.load_client import LoadConfig, sweep
+    from load_tests.traces import multi_turn_trace
+
+    trace = multi_turn_trace(6, vocab_size=256, seed=3, turns=3, output_len=40)
+    cfg = LoadConfig(url, model=MODEL, num_warmup=0, show_progress=False)
+    [res] = asyncio.run(sweep(cfg, trace, [math.inf]))
+    assert res["completed"] == 6, res["errors"]
+    messages = [len(r.prompt_token_ids) for r in trace]
+    prompts = []
+    for c in range(2):  # turn k sends turns 1..k's messages and k-1 answers of 40 tokens
+        m = messages[3 * c:3 * c + 3]
+        prompts += [m[0], m[0] + 40 + m[1], m[0] + 40 + m[1] + 40 + m[2]]
+    assert res["total_prompt_tokens"] == sum(prompts)
+    # turns 2 and 3 find their history's full blocks, less the block of the last answer
+    # token (sampled, never computed): at least (history - 16) of each
+    floor = sum(p - m - 16 for p, m in zip(prompts, messages) if p != m)
+    assert res["cached_prompt_fraction"] >= floor / sum(prompts)

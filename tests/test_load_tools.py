@@ -17,8 +17,9 @@ from starlette.routing import Route
 from load_tests.load_client import LoadConfig, schedule, sweep
 from load_tests.metrics import SLO, RequestOutcome, distribution, percentile, summarize
 from load_tests.report import load_reports, markdown_table, plot, sustained_rate
-from load_tests.traces import (TraceRequest, arrival_times, load_jsonl, orca_trace, save_jsonl,
-                               sharegpt_trace, tcb_trace)
+from load_tests.traces import (TraceRequest, arrival_times, load_jsonl, multi_turn_trace,
+                               orca_trace, save_jsonl, shared_prefix_trace, sharegpt_trace,
+                               tcb_trace)
 from tests.http_thread import ServerThread
 
 
@@ -192,6 +193,20 @@ def test_schedule_respects_duration_and_caps():
     plan = schedule(trace, 50.0, cfg)
     assert 40 <= len(plan) <= 50 and all(t <= 1.0 for t, _ in plan)
     assert len(schedule(trace, 50.0, LoadConfig("http://x", max_requests=7))) == 7
+
+
+def test_shared_prefix_and_multi_turn_traces(tmp_path):
+    trace = shared_prefix_trace(50, vocab_size=300, seed=1, prefix_len=2000)
+    system = trace[0].prompt_token_ids[:2000]
+    assert all(r.prompt_token_ids[:2000] == system and 90 <= len(r.prompt_token_ids) - 2000
+               <= 110 and r.max_tokens == 128 for r in trace)
+    questions = {tuple(r.prompt_token_ids[2000:]) for r in trace}
+    assert len(questions) == 50  # distinct questions
+    turns = multi_turn_trace(12, vocab_size=300, seed=1, turns=5)
+    assert len(turns) == 15 and [r.conversation for r in turns] == [i // 5 for i in range(15)]
+    assert all(80 <= len(r.prompt_token_ids) <= 120 for r in turns)
+    save_jsonl(turns, tmp_path / "t.jsonl")
+    assert load_jsonl(tmp_path / "t.jsonl") == turns
 
 
 # ---------------------------------------------------------------- reports

@@ -81,3 +81,43 @@ def test_greedy_matches_transformers_on_gpu_fp32(checkpoint):
 def test_builtin_default_model_matches_transformers():
     engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=6)
     check_parity(resolve_model_path(DEFAULT_MODEL), engine, ragged_workload(seed=7))
+
+
+def shared_prefix_workload(model: str, seed: int = 4):
+    """Prompts sharing a prefix up to a block boundary (block_size 4), one token past it,
+    the whole prompt, the whole prompt and more, a second turn over the first one's answer;
+    arriving over many iterations, some growing their KV as they go (preemptible)."""
+    rng = random.Random(seed)
+    base = [rng.randrange(256) for _ in range(37)]
+
+    def tail(n):
+        return [rng.randrange(256) for _ in range(n)]
+
+    first_answer = hf_greedy(model, base, 8)
+    prompts = [base, base[:16] + tail(9), base[:17] + tail(6), base, base + tail(5),
+               base[:16] + tail(12), base + first_answer + tail(3), base[:17] + tail(2)]
+    prompts += [base[:rng.choice([4, 16, 17, 36])] + tail(rng.randint(1, 20))
+                for _ in range(10)]
+    arrivals = {}
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(max_tokens=8 if i == 0 else rng.randint(1, 24),
+                                  temperature=0.0, ignore_eos=True,
+                                  max_tokens_given=i % 3 != 1)
+        arrivals.setdefault(0 if i == 0 else 12 + 3 * i + rng.randint(0, 3), []).append(
+            (f"r{i}", prompt, sampling))
+    return arrivals
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_matches_transformers_with_prefix_caching(checkpoint, overlap):
+    """Cached prefix blocks reused across requests, a KV pool small enough to evict them
+    and preempt requests (recomputed ones hit their own blocks): still exactly
+    transformers' tokens."""
+    engine = InProcessEngine(model=checkpoint, max_batch_size=8, block_size=4,
+                             max_num_batched_tokens=32, max_num_tokens=160,
+                             async_scheduling=overlap)
+    check_parity(checkpoint, engine, shared_prefix_workload(checkpoint))
+    s = engine.scheduler
+    assert s.kv.num_hit_tokens >= 5 * 16, "the shared prefixes were not reused"
+    assert s.num_preemptions > 0, "the pool should have forced preemptions"
+    assert s.kv.num_free_blocks == s.kv.num_blocks

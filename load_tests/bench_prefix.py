@@ -1,0 +1,142 @@
+"""Prefix caching off and on, side by side in one run, through HTTP (the server started as
+`make serve` starts it, once per setting, on the same device).
+
+    python -m load_tests.bench_prefix --model llama-8b --out results/prefix.json
+
+Per setting of `enable_prefix_caching`:
+  shared-prefix  --num-requests prompts (one system prompt of --prefix-len tokens, then a
+                 distinct ~100-token question; 128 output tokens), all sent at t=0:
+                 throughput.
+  multi-turn     conversations of --turns turns started at --rate conversations/s for
+                 --duration s, each turn sent when the previous answer arrived: TTFT.
+  orca           ORCA's trace (no sharing) at t=0: the cost of caching when nothing hits.
+Every request goes through load_client (streamed, EOS ignored, usage checked). The table
+printed last gives each metric off, on, and on/off.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from load_tests.bench_http import ROOT, write_config
+from load_tests.load_client import LoadConfig, sweep
+from load_tests.traces import multi_turn_trace, orca_trace, shared_prefix_trace
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
+
+
+def run_setting(caching: bool, engine_args: dict, args) -> dict:
+    port = args.port
+    config = write_config({**engine_args, "enable_prefix_caching": caching}, 1, port)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    v = args.vocab_size
+    traces = {
+        "shared-prefix": (shared_prefix_trace(args.num_requests, v, 1, args.prefix_len),
+                          math.inf, None),
+        "multi-turn": (multi_turn_trace(args.num_conversations * args.turns, v, 2, args.turns),
+                       args.rate, args.duration),
+        "orca": (orca_trace(args.num_requests, v, 3), math.inf, None),
+    }
+    out = {"enable_prefix_caching": caching}
+    try:
+        wait_healthy(url, server)
+        for name, (trace, rate, duration) in traces.items():
+            cfg = LoadConfig(url, num_warmup=args.warmup, duration_s=duration or 1e9,
+                             show_progress=False, drain_timeout_s=1800)
+            [res] = asyncio.run(sweep(cfg, trace, [rate]))
+            if res["failed"] or res["num_short_outputs"]:
+                raise RuntimeError(f"{name}: {res['failed']} failed, "
+                                   f"{res['num_short_outputs']} short: {res['errors']}")
+            out[name] = res
+            print(f"caching={caching} {name}: {res['duration_s']:.2f} s, "
+                  f"{res['total_token_throughput']:.0f} tok/s, TTFT p50 "
+                  f"{res['ttft_ms']['median']:.1f} ms, cached "
+                  f"{res['cached_prompt_fraction']:.2f}", flush=True)
+    finally:
+        server.terminate()  # drains, then stops serve run and its Ray cluster
+        server.wait(timeout=120)
+        os.unlink(config)
+    return out
+
+
+ROWS = [("shared-prefix", "total_token_throughput", "throughput, tok/s"),
+        ("shared-prefix", "duration_s", "elapsed, s"),
+        ("multi-turn", ("ttft_ms", "median"), "TTFT p50, ms"),
+        ("multi-turn", ("ttft_ms", "p90"), "TTFT p90, ms"),
+        ("orca", "duration_s", "elapsed, s"),
+        ("orca", "total_token_throughput", "throughput, tok/s")]
+
+
+def table(off: dict, on: dict) -> str:
+    def get(res, key):
+        return res[key[0]][key[1]] if isinstance(key, tuple) else res[key]
+
+    lines = ["| trace | metric | caching off | caching on | on / off | cached share (on) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for trace, key, label in ROWS:
+        a, b = get(off[trace], key), get(on[trace], key)
+        lines.append(f"| {trace} | {label} | {a:.2f} | {b:.2f} | {b / a:.2f} | "
+                     f"{on[trace]['cached_prompt_fraction']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama-8b")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--num-requests", type=int, default=256, help="shared-prefix and orca")
+    p.add_argument("--prefix-len", type=int, default=2000)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--num-conversations", type=int, default=200,
+                   help="multi-turn: at most this many (the duration may cut it)")
+    p.add_argument("--rate", type=float, default=4.0, help="multi-turn: conversations/s")
+    p.add_argument("--duration", type=float, default=60.0, help="multi-turn: seconds")
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=16)
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-num-tokens", type=int, help="KV capacity (default: sized on GPU)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    engine_args = {"model": args.model, "device": args.device,
+                   "max_batch_size": args.max_batch_size,
+                   "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.max_num_tokens:
+        engine_args["max_num_tokens"] = args.max_num_tokens
+    off = run_setting(False, engine_args, args)
+    on = run_setting(True, engine_args, args)
+    report = {"args": vars(args), "off": off, "on": on,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(table(off, on))
+    return report
+
+
+if __name__ == "__main__":
+    main()
