@@ -58,27 +58,28 @@ class BatchAPI:
                                    f"requests.{i}.max_tokens", "context_length_exceeded")
                 sampling = item.sampling_params(item.max_tokens, 0, info.sampling_defaults,
                                                 info.vocab_size)
-                requests.append(BatchRequest(ids, sampling, item.deadline_ms, item.stop_list()))
+                requests.append(BatchRequest(ids, sampling, item.deadline_ms, item.stop_list(),
+                                             frontend.adapter(body)))
             frontend.refuse_if_draining()
             batch_id = "batch-" + uuid.uuid4().hex
             refusal = await frontend.call("submit_batch", batch_id, requests, body.priority)
             if refusal is not None:
                 raise refusal_error(refusal.code, refusal.message, "requests")
-            return JSONResponse(await frontend.call("batch_status", batch_id))
+            return JSONResponse(await frontend.call("batch_call", "status", batch_id))
         except APIError as e:
             return e.response()
 
     async def status(self, request: Request):
-        return await self._by_id(request, "batch_status")
+        return await self._by_id(request, "status")
 
     async def cancel(self, request: Request):
-        return await self._by_id(request, "cancel_batch")
+        return await self._by_id(request, "cancel")
 
     async def results(self, request: Request):
         batch_id = request.path_params["batch_id"]
         try:
             await self.frontend.ready()
-            if await self.frontend.call("batch_status", batch_id) is None:
+            if await self.frontend.call("batch_call", "status", batch_id) is None:
                 raise _not_found(batch_id)
         except APIError as e:
             return e.response()
@@ -121,7 +122,7 @@ class BatchAPI:
         batch_id = request.path_params["batch_id"]
         try:
             await self.frontend.ready()
-            status = await self.frontend.call(method, batch_id)
+            status = await self.frontend.call("batch_call", method, batch_id)
         except APIError as e:
             return e.response()
         if status is None:

@@ -110,10 +110,16 @@ class Frontend:
             raise _too_large()
         req = parse_body(body, schema)
         model = getattr(req, "model", None)
-        if model is not None and model != self.cfg.model_name:
+        # another name may be a LoRA adapter: the engine knows them, and answers 404 if not
+        if model is not None and model != self.cfg.model_name and not self.cfg.lora_enabled:
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
                                 f"`{self.cfg.model_name}`.", "model", "model_not_found")
         return req
+
+    def adapter(self, req) -> str | None:
+        """The LoRA adapter a request names in `model` (None: the base model)."""
+        model = getattr(req, "model", None)
+        return model if model not in (None, self.cfg.model_name) else None
 
     def tool_parser(self, info: ModelInfo) -> str:
         """The tool-call format of the served model (the tool_call_parser arg, or its

@@ -1,7 +1,8 @@
 """The HTTP ingress: a Starlette app inside a Ray Serve deployment.
 
-Routes: the OpenAI ones (`openai_api.py`), GET /v1/models, GET /health, GET /metrics, and
-the background batch endpoints under /orca/v1/batches (`batch_api.py`). This file holds the
+Routes: the OpenAI ones (`openai_api.py`), the models and LoRA adapters (`models_api.py`),
+GET /health, GET /metrics, and the background batch endpoints under /orca/v1/batches
+(`batch_api.py`). This file holds the
 deployment itself: the app, start-up, draining and the operational routes.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.routing import Route
 from deployments.auth import APIKeyMiddleware
 from deployments.batch_api import BatchAPI
 from deployments.frontend import Frontend
+from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
 from engine_actors.config import EngineConfig
@@ -45,11 +47,10 @@ class OpenAIIngress:
         self._ending: asyncio.Task | None = None
 
     def __serve_build_asgi_app__(self) -> Starlette:
-        routes = [Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"]),
+        routes = [Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"])]
         routes += OpenAIRoutes(self.frontend).routes() + BatchAPI(self.frontend).routes()
+        routes += ModelsAPI(self.frontend).routes()
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
         # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
         handlers = {HTTPException: self._http_error, Exception: self._internal_error,
@@ -145,28 +146,6 @@ class OpenAIIngress:
             except Exception:  # the engine's part is missing while it is unavailable
                 pass
         return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    async def models(self, request: Request):
-        try:
-            info = await self.frontend.ready()
-        except APIError as e:
-            return e.response()
-        return JSONResponse({"object": "list", "data": [self._model_card(info)]})
-
-    async def model(self, request: Request):
-        """GET /v1/models/{id}: the model card, or 404 as OpenAI answers."""
-        name = request.path_params["model"]
-        try:
-            if name != self.cfg.model_name:
-                raise APIError(404, f"The model `{name}` does not exist.", "model",
-                               "model_not_found", "not_found_error")
-            return JSONResponse(self._model_card(await self.frontend.ready()))
-        except APIError as e:
-            return e.response()
-
-    def _model_card(self, info) -> dict:
-        return {"id": self.cfg.model_name, "object": "model", "created": 0,
-                "owned_by": "orca-serve", "max_model_len": info.max_model_len}
 
     async def _http_error(self, request: Request, exc: HTTPException):
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

@@ -108,7 +108,7 @@ class OpenAIRoutes:
                                                max_tokens_given=max_tokens is not None,
                                                grammar=grammar, **req.logprob_fields())
                 engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids, sampling, priority,
-                                           req.deadline_ms)
+                                           req.deadline_ms, self.frontend.adapter(req))
                 subs.append((engine_req, p_idx * req.n + j, text, ids))
         self.frontend.refuse_if_draining()
         try:
@@ -131,7 +131,7 @@ class OpenAIRoutes:
         limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
         timeout = min(limits) if limits else None  # a request may only shorten the limit
         if req.stream:
-            sse = SSEWriter(base_id, self.model_name, chat, req)
+            sse = SSEWriter(base_id, req.model or self.model_name, chat, req)
             return SSEResponse(self._stream(group, choices, sse, req, timeout),
                                on_close=group.close)
         try:
@@ -157,7 +157,7 @@ class OpenAIRoutes:
             raise unavailable(f"request failed: {failed}")
         if all(c.finish_reason == "deadline" for c in choices.values()):
             raise deadline_error(req.deadline_ms)
-        return JSONResponse(response_body(base_id, self.model_name, chat, choices,
+        return JSONResponse(response_body(base_id, req.model or self.model_name, chat, choices,
                                           req.return_token_ids))
 
     def _echo_text(self, req, text: str | None, ids: list[int]) -> str | None:

@@ -207,7 +207,10 @@ def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> 
                         headers={"Retry-After": "1"})
     if code == "draining":
         return APIError(503, message, None, "shutting_down", "service_unavailable")
-    codes = {"too_long": "context_length_exceeded", "batch_too_large": "batch_too_large"}
+    if code == "unknown_model":
+        return APIError(404, message, "model", "model_not_found")
+    codes = {"too_long": "context_length_exceeded", "batch_too_large": "batch_too_large",
+             "lora_disabled": "lora_disabled", "invalid_adapter": "invalid_lora_adapter"}
     return APIError(400, message, param, codes.get(code, "invalid_value"))
 
 

@@ -121,7 +121,8 @@ class Batches:
         self.batches[batch_id] = state
         for i, r in enumerate(requests):
             refusal = self._add(state, EngineRequest(state.request_id(i), r.prompt_token_ids,
-                                                     r.sampling, priority, r.deadline_ms))
+                                                     r.sampling, priority, r.deadline_ms,
+                                                     r.lora_name))
             if refusal is not None:
                 self._abort([state.request_id(j) for j in range(i)], False)
                 del self.batches[batch_id]

@@ -70,6 +70,14 @@ class EngineConfig:
     # naming the resources it asked for and those the cluster has.
     placement_timeout_s: PositiveFloat = 120.0
 
+    # LoRA adapters (PEFT format) served beside the base model; a request picks one by its
+    # `model` field. lora_modules: name -> local directory, loaded at start (implies
+    # enable_lora); enable_lora: adapters may also be loaded at run time.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    max_loras: PositiveInt = 4  # adapters resident on the device at once (a slot each)
+    max_lora_rank: PositiveInt = 16
+
     # Tool calls: the output format to parse ("auto": from the chat template, else the
     # architecture: hermes for Qwen and templates with <tool_call>, llama3_json for Llama).
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
@@ -109,6 +117,10 @@ class EngineConfig:
     def max_num_seqs(self) -> int:
         """Rows of the workers' tables: an admitted request holds one until it finishes."""
         return self.max_batch_size * self.max_steps_in_flight
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     @property
     def model_name(self) -> str:

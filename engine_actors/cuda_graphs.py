@@ -3,20 +3,24 @@
 A step of B decode requests replays the graph of the smallest bucket >= B: the step's inputs
 are copied into static buffers, padding requests have no query tokens (attention skips them)
 and write their one key/value into a scratch block. Graphs share one memory pool and read
-their buffers by address, so the buffers live as long as the graphs.
+their buffers by address, so the buffers live as long as the graphs. With LoRA slots each
+bucket has two graphs: one with the LoRA kernels, replayed when some request of the step has
+an adapter, and one without, so that base-model steps cost nothing more.
 """
 from __future__ import annotations
 
 import torch
 
+from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
+from kernels.lora import max_tiles
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, pad_block_table_row: torch.Tensor, block_size: int,
-                 max_batch_size: int, dtype: torch.dtype):
+                 max_batch_size: int, dtype: torch.dtype, lora_slots: int = 0):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.first, self.last = model.parallel.is_first_stage, model.parallel.is_last_stage
         self.sizes = [b for b in BATCH_SIZES if b <= max_batch_size]
@@ -33,11 +37,16 @@ class DecodeGraphs:
                                     dtype=torch.int64, device=dev),
             logits_indices=torch.arange(n, device=dev),
             hidden=torch.zeros(n, hidden, dtype=dtype, device=dev),
-            residual=torch.zeros(n, hidden, dtype=dtype, device=dev))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
+            residual=torch.zeros(n, hidden, dtype=dtype, device=dev),
+            # LoRA (kernels/lora.py): tokens grouped by slot, tiles (first, end, slot)
+            lora_order=torch.zeros(n, dtype=torch.int32, device=dev),
+            lora_tiles=torch.tensor([[0, 0, -1]] * max_tiles(n, lora_slots), dtype=torch.int32,
+                                    device=dev))
+        self.lora_slots = lora_slots
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def bucket_for(self, num_reqs: int) -> int:
-        return next((b for b in self.sizes if b >= num_reqs and b in self.graphs), 0)
+        return next((b for b in self.sizes if b >= num_reqs and (b, False) in self.graphs), 0)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -46,18 +55,26 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.sizes, reverse=True):
             args = self._args(size)
-            for _ in range(2):  # warm up: compiles the Triton kernels for this shape
-                self.model(*args)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model(*args)
-            self.graphs[size] = (graph, out)
+            for lora in [False, True] if self.lora_slots else [False]:
+                # the LoRA kernels read these buffers
+                lora_layers.set_batch(lora_layers.LoRABatch(
+                    self.buf["lora_order"][:size],
+                    self.buf["lora_tiles"][:max_tiles(size, self.lora_slots)], None)
+                    if lora else None)
+                for _ in range(2):  # warm up: compiles the Triton kernels for this shape
+                    self.model(*args)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(*args)
+                self.graphs[size, lora] = (graph, out)
+        lora_layers.set_batch(None)
         torch.cuda.synchronize()
 
     def replay(self, bucket: int, input_ids, positions, meta: AttentionMetadata, hidden=None,
-               residual=None):
-        """Outputs of the first `bucket` rows: logits, or (hidden, residual) mid-pipeline."""
+               residual=None, lora_order=None, lora_tiles=None):
+        """Outputs of the first `bucket` rows: logits, or (hidden, residual) mid-pipeline.
+        lora_order/lora_tiles: the step's LoRA tokens, None when no request has an adapter."""
         b = self.buf
         n = positions.shape[0]  # real tokens; the rest of the bucket keeps padding values
         if self.first:
@@ -70,7 +87,11 @@ class DecodeGraphs:
         b["seq_lens"][:bucket].copy_(meta.seq_lens)
         b["block_tables"][:bucket].copy_(meta.block_tables)
         b["slot_mapping"][:bucket].copy_(meta.slot_mapping)
-        graph, out = self.graphs[bucket]
+        lora = lora_tiles is not None
+        if lora:
+            b["lora_order"][:bucket].copy_(lora_order)
+            b["lora_tiles"][:lora_tiles.shape[0]].copy_(lora_tiles)
+        graph, out = self.graphs[bucket, lora]
         graph.replay()
         return out
 

@@ -41,6 +41,7 @@ class NewRequest:
     logprobs: int = -1  # alternatives returned with each sampled token's logprob; -1: none
     grammar: tuple[str, str] | None = None  # structured output (engine_actors/grammar.py)
     replay_tokens: list[int] = field(default_factory=list)  # generated before (recomputed)
+    lora_slot: int = -1  # the LoRA adapter slot of its tokens (-1: the base model)
 
 
 @dataclass(slots=True)
@@ -61,6 +62,8 @@ class StepInput:
     # requests whose prompt log-probabilities this chunk computes: (index in the batch,
     # alternatives k, the prompt token after the chunk or -1 when the chunk ends the prompt)
     prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
+    # LoRA adapters to load before this step runs: (slot, PEFT directory, scale)
+    lora_loads: list[tuple[int, str, float]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +92,7 @@ class EngineRequest:
     sampling: SamplingParams
     priority: int = 0  # higher runs first under the priority policy
     deadline_ms: float | None = None  # must start within this long, else finish "deadline"
+    lora_name: str | None = None  # a LoRA adapter (the request's `model`); None: the base
 
 
 @dataclass(slots=True)
@@ -141,6 +145,7 @@ class BatchRequest:
     sampling: SamplingParams
     deadline_ms: float | None = None
     stop: list[str] = field(default_factory=list)  # stop strings: the request ends at one
+    lora_name: str | None = None  # a LoRA adapter (the batch's `model`); None: the base
 
 
 @dataclass(slots=True)

@@ -57,6 +57,8 @@ class EngineMetrics:
                                    "prefix cache", labelnames=labels,
                                    registry=r).labels(**labels)
         self._prefix_seen = 0, 0
+        self._lora_requests = Counter("orca:lora_requests", "Requests per LoRA adapter",
+                                      labelnames=[*labels, "lora_name"], registry=r)
         self._labels = labels
         for reason in ("stop", "length", "abort", "deadline"):  # every series from the start
             self._finished.labels(**labels, finished_reason=reason)
@@ -82,6 +84,9 @@ class EngineMetrics:
             self.generation_tokens.inc(generated)
         if prompt:
             self.prompt_tokens.inc(prompt)
+
+    def lora_request(self, lora_name: str) -> None:
+        self._lora_requests.labels(**self._labels, lora_name=lora_name).inc()
 
     def prefix_cache(self, queried: int, hits: int) -> None:
         """Bring the prefix cache counters up to the KV manager's running totals."""

@@ -11,8 +11,6 @@ runs its layers and sends them on; only the last stage samples.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -20,8 +18,9 @@ from engine_actors.checkpoint import architecture, iter_checkpoint_tensors, load
 from engine_actors.cuda_graphs import DecodeGraphs
 from engine_actors.kv_cache import cdiv
 from engine_actors.grammar import Grammars
+from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
-from engine_actors.logits_processors import ids_only, prompt_positions
+from engine_actors.logits_processors import ids_only
 from engine_actors.messages import StepInput, StepResult
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
@@ -29,8 +28,10 @@ from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.sampler import Sampler
 from engine_actors.sampling_head import SamplingHead
 from engine_actors.stage_link import StageLink
+from engine_actors.step_tensors import StepTensors, prepare
 from engine_actors.timeline import StepTimeline
 from engine_actors.transfer import PendingStep, Staging
+from kernels.lora import max_tiles
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +45,8 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: torch.dtype, max_model_len: int,
                  block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True,
-                 parallel: ParallelGroup = SINGLE):
+                 parallel: ParallelGroup = SINGLE, lora: tuple[int, int] | None = None):
+        """lora: (slots, max rank) to serve LoRA adapters; None: the base model only."""
         self.device = torch.device(device)
         self.parallel = parallel
         self.dtype = dtype
@@ -53,6 +55,11 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.hf_config = load_hf_config(model_path)
         self.model = self._load_model(model_path)
+        self.row_lora = None  # host: each table row's adapter slot (-1: the base model)
+        self.lora_slots = lora[0] if lora is not None else 0
+        if lora is not None:
+            lora_layers.attach(self.model, *lora)
+            self.row_lora = np.full(max_num_seqs + 1, -1, dtype=np.int32)
         attn = next(iter(self.model.layers.values())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # on this rank
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -169,16 +176,22 @@ class ModelRunner:
         return self.launch(step).result()
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> tuple[torch.Tensor | None, _Inputs]:
+    def forward(self, step: StepInput) -> tuple[torch.Tensor | None, StepTensors]:
         """Apply the step's table deltas and run this stage: fp32 logits [N, V] of the N
         sampling requests on the last stage, None elsewhere (hidden states are sent on)."""
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("fault injected into the forward pass")
         self.head.add(step.new_requests, self.parallel.is_last_stage)
+        if self.row_lora is not None:
+            for slot, path, scale in step.lora_loads:
+                lora_layers.load_adapter(self.model, slot, path, scale)
+            for r in step.new_requests:
+                self.row_lora[r.row] = r.lora_slot
         num_reqs, num_tokens = len(step.rows), len(step.token_ids)
         bucket = self.graphs.bucket_for(num_reqs) if self._is_graphable(step) else 0
-        inputs = self._prepare(step, pad_to=bucket or num_reqs)
+        inputs = prepare(step, bucket or num_reqs, self.pad_row, self.row_lora, self.staging,
+                         max_tiles(bucket, self.lora_slots) if bucket and self.lora_slots else 0)
         if inputs.table_rows.numel():
             self.block_table[inputs.table_rows, inputs.table_cols] = inputs.table_blocks
         input_ids = hidden = residual = None
@@ -200,8 +213,13 @@ class ModelRunner:
                                             resolved, self.hf_config.vocab_size)
         if bucket:
             self.num_graph_replays += 1
-            out = self.graphs.replay(bucket, input_ids, inputs.positions, meta, hidden, residual)
+            lora = inputs.lora_token_slots is not None and (inputs.lora_token_slots >= 0).any()
+            out = self.graphs.replay(bucket, input_ids, inputs.positions, meta, hidden, residual,
+                                     *((inputs.lora_order, inputs.lora_tiles) if lora else ()))
         else:
+            if self.row_lora is not None:
+                lora_layers.set_batch(lora_layers.LoRABatch(
+                    inputs.lora_order, inputs.lora_tiles, inputs.lora_token_slots))
             out = self.model(input_ids, inputs.positions, self.kv_caches, meta,
                              inputs.logits_indices, hidden, residual)
         if not self.parallel.is_first_stage:
@@ -219,68 +237,13 @@ class ModelRunner:
         blocks = self.block_table[token_rows, positions // self.block_size]
         return blocks.long() * self.block_size + positions % self.block_size
 
-    def _prepare(self, step: StepInput, pad_to: int) -> _Inputs:
-        """Every integer of the step in one host array and one copy, then device views."""
-        query_lens = np.asarray(step.query_lens, dtype=np.int32)
-        context_lens = np.asarray(step.context_lens, dtype=np.int32)
-        rows = np.asarray(step.rows, dtype=np.int32)
-        num_pad = pad_to - len(rows)
-        if num_pad:  # graph padding: empty requests whose one token lands in the scratch block
-            query_lens = np.concatenate([query_lens, np.zeros(num_pad, np.int32)])
-            context_lens = np.concatenate([context_lens, np.zeros(num_pad, np.int32)])
-            rows = np.concatenate([rows, np.full(num_pad, self.pad_row, np.int32)])
-        cu_seqlens_q = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=cu_seqlens_q[1:])
-        num_tokens = int(cu_seqlens_q[-1])
-        # token t of request i sits at position context_lens[i] + (t - cu_seqlens_q[i])
-        positions = np.arange(num_tokens, dtype=np.int32) - np.repeat(
-            cu_seqlens_q[:-1] - context_lens, query_lens)
-        token_rows = np.repeat(rows, query_lens)
-        token_ids = np.asarray(step.token_ids, dtype=np.int32)
-        if num_pad:
-            positions = np.concatenate([positions, np.zeros(num_pad, np.int32)])
-            token_rows = np.concatenate([token_rows, np.full(num_pad, self.pad_row, np.int32)])
-            token_ids = np.concatenate([token_ids, np.zeros(num_pad, np.int32)])
-        sample = np.asarray(step.sample, dtype=bool)
-        logits_indices = (cu_seqlens_q[1:len(step.rows) + 1] - 1)[sample]
-        sample_rows = rows[:len(step.rows)][sample]
-        prompt_indices, targets, counts = prompt_positions(step, cu_seqlens_q)
-        parts = [token_ids, positions, token_rows, cu_seqlens_q, context_lens + query_lens, rows,
-                 np.concatenate([logits_indices, np.asarray(prompt_indices, np.int32)]),
-                 sample_rows, np.asarray(targets, np.int32),
-                 np.asarray(step.table_rows, np.int32),
-                 np.asarray(step.table_cols, np.int32), np.asarray(step.table_blocks, np.int32)]
-        device_buf = self.staging.to_device(np.concatenate(parts))
-        views = torch.split(device_buf, [len(p) for p in parts])
-        return _Inputs(*views, max_query_len=int(query_lens.max()),
-                       sample_rows_host=sample_rows.tolist(), prompt_counts=counts)
-
     # ---- CUDA graphs for decode-only steps ------------------------------------------------
     def capture_cuda_graphs(self, max_batch_size: int) -> None:
         """Capture decode graphs for every bucket up to max_batch_size (needs the KV cache)."""
         if not self.use_cuda_graphs:
             return
         graphs = DecodeGraphs(self.model, self.kv_caches, self.block_table[self.pad_row],
-                              self.block_size, min(max_batch_size, self.max_num_seqs), self.dtype)
+                              self.block_size, min(max_batch_size, self.max_num_seqs), self.dtype,
+                              lora_slots=self.lora_slots)
         graphs.capture()
         self.graphs = graphs
-
-
-@dataclass(slots=True)
-class _Inputs:
-    input_ids: torch.Tensor  # [T] (-1: continue from the last sample)
-    positions: torch.Tensor  # [T]
-    token_rows: torch.Tensor  # [T] table row of each token's request
-    cu_seqlens_q: torch.Tensor  # [B+1]
-    seq_lens: torch.Tensor  # [B]
-    rows: torch.Tensor  # [B]
-    logits_indices: torch.Tensor  # [N + M] the last token of each sampling request, then
-    #                               the M prompt positions whose log-probabilities are asked
-    sample_rows: torch.Tensor  # [N]
-    prompt_targets: torch.Tensor  # [M] the prompt token after each of those positions
-    table_rows: torch.Tensor
-    table_cols: torch.Tensor
-    table_blocks: torch.Tensor
-    max_query_len: int
-    sample_rows_host: list[int]
-    prompt_counts: list[int]  # positions per StepInput.prompt_logprobs entry

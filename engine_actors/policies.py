@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine_actors.kv_cache import KVCacheManager
+from engine_actors.lora import LoRASlots
 from engine_actors.request import Request
 
 MAX_MISFITS = 16  # requests that do not fit, after which an iteration stops looking
@@ -50,11 +51,19 @@ class _Plan:
     """The policy's copy of the free KV blocks and rows while it picks a batch. Reused
     cached blocks count too: taking an unreferenced one uses up an available block."""
 
-    def __init__(self, kv: KVCacheManager):
+    def __init__(self, kv: KVCacheManager, loras: LoRASlots | None = None):
         self.kv = kv
         self.blocks = kv.num_unreserved_blocks
         self.rows = kv.num_free_rows
         self.pinned: set[int] = set()  # cached blocks that earlier picks reuse
+        self.loras = loras
+        self.adapters: set[int] = set()  # LoRA adapters (ids) that earlier picks start
+
+    def has_adapter_slot(self, req: Request) -> bool:
+        """A new request of a LoRA adapter needs its adapter in a slot (or a slot to load
+        it into); one that cannot have it waits, without holding the others up."""
+        return req.lora is None or req.is_admitted or self.loras.has_room_for(req.lora,
+                                                                           self.adapters)
 
     def extra_blocks(self, item: Scheduled, reserve_tokens: int, gone: list[Request]) -> int:
         """Available blocks `item` takes (its reservation included) if `gone` are
@@ -97,12 +106,13 @@ class Policy(abc.ABC):
         return a.arrival_time < b.arrival_time
 
     def select(self, ready: list[Request], waiting: Sequence[Request],
-               admitted: Iterable[Request], kv: KVCacheManager, budget: Budget) -> Selection:
+               admitted: Iterable[Request], kv: KVCacheManager, budget: Budget,
+               loras: LoRASlots | None = None) -> Selection:
         """ready: admitted requests that can run now; waiting: not admitted, in key order;
-        admitted: every request holding KV (the possible victims)."""
+        admitted: every request holding KV (the possible victims); loras: the adapter slots."""
         batch: list[Scheduled] = []
         preempt: list[Request] = []
-        plan = _Plan(kv)
+        plan = _Plan(kv, loras)
         tokens_left = budget.max_num_tokens
         misfits = 0
         for req in self.order(ready, waiting, budget):
@@ -110,6 +120,11 @@ class Policy(abc.ABC):
                 break
             if any(req is p for p in preempt):
                 continue  # gave its KV to an earlier pick of this iteration
+            if not plan.has_adapter_slot(req):
+                misfits += 1
+                if misfits == MAX_MISFITS:
+                    break
+                continue
             # a new request starts after its cached prefix: only the rest is computed
             hits = [] if req.is_admitted else kv.cached_prefix(req)
             item = Scheduled(req, min(req.num_new_tokens - len(hits) * kv.block_size,
@@ -126,6 +141,8 @@ class Policy(abc.ABC):
                 continue
             preempt.extend(victims)
             plan.pinned.update(hits)
+            if req.lora is not None:
+                plan.adapters.add(req.lora.id)
             batch.append(item)
             tokens_left -= item.num_tokens
         return Selection(batch, preempt)

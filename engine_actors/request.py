@@ -96,10 +96,16 @@ class Request:
     num_registered_blocks: int = 0
     cache_salt: str = ""
     num_cached_tokens: int = -1  # prompt tokens reused at its first admission (-1: not yet)
+    # LoRA: its adapter (engine_actors.lora.AdapterInfo; None: the base model), and the
+    # adapter's slot on the workers while admitted
+    lora: Any = None
+    lora_slot: int = -1
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.lora is not None:  # its KV differs from the base model's on the same tokens
+            self.cache_salt = self.lora.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,14 +26,12 @@ from typing import Any
 
 from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import KVCacheManager, context_len
+from engine_actors.lora import LoRASlots
 from engine_actors.messages import StepInput, StepResult, TokenLogprobs
 from engine_actors.policies import Budget, Policy, Scheduled, make_policy
 from engine_actors.request import FinishReason, Request, RequestStatus
-from engine_actors.step_extras import (new_prompt_logprobs, new_request, trim,
+from engine_actors.step_extras import (add_to_step, new_prompt_logprobs, new_request, trim,
                                        wants_prompt_logprobs)
-
-CONTINUE = -1  # "the token this row's previous step samples", resolved on the worker
-
 
 class RequestRejected(ValueError):
     """The request can never run (too long for the model or the KV pool)."""
@@ -62,8 +60,10 @@ class Batch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, budget: Budget, max_model_len: int,
-                 eos_token_ids: set[int], allow_continuation: bool = False):
+                 eos_token_ids: set[int], allow_continuation: bool = False,
+                 loras: LoRASlots | None = None):
         self.kv = kv
+        self.loras = loras  # LoRA adapter slots of the workers (None: no adapters)
         self.policy = policy
         self.budget = budget
         self.max_model_len = max_model_len
@@ -90,7 +90,8 @@ class Scheduler:
         return cls(kv, policy or make_policy(cfg.scheduling_policy),
                    Budget(cfg.max_batch_size, cfg.max_num_batched_tokens),
                    context_len(model_len, cfg.max_model_len, capacity), set(eos_token_ids),
-                   allow_continuation=continuation)
+                   allow_continuation=continuation,
+                   loras=LoRASlots(cfg.max_loras) if cfg.lora_enabled else None)
 
     @property
     def num_requests(self) -> int:
@@ -116,6 +117,8 @@ class Scheduler:
         """Put a request in the pool, or raise RequestRejected if it could never run."""
         if req.request_id in self.pool:
             raise RequestRejected(f"duplicate request id {req.request_id}")
+        if req.lora is not None and self.loras is None:
+            raise RequestRejected("LoRA adapters are not enabled on this server")
         if req.max_num_tokens > self.max_model_len:
             raise RequestRejected(
                 f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
@@ -151,7 +154,7 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         ready = [r for r in self.admitted.values() if self.is_ready(r)]
         selection = self.policy.select(ready, self.waiting, list(self.admitted.values()),
-                                       self.kv, self.budget)
+                                       self.kv, self.budget, self.loras)
         for victim in selection.preempt:
             self._preempt(victim)
         if not selection.batch:
@@ -161,9 +164,10 @@ class Scheduler:
         # every new request takes its cached blocks before any block is given out: giving
         # out blocks may evict unreferenced cached ones
         new = {id(item.request) for item in selection.batch if not item.request.is_admitted}
+        adapters = {item.request.lora.id for item in selection.batch if item.request.lora}
         for item in selection.batch:
             if id(item.request) in new:
-                self._admit(item.request, item.hits)
+                self._admit(item.request, item.hits, step, adapters)
         for index, item in enumerate(selection.batch):
             req, n = item.request, item.num_tokens
             start = req.num_computed_tokens
@@ -175,31 +179,22 @@ class Scheduler:
                 step.prompt_logprobs.append((index, req.sampling.prompt_logprobs, following))
                 batch.prompt_starts.append(start)
             self.kv.grow(req, start + n)
-            first_col = req.num_blocks_sent  # the workers' table row has blocks up to here
-            new_blocks = req.blocks[first_col:]
-            req.num_blocks_sent = len(req.blocks)
-            step.table_rows.extend([req.row] * len(new_blocks))
-            step.table_cols.extend(range(first_col, first_col + len(new_blocks)))
-            step.table_blocks.extend(new_blocks)
-            step.rows.append(req.row)
-            step.context_lens.append(start)
-            step.query_lens.append(n)
-            known = req.token_ids[start:start + n]
-            step.token_ids.extend(known)
-            step.token_ids.extend([CONTINUE] * (n - len(known)))
-            sample = start + n == req.num_tokens + req.num_inflight_samples
-            step.sample.append(sample)
-            req.num_inflight_samples += sample
+            req.num_inflight_samples += add_to_step(step, req, n)
             req.num_computed_tokens += n
             req.num_iterations += 1
             req.num_inflight_steps += 1
             req.status = RequestStatus.RUNNING
         return batch
 
-    def _admit(self, req: Request, hits: list[int]) -> None:
-        """Give `req` KV; its cached prefix counts as computed."""
+    def _admit(self, req: Request, hits: list[int], step: StepInput, adapters: set[int]) -> None:
+        """Give `req` KV (its cached prefix counts as computed) and its adapter's slot
+        (loaded first if it is not resident; `adapters` of this step stay resident)."""
         self.waiting.remove(req)
         self.kv.admit(req, self.policy.reservation(req), hits)
+        if req.lora is not None:
+            req.lora_slot, load = self.loras.acquire(req.lora, adapters)
+            if load:
+                step.lora_loads.append((req.lora_slot, req.lora.path, req.lora.scale))
         self.admitted[req.request_id] = req
         req.num_computed_tokens = len(hits) * self.kv.block_size
         if req.num_cached_tokens < 0:  # what its response reports: the first admission's
@@ -211,8 +206,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Its KV goes back to the pool: it starts over from its prompt and the tokens
         generated so far. Results of its steps still in flight are dropped."""
-        self.kv.free(req)
-        del self.admitted[req.request_id]
+        self._release(req)
         req.num_computed_tokens = 0
         req.num_inflight_samples = req.num_inflight_steps = 0
         req.status = RequestStatus.WAITING
@@ -279,10 +273,17 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def _release(self, req: Request) -> None:
+        """An admitted request gives back its KV, row and adapter slot."""
+        self.kv.free(req)
+        del self.admitted[req.request_id]
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = -1
+
     def _finish(self, req: Request, reason: FinishReason, tokens: list[int] | None = None):
         if req.is_admitted:
-            self.kv.free(req)
-            del self.admitted[req.request_id]
+            self._release(req)
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED

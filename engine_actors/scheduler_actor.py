@@ -1,11 +1,11 @@
 """The singleton scheduler actor: the engine's one address for its callers.
 
 It composes the iteration loop with worker recovery (`engine_loop`), the callers' outboxes
-(`outbox`) and background batches (`batches`); here are start-up, teardown and the calls.
-Every request carries its sink, and `_deliver` is the one place where outputs go out and
-finished requests are counted. An ingress replica submits with `add_requests` and holds one
-long-lived `stream` call that yields, once per iteration, the updates of all its requests,
-so the per-token cost does not grow with the number of requests.
+(`outbox`), background batches (`batches`) and LoRA adapters (`lora`); here are start-up,
+teardown and the calls. Every request carries its sink, and `_deliver` is the one place
+where outputs go out and finished requests are counted. An ingress replica submits with
+`add_requests` and holds one `stream` call that yields, once per iteration, the updates of
+all its requests, so the per-token cost does not grow with the number of requests.
 
 Lifetime: created on first use by an ingress replica (a named, detached actor, one per
 distinct configuration); it tears itself down, workers and placement group included, when
@@ -25,6 +25,7 @@ from engine_actors.batches import Batches
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
 from engine_actors.config import EngineConfig
 from engine_actors.engine_loop import EngineLoop, start_failure_cause
+from engine_actors.lora import Adapters
 from engine_actors.messages import BatchRequest, EngineRequest, Refusal
 from engine_actors.metrics import EngineMetrics
 from engine_actors.outbox import Outbox
@@ -47,6 +48,7 @@ class SchedulerActor:
         self.cfg = cfg
         self.engine: EngineLoop | None = None
         self.metrics = EngineMetrics(cfg.model_name)
+        self.adapters = Adapters(cfg, self.metrics.lora_request)  # LoRA adapters
         self.outboxes: dict[str, Outbox] = {}
         self.batches = Batches(self._add, self.abort,
                                lambda: load_tokenizer(resolve_model_path(cfg.model)))
@@ -54,8 +56,8 @@ class SchedulerActor:
         self._started: asyncio.Task | None = None
         self._start_error: str | None = None
         self._tasks: set[asyncio.Task] = set()  # background tasks, kept alive
-        # aborts that arrive before their add_requests was applied (Ray may reorder calls
-        # from different tasks, and adds wait for the engine to start): remembered, bounded
+        # aborts that arrive before their add_requests (Ray may reorder calls of different
+        # tasks; adds wait for the engine to start): remembered, bounded
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # ---- life cycle -------------------------------------------------------------------
@@ -71,8 +73,10 @@ class SchedulerActor:
 
     async def _start(self) -> None:
         try:
+            self.adapters.load_configured()
             self.engine = await EngineLoop.start(self.cfg, f"{actor_name(self.cfg)}-workers",
                                                  self.metrics, self._deliver)
+            self.adapters.slots = self.engine.scheduler.loras
             self._spawn(self._run())
         except Exception as e:
             self._start_error = start_failure_cause(e)
@@ -114,8 +118,7 @@ class SchedulerActor:
         if not self.outboxes:
             await self._teardown()
 
-    async def _teardown(self, delay_s: float = 0.0) -> None:
-        await asyncio.sleep(delay_s)
+    async def _teardown(self) -> None:
         logger.info("shutting the engine down")
         if self.engine is not None:
             self.engine.shutdown()
@@ -125,8 +128,8 @@ class SchedulerActor:
     # ---- requests ---------------------------------------------------------------------
     async def add_requests(self, client_id: str,
                            requests: list[EngineRequest]) -> list[Refusal | None]:
-        """Queue requests for this caller (they may join the same iteration); for each,
-        None or why it was refused."""
+        """Queue a caller's requests (one iteration may take them all); per request, None
+        or why it was refused."""
         await self.ready()
         outbox = self.outboxes.get(client_id) or self.outboxes.setdefault(client_id,
                                                                           Outbox(client_id))
@@ -141,10 +144,13 @@ class SchedulerActor:
         if scheduler.num_waiting >= self.cfg.max_queued_requests:
             return Refusal("queue_full", f"{scheduler.num_waiting} requests are already "
                            "waiting; retry later")
+        adapter = self.adapters.of(r.lora_name)  # counted per adapter
+        if isinstance(adapter, Refusal):
+            return adapter
         now = time.monotonic()
         deadline = now + r.deadline_ms / 1e3 if r.deadline_ms is not None else float("inf")
         req = Request(r.request_id, r.prompt_token_ids, r.sampling, now, sink,
-                      priority=r.priority, deadline=deadline)
+                      priority=r.priority, deadline=deadline, lora=adapter)
         try:
             scheduler.add(req)
         except RequestRejected as e:
@@ -174,9 +180,8 @@ class SchedulerActor:
             out.sink.deliver(out, error)
 
     async def stream(self, client_id: str, owner=None):
-        """Yields {request_id: RequestUpdate}: every output for this caller since the last
-        yield. `owner`: the caller's actor handle, watched (Ray does not end this call when
-        the caller dies)."""
+        """Yields this caller's outputs since the last yield (see Outbox). `owner`: its actor
+        handle, watched (Ray does not end this call when the caller dies)."""
         outbox = self.outboxes.setdefault(client_id, Outbox(client_id))
         try:
             async for batch in outbox.stream(owner, HEARTBEAT_S):
@@ -192,6 +197,10 @@ class SchedulerActor:
         if outbox is not None:
             self.abort(list(outbox.request_ids))
 
+    async def adapter_call(self, method: str, *args):  # lora.Adapters' load, unload, paths
+        await self.ready()
+        return getattr(self.adapters, method)(*args)
+
     # ---- background batches -------------------------------------------------------------
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
                            priority: int = 0) -> Refusal | None:
@@ -199,11 +208,9 @@ class SchedulerActor:
         return await self.batches.submit(batch_id, requests, priority,
                                          self.cfg.max_queued_requests)
 
-    def batch_status(self, batch_id: str) -> dict | None:
-        return self.batches.status(batch_id)
-
-    def cancel_batch(self, batch_id: str) -> dict | None:
-        return self.batches.cancel(batch_id)
+    def batch_call(self, method: str, batch_id: str) -> dict | None:
+        """Batches' `status` or `cancel` of one batch (None: no such batch)."""
+        return getattr(self.batches, method)(batch_id)
 
     async def batch_results(self, batch_id: str):
         async for results in self.batches.results(batch_id):
@@ -214,10 +221,9 @@ class SchedulerActor:
         state = "draining" if self.draining else "starting" if self.engine is None else \
             "recovering" if self.engine.is_recovering else "ready"
         return {"state": state, "num_clients": len(self.outboxes),
-                **(self.engine.stats() if self.engine else {})}
+                **(self.engine.stats() if self.engine else {}), **self.adapters.stats()}
 
-    async def health(self) -> dict:
-        """stats(), and whether every worker answers (a dead worker is not only slow)."""
+    async def health(self) -> dict:  # stats(), and whether every worker answers
         alive = bool(self.engine) and await self.engine.executor.all_alive()
         return {**self.stats(), "workers_alive": alive}
 
@@ -227,8 +233,7 @@ class SchedulerActor:
         return self.metrics.render()
 
     async def drain(self, timeout_s: float) -> None:
-        """Shutting down: refuse new requests, let running ones finish for up to timeout_s,
-        then end the rest with finish_reason "abort"."""
+        """Refuse new requests; end those still running after timeout_s ("abort")."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
         while self.engine and self.engine.scheduler.pool and time.monotonic() < deadline:
@@ -237,9 +242,8 @@ class SchedulerActor:
             self._deliver(self.engine.scheduler.fail_all(), None)  # plain finish "abort"
 
     async def executor_call(self, method: str, *args):
-        """Operations and diagnosis on the worker group (Executor's methods): `workers`
-        (handles, stage-major), `inject_fault(i)` (worker i raises in its next step),
-        `step_traces()`, `gpu_timeline(reset)`."""
+        """Operations and diagnosis on the workers (Executor's: `workers`, stage-major;
+        `inject_fault(i)`, worker i raises in its next step; `step_traces`, `gpu_timeline`)."""
         await self.ready()
         result = getattr(self.engine.executor, method)
         return await result(*args) if callable(result) else result

@@ -1,10 +1,37 @@
-"""What a step carries besides tokens, for the scheduler: a newly admitted request's
-settings for the workers, and the log-probabilities a request asked for (of its sampled
-tokens, and of its prompt positions, each delivered once even if it is recomputed)."""
+"""Building a step message, for the scheduler: one request's tokens and block-table deltas,
+a newly admitted request's settings for the workers, and the log-probabilities a request
+asked for (of its sampled tokens, and of its prompt positions, each delivered once even if
+it is recomputed)."""
 from __future__ import annotations
 
-from engine_actors.messages import NewRequest, ProcessorSettings, StepResult, TokenLogprobs
+from engine_actors.messages import (NewRequest, ProcessorSettings, StepInput, StepResult,
+                                    TokenLogprobs)
 from engine_actors.request import Request
+
+CONTINUE = -1  # "the token this row's previous step samples", resolved on the worker
+
+
+def add_to_step(step: StepInput, req: Request, n: int) -> bool:
+    """Append `req`'s next n tokens (from its computed ones on) to the step message: its
+    row, context and query lengths, token ids (CONTINUE for the one being sampled now) and
+    the block-table entries its workers' row lacks. True if the step samples its next
+    token."""
+    start = req.num_computed_tokens
+    first_col = req.num_blocks_sent  # the workers' table row has blocks up to here
+    new_blocks = req.blocks[first_col:]
+    req.num_blocks_sent = len(req.blocks)
+    step.table_rows.extend([req.row] * len(new_blocks))
+    step.table_cols.extend(range(first_col, first_col + len(new_blocks)))
+    step.table_blocks.extend(new_blocks)
+    step.rows.append(req.row)
+    step.context_lens.append(start)
+    step.query_lens.append(n)
+    known = req.token_ids[start:start + n]
+    step.token_ids.extend(known)
+    step.token_ids.extend([CONTINUE] * (n - len(known)))
+    sample = start + n == req.num_tokens + req.num_inflight_samples
+    step.sample.append(sample)
+    return sample
 
 
 def new_request(req: Request, eos_token_ids: set[int]) -> NewRequest:
@@ -17,7 +44,8 @@ def new_request(req: Request, eos_token_ids: set[int]) -> NewRequest:
             s.repetition_penalty, s.logit_bias, s.min_tokens, req.num_output_tokens, stops)
     return NewRequest(req.row, s.temperature, s.top_p, s.top_k, s.seed, req.num_output_tokens,
                       processors, -1 if s.logprobs is None else s.logprobs, s.grammar,
-                      req.token_ids[req.num_prompt_tokens:] if s.grammar else [])
+                      req.token_ids[req.num_prompt_tokens:] if s.grammar else [],
+                      req.lora_slot)
 
 
 def wants_prompt_logprobs(req: Request, start: int) -> bool:

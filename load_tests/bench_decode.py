@@ -40,19 +40,22 @@ VARIANTS = {
 }
 
 
-def new_request(row: int, variant: str, context_len: int) -> NewRequest:
+def new_request(row: int, variant: str, context_len: int, lora_slot: int = -1) -> NewRequest:
     extra = dict(VARIANTS[variant])
     if extra.pop("processors", False):
         extra["processors"] = ProcessorSettings(context_len, presence_penalty=0.5,
                                                 frequency_penalty=0.5, repetition_penalty=1.1)
-    return NewRequest(row, 0.0, 1.0, 0, None, **extra)
+    return NewRequest(row, 0.0, 1.0, 0, None, lora_slot=lora_slot, **extra)
 
 
 def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int,
-                variant: str = "plain") -> float:
-    """Mean ms per step over `iters` back-to-back steps, after warm-up."""
+                variant: str = "plain", lora_slots: list[int] | None = None) -> float:
+    """Mean ms per step over `iters` back-to-back steps, after warm-up; lora_slots: each
+    request's LoRA adapter slot (default: the base model)."""
     blocks_each = cdiv(context_len + iters + 8, runner.block_size)
-    first = StepInput(new_requests=[new_request(r, variant, context_len) for r in range(batch)],
+    slots = lora_slots or [-1] * batch
+    first = StepInput(new_requests=[new_request(r, variant, context_len, slots[r])
+                                    for r in range(batch)],
                       rows=list(range(batch)), context_lens=[context_len] * batch,
                       query_lens=[1] * batch, sample=[True] * batch, token_ids=[1] * batch,
                       table_rows=[r for r in range(batch) for _ in range(blocks_each)],

@@ -18,6 +18,7 @@ import asyncio
 import gc
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -33,11 +34,14 @@ def _sampling(r: TraceRequest):
     return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
 
 
-async def _replay(actor, trace: list[TraceRequest]) -> tuple[float, list[list[int]]]:
-    """Submit every request at t=0 in one call, wait for the last token; (seconds, outputs)."""
+async def _replay(actor, trace: list[TraceRequest], adapters: list[str] = ()
+                  ) -> tuple[float, list[list[int]]]:
+    """Submit every request at t=0 in one call, wait for the last token; (seconds, outputs).
+    With adapters, request i runs on adapter i mod len(adapters)."""
     from engine_actors.messages import EngineRequest
     from engine_actors.output_stream import run_requests
-    requests = [EngineRequest(f"r{i}", r.prompt_token_ids, _sampling(r))
+    requests = [EngineRequest(f"r{i}", r.prompt_token_ids, _sampling(r),
+                              lora_name=adapters[i % len(adapters)] if adapters else None)
                 for i, r in enumerate(trace)]
     start = time.perf_counter()
     results = await run_requests(actor, requests)
@@ -70,15 +74,17 @@ def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceReq
             started = time.perf_counter()
             info = await actor.ready.remote()
             startup = time.perf_counter() - started
-            await _replay(actor, warmup)
+            adapters = sorted(engine_args.get("lora_modules") or {})
+            await _replay(actor, warmup, adapters)
             await actor.executor_call.remote("gpu_timeline", True)
-            elapsed, outputs = await _replay(actor, trace)
+            timed_from = time.time()
+            elapsed, outputs = await _replay(actor, trace, adapters)
             timeline = await actor.executor_call.remote("gpu_timeline")
             stats = await actor.stats.remote()
             traces = await actor.executor_call.remote("step_traces")
-            return info, startup, elapsed, outputs, timeline, stats, traces
+            return info, startup, elapsed, outputs, timeline, stats, traces, timed_from
 
-        info, startup, elapsed, outputs, timeline, stats, traces = asyncio.run(run())
+        info, startup, elapsed, outputs, timeline, stats, traces, timed_from = asyncio.run(run())
         try:
             ray.get(actor.shutdown.remote())  # frees the workers' GPUs for the next system
         except ray.exceptions.RayActorError:
@@ -86,12 +92,19 @@ def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceReq
     finally:
         ray.shutdown()
     result = {"system": "orca", "elapsed_s": elapsed, "startup_s": startup,
+              "timed_from_unix_s": timed_from,
               "kv_blocks": stats["num_blocks"], "engine_args": engine_args,
               "worker_step_trace": _trace_summary(traces)}
     if timeline and timeline[0]:
         t = timeline[-1]  # the sampling worker
         result.update(num_steps=t["num_steps"], gpu_busy_s=t["gpu_busy_ms"] / 1e3,
                       gpu_idle_between_steps_s=t["gpu_idle_between_steps_ms"] / 1e3)
+        # the timed steps of the sampling worker (its trace keeps the last 256): host time
+        # to enqueue each, and from its launch (or the previous step's end) to its end
+        steps = traces[-1][-t["num_steps"]:]
+        result["step_enqueue_ms"] = [round((s[3] - s[2]) * 1e3, 2) for s in steps]
+        result["step_ms"] = [round((s[4] - max(s[2], p[4])) * 1e3, 2)
+                             for p, s in zip(steps, steps[1:])]
     return result, outputs
 
 
@@ -161,6 +174,9 @@ def main(argv=None) -> dict:
     p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size of this engine")
     p.add_argument("--label", default="orca", help="name of this engine's row")
     p.add_argument("--warmup", type=int, default=32, help="untimed requests before each system")
+    p.add_argument("--adapters", type=int, nargs="+", default=[0],
+                   help="run this engine once per count, requests spread over that many random "
+                        "rank-16 LoRA adapters (0: the base model, LoRA off)")
     p.add_argument("--out", help="write the JSON results here")
     args = p.parse_args(argv)
 
@@ -171,12 +187,20 @@ def main(argv=None) -> dict:
         ceilings = measure()
     results, outputs, failed = [], {}, []
     systems = args.systems.split(",")
-    if "orca" in systems:
+    for count in args.adapters if "orca" in systems else []:
         engine_args = dict(model=args.model, device=args.device, max_batch_size=args.max_batch_size,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
-        res, outputs[args.label] = run_orca(engine_args, trace, warmup)
-        res["system"] = args.label
+        label = args.label + (f"-lora{count}" if count else "")
+        with tempfile.TemporaryDirectory() as tmp:
+            if count:
+                from engine_actors.checkpoint import resolve_model_path
+                from load_tests.bench_lora import save_random_adapters
+                engine_args.update(enable_lora=True, max_loras=count, max_lora_rank=16,
+                                   lora_modules=save_random_adapters(
+                                       resolve_model_path(args.model), tmp, count, 16))
+            res, outputs[label] = run_orca(engine_args, trace, warmup)
+        res["system"] = label
         results.append(res)
     hf_systems = [s for s in systems if s.startswith("hf-")]
     num_params = 0

@@ -34,6 +34,9 @@ for part in $BENCH; do
         > "$OUT/$part${LABEL:-}.log" 2>&1; tail -8 "$OUT/$part${LABEL:-}.log"
       for f in /tmp/prof-$m${LABEL:-}/*/*.txt; do python3 -m load_tests.profile_summary --top 12 "$f"; done \
         > "$OUT/$part${LABEL:-}-profile.txt" 2>&1 ;;
+    lora-decode) python3 -m load_tests.bench_lora --model llama-8b --batch-size 64 --adapters 1 2 8 32 --out "$OUT/lora-decode-8b.json" > "$OUT/lora-decode-8b.log" 2>&1; tail -8 "$OUT/lora-decode-8b.log" ;;
+    lora-offline) python3 -m load_tests.bench_offline --model llama-8b --systems orca --adapters 0 8 --out "$OUT/lora-offline-8b.json" > "$OUT/lora-offline-8b.log" 2>&1; tail -5 "$OUT/lora-offline-8b.log" ;;
+    prefix-8b) python3 -m load_tests.bench_prefix --model llama-8b --duration "${DURATION:-30}" --out "$OUT/prefix-8b.json" > "$OUT/prefix-8b.log" 2>&1; tail -14 "$OUT/prefix-8b.log" ;;
     dist-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tee "$OUT/dist-tests.log" | tail -5 ;;
     dist-decode) for tp in 1 2; do timeout 240 python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp $tp --out "$OUT/decode-8b-tp$tp.json" > "/tmp/decode-tp$tp.log" 2>&1; tail -14 "/tmp/decode-tp$tp.log"; done ;;
     dist-offline) for c in ${CONFIGS:-1,1 1,2 2,1 2,2}; do tp=${c%,*}; pp=${c#*,}; timeout 300 python3 -m load_tests.bench_offline --model llama-8b --systems orca --tp $tp --pp $pp --label "orca-tp$tp-pp$pp" --out "$OUT/offline-8b-tp$tp-pp$pp.json" > "/tmp/offline-tp$tp-pp$pp.log" 2>&1; tail -1 "/tmp/offline-tp$tp-pp$pp.log"; done ;;

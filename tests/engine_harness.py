@@ -7,7 +7,8 @@ import torch
 
 from engine_actors.checkpoint import model_info
 from engine_actors.config import EngineConfig
-from engine_actors.request import Request, SamplingParams
+from engine_actors.lora import LoRARegistry
+from engine_actors.request import Request
 from engine_actors.scheduler import Scheduler
 from engine_actors.worker import Worker
 
@@ -25,18 +26,23 @@ class InProcessEngine:
         self.worker.init_kv_cache(num_blocks)
         self.scheduler = Scheduler.from_config(self.cfg, num_blocks, info.max_model_len,
                                                info.eos_token_ids)
+        self.loras = LoRARegistry(self.cfg.max_lora_rank)
+        for name, path in self.cfg.lora_modules.items():
+            self.loras.add(name, path)
         self.steps = []
         self.logprobs: dict[str, list] = {}  # request id -> per generated token, when asked
         self.prompt_logprobs: dict[str, list] = {}
 
-    def run(self, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]):
-        """arrivals: loop round -> requests added before it. Returns request id -> tokens."""
+    def run(self, arrivals: dict[int, list[tuple]]):
+        """arrivals: loop round -> requests (id, prompt, SamplingParams[, LoRA adapter name])
+        added before it. Returns request id -> tokens."""
         outputs: dict[str, list[int]] = {}
         in_flight = collections.deque()
         it = 0
         while it <= max(arrivals) or self.scheduler.pool:
-            for rid, prompt, sampling in arrivals.get(it, []):
-                self.scheduler.add(Request(rid, prompt, sampling, float(it)))
+            for rid, prompt, sampling, *lora in arrivals.get(it, []):
+                adapter = self.loras.adapters[lora[0]] if lora and lora[0] else None
+                self.scheduler.add(Request(rid, prompt, sampling, float(it), lora=adapter))
                 outputs[rid] = []
             it += 1
             while len(in_flight) < self.cfg.max_steps_in_flight:

@@ -87,11 +87,11 @@ async def run_in_waves(actor, requests, waves=3):
     """Submit in waves, each after tokens of the previous arrived (joins while batches are
     in flight); returns request id -> tokens."""
     stream = OutputStream(actor)
-    outputs = {rid: [] for rid, _, _ in requests}
+    outputs = {r[0]: [] for r in requests}
     unfinished = set(outputs)
     size = -(-len(requests) // waves)
-    pending = [[EngineRequest(*r) for r in requests[i:i + size]]
-               for i in range(0, len(requests), size)]
+    pending = [[EngineRequest(*r[:3], lora_name=r[3] if len(r) > 3 else None)
+                for r in requests[i:i + size]] for i in range(0, len(requests), size)]
     await stream.submit(pending.pop(0))
     try:
         async for rid, update in stream:
@@ -197,6 +197,28 @@ def test_tp_that_cannot_split_the_kv_heads_is_refused_at_start(ray_cluster, tmp_
                       num_key_value_heads=2)
     with pytest.raises(ray.exceptions.RayTaskError, match="multiple of the other"):
         start_engine(str(tmp_path), 3, 1)
+
+
+def test_lora_adapters_sharded_over_tp_and_pp_equal_transformers_peft(ray_cluster, checkpoint,
+                                                                      tmp_path):
+    """Two tensor-parallel ranks per stage shard A and B with their layer, two stages hold
+    their layers' adapters: the tokens of each adapter (and the base model) equal peft's."""
+    pytest.importorskip("peft")
+    from tests.test_lora import peft_greedy, save_adapter
+    paths = {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
+    save_adapter(checkpoint, paths["a"], 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
+    save_adapter(checkpoint, paths["b"], 8, 8, ["gate_proj", "up_proj", "down_proj", "v_proj"],
+                 seed=2)
+    requests = [(rid, prompt, sampling, [None, "a", "b"][i % 3])
+                for i, (rid, prompt, sampling) in enumerate(workload(seed=6, n=12))]
+    actor = start_engine(checkpoint, 2, 2, lora_modules=paths, max_lora_rank=8)
+    try:
+        outputs = asyncio.run(run_in_waves(actor, requests))
+    finally:
+        stop_engine(actor)
+    for rid, prompt, sampling, adapter in requests:
+        expected = peft_greedy(checkpoint, paths.get(adapter), prompt, sampling.max_tokens)
+        assert outputs[rid] == expected, (rid, adapter)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ ColumnParallelLinear splits the output features over the stage's ranks, and may 
 checkpoint projections (q/k/v, gate/up) into one matmul. Each part is split by heads, and a
 part with fewer heads than ranks (GQA's K/V with tp_size > num_kv_heads) is replicated.
 RowParallelLinear splits the input features and all-reduces the partial sums. With tp_size 1
-both are plain linears.
+both are plain linears. Either may carry LoRA slots (`lora`, see layers/lora.py): each
+token's low-rank update is added to the output (to the partial sums, before the reduce).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_actors.layers.lora import LoRAWeights, add_lora
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 
 
@@ -37,20 +39,27 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.part_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.lora: LoRAWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        return out if self.lora is None else add_lora(out, x, self.lora)
 
-    def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        part = shard or 0
+    def local_rows(self, tensor: torch.Tensor, part: int) -> tuple[int, torch.Tensor]:
+        """This rank's rows of one part's full tensor (by output feature), and where they go
+        in the stacked output."""
         heads, head_size = self.parts[part]
         local = self.local_heads[part]
         if heads >= self.parallel.tp_size:
             first_head, _ = shard_range(heads, self.parallel.tp_rank, self.parallel.tp_size)
         else:  # replicated: ranks share heads in order
             first_head = self.parallel.tp_rank * heads // self.parallel.tp_size
-        src = tensor.narrow(0, first_head * head_size, local * head_size)
-        start = sum(self.part_sizes[:part])
+        return (sum(self.part_sizes[:part]),
+                tensor.narrow(0, first_head * head_size, local * head_size))
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        part = shard or 0
+        start, src = self.local_rows(tensor, part)
         _copy(getattr(self, name).data.narrow(0, start, self.part_sizes[part]), src)
 
 
@@ -62,13 +71,21 @@ class RowParallelLinear(nn.Module):
         self.in_start, local_in = shard_range(in_features, parallel.tp_rank, parallel.tp_size)
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.lora: LoRAWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.parallel.all_reduce(F.linear(x, self.weight))  # partial sums -> full
+        out = F.linear(x, self.weight)
+        if self.lora is not None:  # A holds this rank's input columns: a partial sum too
+            out = add_lora(out, x, self.lora)
+        out = self.parallel.all_reduce(out)  # partial sums -> full
         return out if self.bias is None else out + self.bias
+
+    def local_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's columns (input features) of a full [*, in_features] tensor."""
+        return tensor.narrow(1, self.in_start, self.weight.shape[1])
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if name == "bias":
             _copy(self.bias.data, tensor)
         else:
-            _copy(self.weight.data, tensor.narrow(1, self.in_start, self.weight.shape[1]))
+            _copy(self.weight.data, self.local_columns(tensor))

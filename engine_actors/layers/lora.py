@@ -1,0 +1,110 @@
+"""LoRA slots on the linear layers of a worker, and the tiles of the current step.
+
+Each LoRA-capable projection (the merged q/k/v and gate/up, o, down) holds `num_slots`
+slots of A [R_total, in] and B [out, R_total] on its device, this rank's shard of them: a
+merged projection stacks its parts' ranks (B is block-diagonal), and padding ranks and
+projections an adapter does not target stay zero. The runner loads an adapter into a slot
+when the step message says so (`load_adapter`) and sets the step's tiles before the forward
+(`set_batch`): the step's tokens grouped by slot, from each table row's slot.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.lora import lora_ref, lora_triton
+
+# a PEFT target -> (the module of a decoder layer that holds it, its part in that module)
+MODULES = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+           "down_proj": ("mlp.down_proj", 0)}
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    order: torch.Tensor  # int32 on the device: the adapter tokens grouped by slot
+    tiles: torch.Tensor  # [n, 3] int32 on the device: (first, end, slot) over order
+    token_slots: np.ndarray | None  # host: each token's slot (-1: none); None under a graph
+
+
+_batch: LoRABatch | None = None
+
+
+def set_batch(batch: LoRABatch | None) -> None:
+    global _batch
+    _batch = batch
+
+
+class LoRAWeights:
+    def __init__(self, num_slots: int, rank: int, num_parts: int, in_features: int,
+                 out_features: int, dtype: torch.dtype, device: torch.device):
+        self.rank = rank  # per part
+        self.a = torch.zeros(num_slots, num_parts * rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_features, num_parts * rank, dtype=dtype, device=device)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
+    """y += each token's low-rank update, in place (tokens without an adapter: nothing)."""
+    batch = _batch
+    if batch is None:
+        return y
+    if y.is_cuda:
+        if batch.token_slots is not None and not batch.tiles.shape[0]:
+            return y  # an eager step without adapter tokens
+        return lora_triton(y, x, w.a, w.b, batch.order, batch.tiles)
+    return lora_ref(y, x, w.a, w.b, batch.token_slots)
+
+
+def attach(model, num_slots: int, rank: int) -> None:
+    """Give every LoRA-capable projection of this stage's layers its slots."""
+    for layer in model.layers.values():
+        for path in {m for m, _ in MODULES.values()}:
+            module = layer.get_submodule(path)
+            out_features, in_features = module.weight.shape
+            module.lora = LoRAWeights(num_slots, rank, len(getattr(module, "parts", [0])),
+                                      in_features, out_features, module.weight.dtype,
+                                      module.weight.device)
+
+
+def load_adapter(model, slot: int, path: str, scale: float) -> None:
+    """Fill `slot` with the adapter at `path` (PEFT's safetensors; the scheduler checked its
+    config), this stage's layers and this rank's shards; B takes the scale."""
+    from safetensors import safe_open
+    layers = list(model.layers.values())
+    for layer in layers:
+        for module_path, _ in MODULES.values():
+            lora = layer.get_submodule(module_path).lora
+            lora.a[slot].zero_()
+            lora.b[slot].zero_()
+    with safe_open(os.path.join(path, "adapter_model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            names = key.split(".")
+            kind = next((n for n in names if n in ("lora_A", "lora_B")), None)
+            if kind is None or "layers" not in names:
+                raise ValueError(f"LoRA adapter {path}: unexpected tensor {key}")
+            layer_id = names[names.index("layers") + 1]
+            target = names[names.index(kind) - 1]
+            if layer_id not in model.layers:
+                continue  # another pipeline stage's layer
+            module_path, part = MODULES[target]
+            module = model.layers[layer_id].get_submodule(module_path)
+            lora = module.lora
+            tensor = f.get_tensor(key).to(lora.a.dtype)
+            if kind == "lora_A":  # [r, in]
+                r = tensor.shape[0]
+                if hasattr(module, "local_columns"):  # row-parallel: this rank's inputs
+                    tensor = module.local_columns(tensor)
+                lora.a[slot, part * lora.rank:part * lora.rank + r] = tensor
+            else:  # [out, r]
+                r = tensor.shape[1]
+                cols = slice(part * lora.rank, part * lora.rank + r)
+                tensor = tensor * scale
+                if hasattr(module, "local_rows"):  # column-parallel: this rank's outputs
+                    start, rows = module.local_rows(tensor, part)
+                    lora.b[slot, start:start + rows.shape[0], cols] = rows
+                else:
+                    lora.b[slot, :, cols] = tensor

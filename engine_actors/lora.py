@@ -1,0 +1,233 @@
+"""LoRA adapters on the scheduler's side: which adapters exist, and which device slot holds
+which adapter.
+
+An adapter is a PEFT directory (`adapter_config.json`, `adapter_model.safetensors`). The
+registry checks it once, when it is added, and gives it a fresh id: a request carries its
+adapter's info, and the id keys the request's prefix-cache entries (an adapter loaded again
+under the same name never reuses the old one's KV). Workers hold `max_loras` slots of
+weights; `LoRASlots` assigns adapters to slots on demand, evicts the least recently used
+slot that no admitted request uses, and tells the workers what to load through the step
+message. A request whose adapter cannot get a slot waits; it is never refused for that.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from engine_actors.messages import Refusal
+
+# the projections an adapter may target (q/k/v/o and the MLP's gate/up/down)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    name: str
+    path: str
+    rank: int
+    scale: float  # lora_alpha / r (or / sqrt(r) with rsLoRA), folded into B when loaded
+    targets: tuple[str, ...]
+    id: int  # unique per registration
+
+    @property
+    def cache_salt(self) -> str:
+        return f"lora-{self.id}"
+
+
+def read_adapter(name: str, path: str, max_rank: int, adapter_id: int) -> AdapterInfo:
+    """Check a PEFT LoRA directory; LoRAError naming what is wrong."""
+    config_file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_file):
+        raise LoRAError(f"LoRA adapter {name!r}: no adapter_config.json in {path!r}")
+    if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+        raise LoRAError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {path!r}")
+    try:
+        with open(config_file) as f:
+            cfg = json.load(f)
+    except ValueError as e:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not JSON: {e}") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise LoRAError(f"LoRA adapter {name!r}: bad rank r={rank!r}")
+    if rank > max_rank:
+        raise LoRAError(f"LoRA adapter {name!r} has rank {rank}, over max_lora_rank "
+                        f"{max_rank}; restart with a larger max_lora_rank")
+    unsupported = [k for k, bad in [("use_dora", True), ("fan_in_fan_out", True)]
+                   if cfg.get(k) is bad]
+    if cfg.get("modules_to_save"):
+        unsupported.append("modules_to_save")
+    if cfg.get("bias", "none") != "none":
+        unsupported.append(f"bias={cfg['bias']!r}")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        unsupported.append("rank_pattern/alpha_pattern")
+    if unsupported:
+        raise LoRAError(f"LoRA adapter {name!r}: {', '.join(unsupported)} not supported")
+    targets = cfg.get("target_modules")
+    if targets == "all-linear":
+        targets = list(TARGETS)
+    if isinstance(targets, str) or not targets:
+        raise LoRAError(f"LoRA adapter {name!r}: target_modules must list module names, "
+                        f"got {targets!r}")
+    others = sorted(set(targets) - set(TARGETS))
+    if others:
+        raise LoRAError(f"LoRA adapter {name!r}: target modules {others} not supported "
+                        f"(supported: {', '.join(TARGETS)})")
+    alpha = cfg.get("lora_alpha", rank)
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return AdapterInfo(name, os.path.abspath(path), rank, float(scale),
+                       tuple(t for t in TARGETS if t in targets), adapter_id)
+
+
+class LoRARegistry:
+    """The adapters requests may name."""
+
+    def __init__(self, max_rank: int):
+        self.max_rank = max_rank
+        self.adapters: dict[str, AdapterInfo] = {}
+        self._ids = itertools.count(1)
+
+    def add(self, name: str, path: str, reserved: set[str] = frozenset()) -> AdapterInfo:
+        if not name or name in reserved:
+            raise LoRAError(f"{name!r} cannot name a LoRA adapter")
+        if name in self.adapters:
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded")
+        info = read_adapter(name, path, self.max_rank, next(self._ids))
+        self.adapters[name] = info
+        return info
+
+    def remove(self, name: str) -> AdapterInfo:
+        try:
+            return self.adapters.pop(name)
+        except KeyError:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded") from None
+
+
+class LoRASlots:
+    """Device slots of adapter weights: which adapter each holds, how many admitted requests
+    use it, and the least recently used unused ones (evicted first)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.adapter: list[AdapterInfo | None] = [None] * num_slots
+        self.refs = [0] * num_slots
+        self._slot_of: dict[int, int] = {}  # adapter id -> slot
+        self._unused: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (s, None) for s in range(num_slots))  # least recently used first
+
+    def has_room_for(self, info: AdapterInfo, planned: set[int]) -> bool:
+        """Can a request of `info` be admitted now, beside those of the adapters `planned`
+        (ids) that this iteration's earlier picks start?"""
+        if info.id in planned:
+            return True
+        slot = self._slot_of.get(info.id)
+        if slot is None or self.refs[slot] == 0:  # it needs an unused slot to itself
+            taken = sum(1 for i in planned
+                        if (s := self._slot_of.get(i)) is None or self.refs[s] == 0)
+            return len(self._unused) - taken > 0
+        return True
+
+    def acquire(self, info: AdapterInfo, keep: set[int] = frozenset()) -> tuple[int, bool]:
+        """The slot of `info` for one more request, and whether the workers must load it
+        there first (it was not resident). `keep`: adapter ids whose unused slots must not
+        be evicted now (others of this iteration use them)."""
+        slot = self._slot_of.get(info.id)
+        load = slot is None
+        if load:  # a free slot, or the least recently used one that is not kept
+            slot = next(s for s in self._unused
+                        if self.adapter[s] is None or self.adapter[s].id not in keep)
+            del self._unused[slot]
+            old = self.adapter[slot]
+            if old is not None:
+                del self._slot_of[old.id]
+            self.adapter[slot] = info
+            self._slot_of[info.id] = slot
+        elif self.refs[slot] == 0:
+            del self._unused[slot]
+        self.refs[slot] += 1
+        return slot, load
+
+    def release(self, slot: int) -> None:
+        self.refs[slot] -= 1
+        if self.refs[slot] == 0:
+            self._unused[slot] = None  # most recently used
+
+    def forget(self, info: AdapterInfo) -> None:
+        """`info` was unloaded: its slot goes first once unused (requests already admitted
+        with it finish)."""
+        slot = self._slot_of.pop(info.id, None)
+        if slot is not None:
+            self.adapter[slot] = None
+            if self.refs[slot] == 0:
+                self._unused.move_to_end(slot, last=False)
+
+    @property
+    def resident(self) -> list[str]:
+        return [a.name for a in self.adapter if a is not None]
+
+
+class Adapters:
+    """The scheduler actor's adapter operations: the registry requests name adapters from,
+    loading and unloading at run time, and what /health shows."""
+
+    def __init__(self, cfg, on_request=lambda name: None):
+        self.cfg = cfg
+        self.on_request = on_request  # counts a request of an adapter (by name)
+        self.registry = LoRARegistry(cfg.max_lora_rank)
+        self.slots: LoRASlots | None = None  # the scheduler's, once the engine is up
+
+    def load_configured(self) -> None:
+        """The lora_modules arg's adapters (LoRAError fails the start)."""
+        for name, path in self.cfg.lora_modules.items():
+            self.registry.add(name, path, reserved={self.cfg.model_name})
+
+    def of(self, name: str | None) -> AdapterInfo | Refusal | None:
+        """The adapter a request names (None: the base model), or why it cannot run."""
+        if name is None:
+            return None
+        info = self.registry.adapters.get(name)
+        if info is None:
+            return Refusal("unknown_model", f"The model `{name}` does not exist.")
+        self.on_request(name)
+        return info
+
+    def load(self, name: str, path: str) -> Refusal | None:
+        if not self.cfg.lora_enabled:
+            return Refusal("lora_disabled", "LoRA adapters are not enabled on this server "
+                           "(start it with enable_lora: true)")
+        try:
+            self.registry.add(name, path, reserved={self.cfg.model_name})
+        except LoRAError as e:
+            return Refusal("invalid_adapter", str(e))
+        return None
+
+    def unload(self, name: str) -> Refusal | None:
+        """New requests may no longer name it; those already queued finish."""
+        try:
+            info = self.registry.remove(name)
+        except LoRAError as e:
+            return Refusal("unknown_model", str(e))
+        if self.slots is not None:
+            self.slots.forget(info)
+        return None
+
+    def paths(self) -> dict[str, str]:
+        """name -> directory of every adapter requests may name."""
+        return {name: info.path for name, info in self.registry.adapters.items()}
+
+    def stats(self) -> dict:
+        """For /health: the adapters requests may name, and those on the device."""
+        if not self.cfg.lora_enabled:
+            return {}
+        return {"lora_adapters": {"loaded": sorted(self.registry.adapters),
+                                  "resident": self.slots.resident if self.slots else []}}

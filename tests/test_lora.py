@@ -1,0 +1,210 @@
+"""LoRA adapters: greedy fp32 parity with transformers + peft for requests of three
+adapters (different ranks and targets) and of the base model mixed in the same iterations;
+the slot pool (LRU eviction, waiting for a slot); the Triton kernels against their torch
+reference; adapters that cannot be served refused clearly."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine_actors.checkpoint import save_random_llama
+from engine_actors.lora import AdapterInfo, LoRAError, LoRARegistry, LoRASlots
+from engine_actors.request import SamplingParams
+from kernels.lora import group_tokens, lora_ref, lora_triton, max_tiles
+from tests.engine_harness import InProcessEngine, hf_greedy
+
+peft = pytest.importorskip("peft")
+
+# name -> (rank, alpha, targets)
+ADAPTERS = {"sql": (2, 4, ["q_proj", "v_proj"]),
+            "chat": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"]),
+            "code": (4, 8, ["o_proj", "gate_proj", "down_proj"])}
+
+
+def save_adapter(base_dir: str, out_dir: str, rank: int, alpha: int, targets: list[str],
+                 seed: int) -> None:
+    """A random PEFT LoRA adapter (B random too, so it changes the outputs)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                          init_lora_weights=False)
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():  # small updates: the adapted model stays a plausible LM
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.3)
+    model.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = str(root / "base")
+    save_random_llama(base, seed=5)
+    paths = {}
+    for i, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
+        paths[name] = str(root / name)
+        save_adapter(base, paths[name], rank, alpha, targets, seed=10 + i)
+    return base, paths
+
+
+def peft_greedy(base: str, adapter: str | None, prompt: list[int], n: int) -> list[int]:
+    """transformers + peft generate(), greedy, fp32 (the base model for adapter None)."""
+    if adapter is None:
+        return hf_greedy(base, prompt, n)
+    key = ("peft", adapter)
+    if key not in _peft_models:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        _peft_models[key] = peft.PeftModel.from_pretrained(model, adapter).eval()
+    model = _peft_models[key]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+_peft_models: dict = {}
+
+
+def test_adapters_change_the_model(models):
+    base, paths = models
+    prompt = list(range(40, 60))
+    outs = {name: peft_greedy(base, path, prompt, 8) for name, path in paths.items()}
+    outs["base"] = peft_greedy(base, None, prompt, 8)
+    assert len({tuple(o) for o in outs.values()}) == 4, outs  # the test can tell them apart
+
+
+@pytest.mark.parametrize("device,overlap", [
+    ("cpu", True), ("cpu", False),
+    pytest.param("cuda", True, marks=pytest.mark.gpu)])  # Triton kernels, CUDA graphs
+def test_mixed_adapters_match_transformers_peft(models, device, overlap):
+    """Three adapters and the base model in the same iterations, ragged prompts arriving over
+    time, two slots for three adapters (adapters are evicted and requests wait for a slot)."""
+    base, paths = models
+    engine = InProcessEngine(device, model=base, dtype="float32", lora_modules=paths,
+                             max_loras=2, max_lora_rank=8,
+                             max_batch_size=8, block_size=4, max_num_batched_tokens=64,
+                             max_num_tokens=2048, async_scheduling=overlap)
+    rng = random.Random(2)
+    shared = [rng.randrange(256) for _ in range(12)]  # same tokens, different adapters
+    arrivals, expected = {}, {}
+    for i in range(18):
+        adapter = [None, "sql", "chat", "code"][i % 4]
+        prompt = (shared if i < 8 else []) + [rng.randrange(256)
+                                               for _ in range(rng.randint(1, 30))]
+        n = rng.randint(1, 16)
+        sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        arrivals.setdefault(rng.randint(0, 12), []).append((f"r{i}", prompt, sampling, adapter))
+        expected[f"r{i}"] = peft_greedy(base, paths.get(adapter), prompt, n)
+    outputs = engine.run(arrivals)
+    for rid, tokens in expected.items():
+        assert outputs[rid] == tokens, rid
+    # some iteration ran tokens of two adapters and the base model together
+    slot_of_row: dict[int, int] = {}
+    mixed = False
+    for step in engine.steps:
+        for r in step.new_requests:
+            slot_of_row[r.row] = r.lora_slot
+        slots = {slot_of_row[row] for row in step.rows}
+        mixed |= len(slots) >= 3 and -1 in slots
+    assert mixed, "no iteration mixed adapters with the base model"
+    loads = [load for step in engine.steps for load in step.lora_loads]
+    assert len(loads) > 2, "three adapters in two slots: some adapter was loaded again"
+    s = engine.scheduler
+    assert s.kv.num_free_blocks == s.kv.num_blocks and sum(s.loras.refs) == 0
+    if device == "cuda":
+        assert engine.worker.runner.num_graph_replays > 0
+
+
+def test_adapter_over_max_rank_and_unsupported_ones_are_refused(models, tmp_path):
+    base, paths = models
+    registry = LoRARegistry(max_rank=4)
+    with pytest.raises(LoRAError, match="rank 8, over max_lora_rank 4"):
+        registry.add("chat", paths["chat"])
+    registry.add("sql", paths["sql"])
+    with pytest.raises(LoRAError, match="already loaded"):
+        registry.add("sql", paths["code"])
+    with pytest.raises(LoRAError, match="no adapter_config.json"):
+        registry.add("nothing", str(tmp_path))
+    cfg = json.loads(open(f"{paths['code']}/adapter_config.json").read())
+    for change, message in [({"use_dora": True}, "use_dora"),
+                            ({"target_modules": ["embed_tokens"]}, "embed_tokens"),
+                            ({"modules_to_save": ["lm_head"]}, "modules_to_save")]:
+        bad = tmp_path / next(iter(change))
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+        (bad / "adapter_model.safetensors").write_bytes(b"")
+        with pytest.raises(LoRAError, match=message):
+            registry.add(bad.name, str(bad))
+    assert registry.remove("sql").name == "sql"
+    with pytest.raises(LoRAError, match="no LoRA adapter named"):
+        registry.remove("sql")
+
+
+def info(i: int) -> AdapterInfo:
+    return AdapterInfo(f"a{i}", "/x", 4, 1.0, ("q_proj",), i)
+
+
+def test_slots_evict_the_least_recently_used_unused_adapter():
+    slots = LoRASlots(2)
+    assert slots.acquire(info(1)) == (0, True)
+    assert slots.acquire(info(2)) == (1, True)
+    assert slots.acquire(info(1)) == (0, False)  # resident: no load
+    assert not slots.has_room_for(info(3), set())  # both slots in use: a3 waits
+    slots.release(0)
+    slots.release(0)
+    slots.release(1)
+    # a2's slot was released last: a1's is the least recently used and goes first
+    assert slots.has_room_for(info(3), set())
+    assert slots.acquire(info(3)) == (0, True)
+    assert slots.acquire(info(2)) == (1, False)
+    slots.release(1)
+    # a kept adapter's unused slot is not evicted for a load of the same iteration
+    assert not slots.has_room_for(info(4), {2})
+    slots.release(0)
+    assert slots.acquire(info(4), keep={3}) == (1, True)
+    assert slots.resident == ["a3", "a4"]
+
+
+# CPU: the Triton interpreter in fp32. GPU: compiled, in bf16 and fp32.
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float32, id="interpreter-fp32"),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.gpu)])
+def test_lora_kernels_match_the_reference(device, dtype):
+    torch.manual_seed(0)
+    # prefill and decode of three adapters and the base model, interleaved; slot 0 has more
+    # than one tile of tokens
+    lens, slots = [1, 37, 1, 5, 16, 1, 3], [2, 0, -1, 1, 2, 0, -1]
+    token_slots = np.repeat(slots, lens)
+    t, k, n, r = len(token_slots), 600, 200, 24  # K split over 3 programs, the last partial
+    x = torch.randn(t, k, device=device, dtype=dtype)
+    a = torch.randn(3, r, k, device=device, dtype=dtype) / 8
+    b = torch.randn(3, n, r, device=device, dtype=dtype) / 8
+    y = torch.randn(t, n, device=device, dtype=dtype)
+    order, tiles = group_tokens(token_slots)
+    assert len(tiles) == 6 and len(tiles) <= max_tiles(t, 3)  # 38, 5 and 17 tokens
+    # a graph's padding: empty tiles and unused order entries
+    tiles += [(0, 0, -1)] * 3
+    order = np.concatenate([order, np.zeros(t - len(order), np.int32)])
+    expected = y.clone().float()
+    for i, slot in enumerate(token_slots):  # token by token, from the definition
+        if slot >= 0:
+            expected[i] += (x[i].float() @ a[slot].float().T) @ b[slot].float().T
+    out = lora_triton(y.clone(), x, a, b, torch.tensor(order, device=device),
+                      torch.tensor(tiles, dtype=torch.int32, device=device))
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=5e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
+    base = torch.from_numpy(token_slots < 0).to(device)
+    assert torch.equal(out[base], y[base])  # the base model's tokens: untouched
+    ref = lora_ref(y.clone().float(), x.float(), a.float(), b.float(), token_slots)
+    torch.testing.assert_close(ref, expected, rtol=1e-4, atol=1e-4)  # the base model's token: untouched
