@@ -26,6 +26,7 @@ from starlette.routing import Route
 from deployments.auth import APIKeyMiddleware
 from deployments.batch_api import BatchAPI
 from deployments.frontend import Frontend
+from deployments.finetune_api import FineTuningAPI
 from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
@@ -50,7 +51,7 @@ class OpenAIIngress:
         routes = [Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"])]
         routes += OpenAIRoutes(self.frontend).routes() + BatchAPI(self.frontend).routes()
-        routes += ModelsAPI(self.frontend).routes()
+        routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
         # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
         handlers = {HTTPException: self._http_error, Exception: self._internal_error,

@@ -77,6 +77,15 @@ class EngineConfig:
     lora_modules: dict[str, str] = Field(default_factory=dict)
     max_loras: PositiveInt = 4  # adapters resident on the device at once (a slot each)
     max_lora_rank: PositiveInt = 16
+    # Fine-tuning jobs (POST /v1/fine_tuning/jobs) train LoRA adapters when serving leaves
+    # the GPU idle (implies LoRA serving: a finished job's adapter is served at once). A
+    # waiting request is deferred for a training step only while its wait plus the step's
+    # measured time stays within finetune_deferral_ms; a micro-batch holds at most
+    # finetune_max_tokens tokens; adapters are saved under finetune_dir (default: a temp dir).
+    enable_finetuning: bool = False
+    finetune_deferral_ms: PositiveFloat = 200.0
+    finetune_max_tokens: PositiveInt = 2048
+    finetune_dir: str | None = None
 
     # Tool calls: the output format to parse ("auto": from the chat template, else the
     # architecture: hermes for Qwen and templates with <tool_call>, llama3_json for Llama).
@@ -120,7 +129,7 @@ class EngineConfig:
 
     @property
     def lora_enabled(self) -> bool:
-        return self.enable_lora or bool(self.lora_modules)
+        return self.enable_lora or bool(self.lora_modules) or self.enable_finetuning
 
     @property
     def model_name(self) -> str:

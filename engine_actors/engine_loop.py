@@ -49,6 +49,7 @@ class EngineLoop:
         self.num_steps = 0
         self.last_tick = time.monotonic()  # the loop's heartbeat
         self.is_recovering = False
+        self.finetuning = None  # FineTuning: jobs that run in idle time (finetune_jobs.py)
         self._wake = asyncio.Event()
 
     @classmethod
@@ -90,6 +91,10 @@ class EngineLoop:
             expired = self.scheduler.expire(time.monotonic())
             if expired:
                 self.deliver(expired, DEADLINE_MISSED)
+            if not in_flight and self.finetuning is not None \
+                    and self.finetuning.wants_step(self.scheduler, time.monotonic()):
+                await self.finetuning.step(self.executor)  # waiting requests are deferred
+                continue
             while len(in_flight) < self.depth:
                 preempted = self.scheduler.num_preemptions
                 batch = self.scheduler.schedule()

@@ -102,6 +102,10 @@ class Executor:
         results = await asyncio.gather(*refs)
         return results[self.result_index]
 
+    async def finetune(self, method: str, *args):
+        """A fine-tuning call on the worker (one worker: see engine_actors/finetune.py)."""
+        return await self.workers[0].finetune.remote(method, *args)
+
     async def all_alive(self, timeout_s: float = 5.0) -> bool:
         try:
             await asyncio.wait_for(asyncio.gather(*[w.__ray_ready__.remote()

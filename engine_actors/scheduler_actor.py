@@ -1,7 +1,8 @@
 """The singleton scheduler actor: the engine's one address for its callers.
 
 It composes the iteration loop with worker recovery (`engine_loop`), the callers' outboxes
-(`outbox`), background batches (`batches`) and LoRA adapters (`lora`); here are start-up,
+(`outbox`), background batches (`batches`), LoRA adapters (`lora`) and fine-tuning jobs in
+idle time (`finetune_jobs`); here are start-up,
 teardown and the calls. Every request carries its sink, and `_deliver` is the one place
 where outputs go out and finished requests are counted. An ingress replica submits with
 `add_requests` and holds one `stream` call that yields, once per iteration, the updates of
@@ -25,6 +26,7 @@ from engine_actors.batches import Batches
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
 from engine_actors.config import EngineConfig
 from engine_actors.engine_loop import EngineLoop, start_failure_cause
+from engine_actors.finetune_jobs import FineTuning
 from engine_actors.lora import Adapters
 from engine_actors.messages import BatchRequest, EngineRequest, Refusal
 from engine_actors.metrics import EngineMetrics
@@ -49,6 +51,7 @@ class SchedulerActor:
         self.engine: EngineLoop | None = None
         self.metrics = EngineMetrics(cfg.model_name)
         self.adapters = Adapters(cfg, self.metrics.lora_request)  # LoRA adapters
+        self.finetuning = FineTuning(cfg, self.adapters) if cfg.enable_finetuning else None
         self.outboxes: dict[str, Outbox] = {}
         self.batches = Batches(self._add, self.abort,
                                lambda: load_tokenizer(resolve_model_path(cfg.model)))
@@ -77,6 +80,7 @@ class SchedulerActor:
             self.engine = await EngineLoop.start(self.cfg, f"{actor_name(self.cfg)}-workers",
                                                  self.metrics, self._deliver)
             self.adapters.slots = self.engine.scheduler.loras
+            self.engine.finetuning = self.finetuning
             self._spawn(self._run())
         except Exception as e:
             self._start_error = start_failure_cause(e)
@@ -201,6 +205,15 @@ class SchedulerActor:
         await self.ready()
         return getattr(self.adapters, method)(*args)
 
+    async def finetune_call(self, method: str, *args):
+        """FineTuning's add_file, file, create, job, list_jobs, events, cancel."""
+        await self.ready()
+        if method == "create":
+            self.engine.wake()  # an idle loop starts training at once
+        if method == "cancel":
+            return await self.finetuning.cancel(*args, self.engine.executor)
+        return getattr(self.finetuning, method)(*args)
+
     # ---- background batches -------------------------------------------------------------
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
                            priority: int = 0) -> Refusal | None:
@@ -221,11 +234,16 @@ class SchedulerActor:
         state = "draining" if self.draining else "starting" if self.engine is None else \
             "recovering" if self.engine.is_recovering else "ready"
         return {"state": state, "num_clients": len(self.outboxes),
-                **(self.engine.stats() if self.engine else {}), **self.adapters.stats()}
+                **(self.engine.stats() if self.engine else {}), **self.adapters.stats(),
+                **(self.finetuning.stats() if self.finetuning else {})}
 
     async def health(self) -> dict:  # stats(), and whether every worker answers
         alive = bool(self.engine) and await self.engine.executor.all_alive()
-        return {**self.stats(), "workers_alive": alive}
+        health = {**self.stats(), "workers_alive": alive}
+        if self.finetuning and alive:  # the trainers' device memory, as the worker counts it
+            health["finetuning"]["worker_state_bytes"] = \
+                await self.engine.executor.finetune("resident", "")
+        return health
 
     def metrics_text(self) -> bytes:
         if self.engine is not None:

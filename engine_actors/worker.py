@@ -22,6 +22,7 @@ from engine_actors.checkpoint import resolve_model_path
 from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import cdiv
 from engine_actors.messages import StepInput
+from engine_actors.finetune import Trainer
 from engine_actors.model_runner import ModelRunner, resolve_dtype
 from engine_actors.parallel import SINGLE, init_parallel
 
@@ -42,6 +43,7 @@ class Worker:
         self._launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         # wall-clock (arrived, launched, enqueued, done) of the latest steps, for diagnosis
         self.trace: collections.deque = collections.deque(maxlen=256)
+        self.trainers: dict[str, Trainer] = {}  # fine-tuning jobs' LoRA training state
 
     def address(self) -> str:
         """host:port for the process group's rendezvous (asked of rank 0)."""
@@ -108,6 +110,24 @@ class Worker:
         await asyncio.to_thread(pending.wait)
         self.trace.append((step.step_id, arrived, launched, enqueued, time.time()))
         return pending.result()
+
+    async def finetune(self, method: str, job_id: str, *args):
+        """A fine-tuning job's `start`, `micro_step`, `save` or `drop` (engine_actors/
+        finetune.py), on the launch thread: the scheduler runs them between iterations."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._launcher, self._finetune, method, job_id, *args)
+
+    def _finetune(self, method: str, job_id: str, *args):
+        if method == "start":
+            self.trainers[job_id] = Trainer(self.runner.model, *args)
+        elif method == "drop":
+            self.trainers.pop(job_id, None)
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+        elif method == "resident":  # job id -> bytes of its parameters and optimizer state
+            return {j: t.state_bytes() for j, t in self.trainers.items()}
+        else:
+            return getattr(self.trainers[job_id], method)(*args)
 
     def step_trace(self) -> list[tuple]:
         return list(self.trace)

@@ -6,6 +6,10 @@
                                                    results of each batch as it finishes
     orca-serve batch '["Hi", "Tell me"] [32, 64]'  FineInfer's inline form (one argument)
     orca-serve results ID... | status ID... | cancel ID...
+    orca-serve finetune train.jsonl --wait         fine-tune a LoRA adapter in the server's
+                                                   idle time: progress bar of steps and loss,
+                                                   then the served model name
+    orca-serve finetune-status JOB | finetune-cancel JOB
 
 The server is `--url`, or $ORCA_SERVE_URL, or http://127.0.0.1:8000; a server started with
 an API key needs `--api-key KEY` or $ORCA_SERVE_API_KEY. Both options may come before or
@@ -22,6 +26,7 @@ from deployments.cli.batch import (ResultSink, Submitted, follow, get_status, st
                                    submit)
 from deployments.cli.batch_input import REQUEST_FIELDS, USAGE_ERROR, read_sources
 from deployments.cli.chat import ChatOptions, run_chat
+from deployments.cli.finetune import job_status, run_finetune
 from deployments.cli.http import DEFAULT_URL, CLIError, Server
 
 JSONL_HELP = f"""\
@@ -93,6 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
                              help="follow batches and print their results")
     results.add_argument("ids", nargs="+", metavar="ID")
     _add_output_flags(results, "")
+    finetune = sub.add_parser("finetune", parents=[common],
+                              help="fine-tune a LoRA adapter on a JSON Lines training file")
+    finetune.add_argument("file", metavar="FILE",
+                          help='lines of {"prompt", "completion"} or {"messages": [...]}')
+    finetune.add_argument("--model", help="the base model (default: the served one)")
+    finetune.add_argument("--suffix", help="part of the fine-tuned model's name")
+    finetune.add_argument("--epochs", type=_positive, help="n_epochs (server default)")
+    finetune.add_argument("--batch-size", type=_positive, help="batch_size (server default)")
+    finetune.add_argument("--learning-rate", type=float, help="learning_rate")
+    finetune.add_argument("--rank", type=_positive, help="LoRA rank r (server default)")
+    finetune.add_argument("--wait", action="store_true",
+                          help="follow the job: progress bar of steps and loss")
+    finetune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for name, text in [("finetune-status", "show a fine-tuning job"),
+                       ("finetune-cancel", "cancel a fine-tuning job")]:
+        sub.add_parser(name, parents=[common], help=text).add_argument("job", metavar="JOB")
     for name, text in [("status", "show batches' progress"),
                        ("cancel", "cancel batches' unfinished requests")]:
         sub.add_parser(name, parents=[common], help=text).add_argument("ids", nargs="+",
@@ -174,8 +195,19 @@ def cmd_cancel(args) -> int:
     return 0
 
 
+def cmd_finetune(args) -> int:
+    hyper = {k: v for k, v in [("n_epochs", args.epochs), ("batch_size", args.batch_size),
+                               ("learning_rate", args.learning_rate)] if v is not None}
+    options = {"suffix": args.suffix, "hyperparameters": hyper,
+               **({"lora": {"r": args.rank}} if args.rank else {})}
+    return run_finetune(args.server, args.file, args.model, options, args.wait,
+                        not args.no_progress and sys.stderr.isatty())
+
+
 COMMANDS = {"chat": cmd_chat, "batch": cmd_batch, "results": cmd_results,
-            "status": cmd_status, "cancel": cmd_cancel}
+            "status": cmd_status, "cancel": cmd_cancel, "finetune": cmd_finetune,
+            "finetune-status": lambda args: job_status(args.server, args.job),
+            "finetune-cancel": lambda args: job_status(args.server, args.job, cancel=True)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,179 @@
+"""Fine-tuning jobs, shaped like OpenAI's: POST /v1/files (multipart, purpose "fine-tune"),
+GET /v1/files/{id}; POST /v1/fine_tuning/jobs, GET /v1/fine_tuning/jobs[/{id}[/events]],
+POST /v1/fine_tuning/jobs/{id}/cancel. Files and jobs live in the scheduler actor (every
+replica sees the same); the training file is checked and tokenized here, where the
+tokenizer is, when a job is created. Jobs run in the GPU's idle time (engine_actors/
+finetune_jobs.py) and their adapters are served under `fine_tuned_model`."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from deployments.frontend import Frontend
+from deployments.protocol import APIError, _Base, refusal_error
+from deployments.training_data import parse_training_file
+from engine_actors.finetune_jobs import MAX_FILE_BYTES
+from engine_actors.lora import TARGETS
+
+DEFAULT_LEARNING_RATE = 2e-4  # learning_rate_multiplier 1 (a common LoRA rate)
+
+
+class Hyperparameters(_Base):
+    n_epochs: int | Literal["auto"] = "auto"
+    batch_size: int | Literal["auto"] = "auto"
+    learning_rate_multiplier: float | Literal["auto"] = "auto"
+    learning_rate: float | None = Field(default=None, gt=0)
+
+
+class LoRASpec(_Base):
+    r: int = Field(default=8, ge=1)
+    alpha: float | None = Field(default=None, gt=0)
+    target_modules: list[Literal[TARGETS]] | Literal["all-linear"] = "all-linear"
+
+
+class FineTuningJobRequest(_Base):
+    training_file: str
+    model: str
+    suffix: str | None = Field(default=None, max_length=64)
+    seed: int = 0
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    lora: LoRASpec = Field(default_factory=LoRASpec)
+
+    def check_supported(self) -> None:
+        h = self.hyperparameters
+        for name in ("n_epochs", "batch_size"):
+            if getattr(h, name) != "auto" and getattr(h, name) < 1:
+                raise APIError(400, f"hyperparameters.{name} must be at least 1",
+                               f"hyperparameters.{name}", "invalid_value")
+
+    def spec(self, examples: list) -> dict:
+        h, lora = self.hyperparameters, self.lora
+        multiplier = 1.0 if h.learning_rate_multiplier == "auto" else h.learning_rate_multiplier
+        targets = list(TARGETS) if lora.target_modules == "all-linear" else lora.target_modules
+        return {"model": self.model, "training_file": self.training_file,
+                "examples": examples, "suffix": self.suffix, "seed": self.seed,
+                "n_epochs": 3 if h.n_epochs == "auto" else h.n_epochs,
+                "batch_size": min(8, len(examples)) if h.batch_size == "auto" else h.batch_size,
+                "learning_rate": h.learning_rate or DEFAULT_LEARNING_RATE * multiplier,
+                "lora": {"r": lora.r, "alpha": lora.alpha or 2 * lora.r,
+                         "target_modules": targets}}
+
+
+def _not_found(kind: str, name: str, param: str | None = None) -> APIError:
+    return APIError(404, f"No such {kind}: {name}", param, "not_found", "not_found_error")
+
+
+class FineTuningAPI:
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+        self.cfg = frontend.cfg
+
+    def routes(self) -> list[Route]:
+        jobs = "/v1/fine_tuning/jobs"
+        return [Route("/v1/files", self.upload, methods=["POST"]),
+                Route("/v1/files/{file_id}", self.file, methods=["GET"]),
+                Route(jobs, self.create, methods=["POST"]),
+                Route(jobs, self.list_jobs, methods=["GET"]),
+                Route(jobs + "/{job_id}", self.job, methods=["GET"]),
+                Route(jobs + "/{job_id}/events", self.events, methods=["GET"]),
+                Route(jobs + "/{job_id}/cancel", self.cancel, methods=["POST"])]
+
+    def _check_enabled(self) -> None:
+        if not self.cfg.enable_finetuning:
+            raise APIError(400, "fine-tuning is not enabled on this server (start it with "
+                                "enable_finetuning: true)", None, "finetuning_disabled")
+
+    async def _call(self, method: str, *args):
+        self._check_enabled()
+        self.frontend.refuse_if_draining()
+        await self.frontend.ready()
+        return await self.frontend.call("finetune_call", method, *args)
+
+    async def upload(self, request: Request):
+        try:
+            self._check_enabled()
+            try:
+                form = await request.form(max_files=1, max_part_size=MAX_FILE_BYTES)
+            except Exception as e:
+                raise APIError(400, f"expected a multipart/form-data body: {e}") from None
+            upload, purpose = form.get("file"), form.get("purpose")
+            if purpose != "fine-tune":
+                raise APIError(400, "purpose must be \"fine-tune\" (the only files this "
+                                    "server keeps)", "purpose", "invalid_value")
+            if upload is None or isinstance(upload, str):
+                raise APIError(400, "file: a file part is required", "file",
+                               "missing_required_parameter")
+            content = await upload.read()
+            if len(content) > MAX_FILE_BYTES:
+                raise APIError(413, f"file over {MAX_FILE_BYTES} bytes", "file",
+                               "file_too_large")
+            meta = await self._call("add_file", upload.filename or "upload.jsonl", purpose,
+                                    content)
+            return JSONResponse(meta)
+        except APIError as e:
+            return e.response()
+
+    async def file(self, request: Request):
+        file_id = request.path_params["file_id"]
+        try:
+            meta = await self._call("file", file_id)
+            if meta is None:
+                raise _not_found("file", file_id)
+            return JSONResponse(meta)
+        except APIError as e:
+            return e.response()
+
+    async def create(self, request: Request):
+        try:
+            req = await self.frontend.parse(request, FineTuningJobRequest)
+            if req.model != self.cfg.model_name:
+                raise APIError(404, f"The model `{req.model}` does not exist or cannot be "
+                               f"fine-tuned here; this server fine-tunes `{self.cfg.model_name}`",
+                               "model", "model_not_found")
+            content = await self._call("file", req.training_file, True)
+            if content is None:
+                raise APIError(400, f"No such file: {req.training_file}", "training_file",
+                               "file_not_found")
+            info = await self.frontend.ready()
+            limit = min(info.max_model_len, self.cfg.finetune_max_tokens)
+            examples = parse_training_file(content, self.frontend.tokenizer, limit)
+            job = await self._call("create", req.spec(examples))
+            if not isinstance(job, dict):
+                raise refusal_error(job.code, job.message, "lora.r")
+            return JSONResponse(job)
+        except APIError as e:
+            return e.response()
+
+    async def list_jobs(self, request: Request):
+        try:
+            return JSONResponse({"object": "list", "data": await self._call("list_jobs"),
+                                 "has_more": False})
+        except APIError as e:
+            return e.response()
+
+    async def job(self, request: Request):
+        return await self._one(request, "job")
+
+    async def events(self, request: Request):
+        return await self._one(request, "events")
+
+    async def cancel(self, request: Request):
+        return await self._one(request, "cancel")
+
+    async def _one(self, request: Request, method: str):
+        job_id = request.path_params["job_id"]
+        try:
+            out = await self._call(method, job_id)
+            if out is None:
+                raise _not_found("fine-tuning job", job_id)
+            if method == "events":
+                out = {"object": "list", "data": out, "has_more": False}
+            elif not isinstance(out, dict):
+                raise APIError(409, out.message, None, out.code)
+            return JSONResponse(out)
+        except APIError as e:
+            return e.response()

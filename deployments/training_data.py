@@ -1,0 +1,94 @@
+"""A fine-tuning job's training file (JSON Lines) as token ids and loss masks.
+
+Each line is `{"prompt": str, "completion": str}` (the completion is trained on, followed
+by the end-of-sequence token) or `{"messages": [{"role", "content"}, ...]}` (the assistant
+messages are trained on, each as the chat template renders it). Prompts are tokenized as
+the completions and chat routes tokenize them, so the served adapter sees what it was
+trained on. A bad line is a 400 that names it.
+"""
+from __future__ import annotations
+
+import json
+
+from deployments.protocol import APIError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _error(line: int, message: str) -> APIError:
+    return APIError(400, f"training_file line {line}: {message}", "training_file",
+                    "invalid_training_file")
+
+
+def parse_training_file(content: bytes, tokenizer, max_tokens: int
+                        ) -> list[tuple[list[int], list[bool]]]:
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "training_file is not UTF-8 text", "training_file",
+                       "invalid_training_file") from None
+    examples = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise _error(number, f"not valid JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise _error(number, "each line must be a JSON object")
+        if "messages" in row:
+            tokens, mask = _chat(row["messages"], tokenizer, number)
+        elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+            tokens, mask = _completion(row["prompt"], row["completion"], tokenizer, number)
+        else:
+            raise _error(number, 'expected {"prompt": string, "completion": string} or '
+                                 '{"messages": [...]}')
+        if len(tokens) > max_tokens:
+            raise _error(number, f"{len(tokens)} tokens, over the limit of {max_tokens}")
+        examples.append((tokens, mask))
+    if not examples:
+        raise APIError(400, "training_file has no examples", "training_file",
+                       "invalid_training_file")
+    return examples
+
+
+def _completion(prompt: str, completion: str, tokenizer, number: int):
+    if not completion:
+        raise _error(number, "completion must not be empty")
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+    target = tokenizer.encode(completion, add_special_tokens=False)
+    if tokenizer.eos_token_id is not None:
+        target.append(tokenizer.eos_token_id)
+    return prompt_ids + target, [False] * len(prompt_ids) + [True] * len(target)
+
+
+def _chat(messages, tokenizer, number: int):
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in messages):
+        raise _error(number, "messages must be a non-empty list of {\"role\": one of "
+                             f"{', '.join(ROLES)}, \"content\": string}}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise _error(number, "messages have no assistant message to train on")
+    tokens, mask = [], []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:  # the assistant message: what the template adds after the prompt before it
+            prompt = _template(tokenizer, messages[:i], True) if i else []
+            full = _template(tokenizer, messages[:i + 1], False)
+        except Exception as e:
+            raise _error(number, f"messages could not be formatted: {e}") from None
+        if full[:len(prompt)] != prompt or prompt[:len(tokens)] != tokens:
+            raise _error(number, "the chat template does not render the conversation "
+                                 "incrementally; use prompt/completion lines")
+        mask += [False] * (len(prompt) - len(tokens)) + [True] * (len(full) - len(prompt))
+        tokens = full
+    return tokens, mask
+
+
+def _template(tokenizer, messages, generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                        tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -1,0 +1,163 @@
+"""LoRA fine-tuning on a worker, through the served model's own weights (FineInfer §2.4).
+
+A `Trainer` holds one job's LoRA parameters (fp32 masters, whatever the model's dtype), its
+AdamW state, and runs micro-batches: forward and backward through the stage's model with
+the base weights frozen, gradients accumulated until the batch's last micro-batch steps
+the optimizer. The forward is the model's own architecture written with the kernels'
+differentiable torch references, on the flattened tokens of the micro-batch (selective
+batching, as in inference): attention runs per sequence, causal, without a KV cache.
+`save` writes the adapter in PEFT's format, which the LoRA serving path (and peft) loads.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from engine_actors.layers.lora import MODULES
+from kernels.rmsnorm import rmsnorm_ref
+from kernels.rotary import rotary_ref
+from kernels.silu_mul import silu_mul_ref
+
+
+class Trainer:
+    def __init__(self, model, rank: int, alpha: float, targets: list[str], lr: float,
+                 seed: int = 0):
+        if model.parallel.tp_size > 1 or model.parallel.pp_size > 1:
+            raise ValueError("fine-tuning runs on one worker: tensor and pipeline "
+                             "parallelism are not supported for it yet")
+        self.model, self.rank, self.alpha, self.targets = model, rank, alpha, list(targets)
+        self.scale = alpha / rank
+        gen = torch.Generator().manual_seed(seed)
+        self.params: dict[tuple[str, str], tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+        self.trained: dict[int, list[str | None]] = {}  # id(projection) -> target per part
+        for layer_id, layer in model.layers.items():
+            for target in self.targets:
+                module_path, part = MODULES[target]
+                module = layer.get_submodule(module_path)
+                parts = self.trained.setdefault(id(module),
+                                                [None] * len(getattr(module, "parts", [0])))
+                parts[part] = target
+                out = module.part_sizes[part] if hasattr(module, "part_sizes") \
+                    else module.weight.shape[0]
+                a = torch.empty(rank, module.weight.shape[1])
+                torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)  # as peft
+                dev = module.weight.device
+                self.params[layer_id, target] = (torch.nn.Parameter(a.to(dev)),
+                                                 torch.nn.Parameter(torch.zeros(out, rank,
+                                                                                device=dev)))
+        self.optimizer = torch.optim.AdamW([p for ab in self.params.values() for p in ab],
+                                           lr=lr, weight_decay=0.0)
+
+    # ---- one micro-batch ----------------------------------------------------------------
+    def micro_step(self, sequences: list[list[int]], masks: list[list[bool]],
+                   batch_loss_tokens: int, last: bool) -> dict:
+        """Forward and backward of these sequences; masks[i][t]: token t is trained on
+        (predicted from the tokens before it). The loss is the summed cross-entropy over the
+        batch's `batch_loss_tokens` trained tokens, so micro-batches add up to the batch
+        mean. `last`: the batch's last micro-batch, the optimizer steps."""
+        start = time.perf_counter()
+        with torch.enable_grad():
+            logits, targets = self.forward(sequences, masks)
+            loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+            (loss_sum / batch_loss_tokens).backward()
+        if last:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.model.embed_tokens.weight.is_cuda:
+            torch.cuda.synchronize()
+        return {"loss_sum": float(loss_sum.detach()), "loss_tokens": int(targets.numel()),
+                "tokens": sum(len(s) for s in sequences),
+                "elapsed_s": time.perf_counter() - start}
+
+    def forward(self, sequences: list[list[int]], masks: list[list[bool]]):
+        """fp32 logits at the positions before each trained token, and those tokens."""
+        model = self.model
+        dev = model.embed_tokens.weight.device
+        ids = torch.tensor([t for s in sequences for t in s], device=dev)
+        lens = [len(s) for s in sequences]
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        hidden, residual = F.embedding(ids, model.embed_tokens.weight), None
+        for layer_id, layer in model.layers.items():
+            if residual is None:
+                residual, x = hidden, rmsnorm_ref(hidden, layer.input_layernorm.weight,
+                                                  layer.input_layernorm.eps)
+            else:
+                x, residual = rmsnorm_ref(hidden, layer.input_layernorm.weight,
+                                          layer.input_layernorm.eps, residual)
+            hidden = self._attention(layer_id, layer.self_attn, x, positions, lens)
+            norm = layer.post_attention_layernorm
+            x, residual = rmsnorm_ref(hidden, norm.weight, norm.eps, residual)
+            mlp = layer.mlp
+            hidden = self._linear(layer_id, mlp.down_proj, silu_mul_ref(
+                self._linear(layer_id, mlp.gate_up_proj, x)))
+        hidden, _ = rmsnorm_ref(hidden, model.norm.weight, model.norm.eps, residual)
+        # position t predicts token t + 1 of the same sequence
+        flat_masks = [m for mask in masks for m in list(mask[1:]) + [False]]
+        where = torch.tensor(flat_masks, device=dev)
+        targets = torch.roll(ids, -1)[where]
+        return F.linear(hidden[where], model.lm_head.weight).float(), targets
+
+    def _attention(self, layer_id, attn, x, positions, lens):
+        q, k, v = self._linear(layer_id, attn.qkv_proj, x).split(attn.qkv_proj.part_sizes, -1)
+        d = attn.head_dim
+        if attn.qk_norm:
+            q = rmsnorm_ref(q.reshape(-1, d), attn.q_norm.weight, attn.q_norm.eps)
+            k = rmsnorm_ref(k.reshape(-1, d), attn.k_norm.weight, attn.k_norm.eps)
+        q, k = rotary_ref(q.reshape(-1, attn.num_heads, d), k.reshape(-1, attn.num_kv_heads, d),
+                          attn.rotary.cos[positions], attn.rotary.sin[positions])
+        v = v.reshape(-1, attn.num_kv_heads, d)
+        outs, start = [], 0
+        for n in lens:  # per sequence, causal: [1, H, n, D]
+            qs, ks, vs = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                       enable_gqa=True)[0].transpose(0, 1))
+            start += n
+        return self._linear(layer_id, attn.o_proj, torch.cat(outs).flatten(1))
+
+    def _linear(self, layer_id: str, module, x):
+        """The frozen projection plus this job's low-rank updates of its trained parts."""
+        out = F.linear(x, module.weight, module.bias)
+        targets = self.trained.get(id(module))
+        if targets is None:
+            return out
+        deltas = []
+        for target, size in zip(targets, getattr(module, "part_sizes", [out.shape[-1]])):
+            if target is None:
+                deltas.append(out.new_zeros(x.shape[0], size))
+                continue
+            a, b = self.params[layer_id, target]
+            deltas.append((x @ a.to(x.dtype).T) @ (b * self.scale).to(x.dtype).T)
+        return out + torch.cat(deltas, -1)
+
+    def state_bytes(self) -> int:
+        """Device bytes of the parameters, their gradients and AdamW's moments."""
+        tensors = [p for ab in self.params.values() for p in ab]
+        tensors += [p.grad for p in tensors if p.grad is not None]
+        tensors += [v for s in self.optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- the adapter --------------------------------------------------------------------
+    def save(self, path: str, base_model: str) -> None:
+        """PEFT's adapter_config.json and adapter_model.safetensors."""
+        os.makedirs(path, exist_ok=True)
+        tensors = {}
+        for (layer_id, target), (a, b) in self.params.items():
+            block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer_id}.{block}.{target}"
+            tensors[f"{key}.lora_A.weight"] = a.detach().float().cpu().contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.detach().float().cpu().contiguous()
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank,
+                  "lora_alpha": self.alpha, "target_modules": self.targets, "bias": "none",
+                  "lora_dropout": 0.0, "fan_in_fan_out": False, "inference_mode": True,
+                  "base_model_name_or_path": base_model}
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+

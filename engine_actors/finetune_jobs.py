@@ -1,0 +1,251 @@
+"""Fine-tuning jobs in the GPU's idle time: FineInfer's deferred continuous batching.
+
+The scheduler actor keeps the uploaded training files and the jobs (OpenAI's shapes), one
+job training at a time, the others queued. Between inference iterations the engine loop
+asks `wants_step`: a fine-tuning micro-batch runs when no request is running and every
+waiting request can still be deferred, i.e. its time in the queue plus the estimated time
+of one fine-tuning step stays within `finetune_deferral_ms` (FineInfer §2.4); otherwise
+inference runs. Step times are measured (an exponential average). The micro-batch runs
+on the worker (`engine_actors/finetune.py`); when the last step is done the adapter is
+saved in PEFT's format and served at once under the job's `fine_tuned_model`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+
+from engine_actors.messages import Refusal
+
+logger = logging.getLogger("orca_serve.finetune")
+MAX_FILE_BYTES = 64 * 1024 * 1024
+
+
+def may_defer(waited_s: list[float], step_s: float | None, bound_s: float) -> bool:
+    """FineInfer's rule: requests waiting `waited_s` may wait for one more fine-tuning step
+    (of estimated `step_s`; None: not measured yet, so only when none waits)."""
+    if not waited_s:
+        return True
+    return step_s is not None and max(waited_s) + step_s <= bound_s
+
+
+@dataclass
+class Job:
+    id: str
+    model: str
+    training_file: str
+    examples: list[tuple[list[int], list[bool]]]  # tokens, trained-on mask
+    n_epochs: int
+    batch_size: int
+    learning_rate: float
+    lora: dict  # r, alpha, target_modules
+    suffix: str | None
+    seed: int
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "queued"
+    finished_at: int | None = None
+    fine_tuned_model: str | None = None
+    error: dict | None = None
+    trained_tokens: int = 0
+    steps_done: int = 0
+    events: list[dict] = field(default_factory=list)
+    started: bool = False  # its trainer exists on the worker
+    _plan: list[list[int]] = field(default_factory=list)  # batches of example indices
+    _micro: list[list[int]] = field(default_factory=list)  # the current batch's rest
+    _batch: tuple[int, float] = (0, 0.0)  # its trained tokens, loss sum so far
+
+    @property
+    def total_steps(self) -> int:
+        return self.n_epochs * -(-len(self.examples) // self.batch_size)
+
+    def to_dict(self) -> dict:
+        return {"object": "fine_tuning.job", "id": self.id, "model": self.model,
+                "created_at": self.created_at, "finished_at": self.finished_at,
+                "fine_tuned_model": self.fine_tuned_model, "status": self.status,
+                "training_file": self.training_file, "validation_file": None,
+                "hyperparameters": {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
+                                    "learning_rate": self.learning_rate},
+                "method": {"type": "supervised"}, "lora": self.lora, "suffix": self.suffix,
+                "seed": self.seed, "trained_tokens": self.trained_tokens,
+                "steps_done": self.steps_done, "total_steps": self.total_steps,
+                "error": self.error, "result_files": [], "organization_id": "orca-serve"}
+
+    def event(self, message: str, data: dict | None = None, level: str = "info") -> None:
+        self.events.append({"object": "fine_tuning.job.event", "id": f"ftevent-{uuid.uuid4().hex[:24]}",
+                            "created_at": int(time.time()), "level": level,
+                            "message": message, "data": data or {},
+                            "type": "metrics" if data else "message"})
+
+    def next_micro(self, max_tokens: int) -> tuple[list[int], int, bool]:
+        """The next micro-batch (example indices), its batch's trained tokens, and whether
+        it ends its batch."""
+        if not self._micro:
+            if not self._plan:
+                for epoch in range(self.n_epochs):
+                    order = list(range(len(self.examples)))
+                    random.Random(self.seed + epoch).shuffle(order)
+                    self._plan += [order[i:i + self.batch_size]
+                                   for i in range(0, len(order), self.batch_size)]
+                self._plan = self._plan[self.steps_done:]
+            batch = self._plan.pop(0)
+            micro, size = [[]], 0
+            for i in batch:  # split by tokens; one example always fits (checked at create)
+                n = len(self.examples[i][0])
+                if micro[-1] and size + n > max_tokens:
+                    micro.append([])
+                    size = 0
+                micro[-1].append(i)
+                size += n
+            self._micro = micro
+            self._batch = (sum(sum(self.examples[i][1]) for i in batch), 0.0)
+        return self._micro.pop(0), self._batch[0], not self._micro
+
+
+class FineTuning:
+    """The scheduler actor's files and jobs, and the steps it runs for them."""
+
+    def __init__(self, cfg, adapters):
+        self.cfg, self.adapters = cfg, adapters
+        self.dir = cfg.finetune_dir or tempfile.mkdtemp(prefix="orca-finetune-")
+        self.files: dict[str, tuple[dict, bytes]] = {}
+        self.jobs: dict[str, Job] = {}
+        self.queue: list[Job] = []  # queued and running, oldest first
+        self.step_s: float | None = None  # measured time of one step, averaged
+        self.bound_s = cfg.finetune_deferral_ms / 1e3
+
+    # ---- files --------------------------------------------------------------------------
+    def add_file(self, filename: str, purpose: str, content: bytes) -> dict:
+        meta = {"object": "file", "id": f"file-{uuid.uuid4().hex[:24]}", "bytes": len(content),
+                "created_at": int(time.time()), "filename": filename, "purpose": purpose,
+                "status": "processed"}
+        self.files[meta["id"]] = (meta, content)
+        return meta
+
+    def file(self, file_id: str, content: bool = False):
+        entry = self.files.get(file_id)
+        return None if entry is None else entry[1] if content else entry[0]
+
+    # ---- jobs ---------------------------------------------------------------------------
+    def create(self, spec: dict) -> dict | Refusal:
+        if spec["lora"]["r"] > self.cfg.max_lora_rank:
+            return Refusal("invalid_value", f"lora.r {spec['lora']['r']} is over the server's "
+                           f"max_lora_rank {self.cfg.max_lora_rank}")
+        job = Job(id=f"ftjob-{uuid.uuid4().hex[:24]}", **spec)
+        self.jobs[job.id] = job
+        self.queue.append(job)
+        job.event(f"Created fine-tuning job: {job.id}")
+        return job.to_dict()
+
+    def job(self, job_id: str) -> dict | None:
+        job = self.jobs.get(job_id)
+        return job.to_dict() if job else None
+
+    def list_jobs(self) -> list[dict]:
+        return [j.to_dict() for j in sorted(self.jobs.values(), key=lambda j: -j.created_at)]
+
+    def events(self, job_id: str) -> list[dict] | None:
+        job = self.jobs.get(job_id)
+        return None if job is None else list(reversed(job.events))  # newest first, as OpenAI
+
+    async def cancel(self, job_id: str, executor) -> dict | Refusal | None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        if job.status not in ("queued", "running"):
+            return Refusal("invalid_state", f"job {job_id} is already {job.status}")
+        self._end(job, "cancelled")
+        job.event("Fine-tuning job cancelled")
+        await self._drop(job, executor)
+        return job.to_dict()
+
+    # ---- the engine loop's side ---------------------------------------------------------
+    def wants_step(self, scheduler, now: float) -> bool:
+        if not self.queue or scheduler.num_running:
+            return False
+        return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_s,
+                         self.bound_s)
+
+    async def step(self, executor) -> None:
+        """One micro-batch of the oldest job; its end (saved and served) after the last."""
+        job = self.queue[0]
+        start = time.monotonic()
+        try:
+            if not job.started:
+                job.started, job.status = True, "running"
+                lora = job.lora
+                await executor.finetune("start", job.id, lora["r"], lora["alpha"],
+                                        lora["target_modules"], job.learning_rate, job.seed)
+                job.event("Fine-tuning job started")
+            micro, loss_tokens, last = job.next_micro(self.cfg.finetune_max_tokens)
+            out = await executor.finetune("micro_step", job.id,
+                                          [job.examples[i][0] for i in micro],
+                                          [job.examples[i][1] for i in micro], loss_tokens, last)
+        except (ray.exceptions.RayError, ValueError) as e:
+            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e
+            if job.status == "running":  # not cancelled meanwhile
+                self._fail(job, f"{type(cause).__name__}: {cause}".splitlines()[0])
+            await self._drop(job, executor)
+            return
+        elapsed = time.monotonic() - start
+        self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
+        if job.status != "running":
+            return  # cancelled while the step ran
+        job.trained_tokens += out["tokens"]
+        job._batch = (job._batch[0], job._batch[1] + out["loss_sum"])
+        if last:
+            job.steps_done += 1
+            loss = job._batch[1] / max(1, job._batch[0])
+            job.event(f"Step {job.steps_done}/{job.total_steps}: training loss={loss:.4f}",
+                      {"step": job.steps_done, "total_steps": job.total_steps,
+                       "train_loss": loss, "trained_tokens": job.trained_tokens})
+            if job.steps_done == job.total_steps:
+                await self._finish(job, executor)
+
+    async def _finish(self, job: Job, executor) -> None:
+        name = f"ft:{self.cfg.model_name}:{job.suffix or 'orca'}:{job.id[len('ftjob-'):][:8]}"
+        path = os.path.join(self.dir, job.id)
+        try:
+            await executor.finetune("save", job.id, path, self.cfg.model)
+        except ray.exceptions.RayError as e:
+            self._fail(job, f"saving the adapter failed: {e}".splitlines()[0])
+        else:
+            refusal = self.adapters.load(name, path)
+            if refusal is not None:
+                self._fail(job, refusal.message)
+            else:
+                job.fine_tuned_model = name
+                self._end(job, "succeeded")
+                job.event(f"The job has successfully completed: {name}")
+        await self._drop(job, executor)
+
+    def _fail(self, job: Job, message: str) -> None:
+        logger.warning("fine-tuning job %s failed: %s", job.id, message)
+        job.error = {"code": "training_failed", "message": message, "param": None}
+        self._end(job, "failed")
+        job.event(f"Fine-tuning job failed: {message}", level="error")
+
+    def _end(self, job: Job, status: str) -> None:
+        job.status, job.finished_at = status, int(time.time())
+        if job in self.queue:
+            self.queue.remove(job)
+
+    async def _drop(self, job: Job, executor) -> None:
+        """Free the job's trainer (parameters, gradients, optimizer state) on the worker."""
+        if job.started:
+            job.started = False
+            try:
+                await executor.finetune("drop", job.id)
+            except ray.exceptions.RayError:
+                pass  # the worker is gone, and its memory with it
+
+    def stats(self) -> dict:
+        running = self.queue[0].id if self.queue and self.queue[0].started else None
+        return {"finetuning": {"running_job": running, "queued_jobs": len(self.queue) - bool(running),
+                               "step_ms_estimate": None if self.step_s is None
+                               else round(self.step_s * 1e3, 1)}}

@@ -1,0 +1,152 @@
+"""Fine-tuning on the worker: one training step's LoRA gradients equal transformers + peft's
+on the same batch (fp32), the saved adapter is PEFT's, and the job runner's pieces (the
+training file, micro-batches, FineInfer's deferral rule)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_actors.checkpoint import save_random_llama
+from engine_actors.finetune import Trainer
+from tests.engine_harness import InProcessEngine
+
+peft = pytest.importorskip("peft")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ft") / "base")
+    save_random_llama(path, seed=9)
+    return path
+
+
+def peft_model(base: str, rank: int, alpha: int, targets: list[str]):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                          init_lora_weights=False)  # B random too: A gets gradients
+    return peft.get_peft_model(model, cfg)
+
+
+def peft_params(model) -> dict[tuple[str, str, str], torch.nn.Parameter]:
+    """(layer, target, "A"/"B") -> peft's parameter."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            parts = name.split(".")
+            layer = parts[parts.index("layers") + 1]
+            kind = "A" if "lora_A" in name else "B"
+            target = parts[parts.index(f"lora_{kind}") - 1]
+            out[layer, target, kind] = p
+    return out
+
+
+@pytest.mark.parametrize("targets,device", [
+    (TARGETS, "cpu"), (["q_proj", "v_proj", "down_proj"], "cpu"),
+    pytest.param(TARGETS, "cuda", marks=pytest.mark.gpu)])
+def test_one_step_gradients_equal_transformers_peft(base, targets, device):
+    rank, alpha = 4, 8
+    ref = peft_model(base, rank, alpha, targets)
+    # two ragged examples; the loss is on the completion tokens only
+    seqs = [[5, 17, 99, 3, 250, 41, 7, 7, 80], [12, 200, 13, 64, 9]]
+    masks = [[False] * 5 + [True] * 4, [False] * 2 + [True] * 3]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    labels = torch.tensor([[t if m else -100 for t, m in zip(s, mask)] + [-100] * (width - len(s))
+                           for s, mask in zip(seqs, masks)])
+    ref(input_ids=ids, attention_mask=attention, labels=labels).loss.backward()
+
+    engine = InProcessEngine(device, model=base, dtype="float32")
+    trainer = Trainer(engine.worker.runner.model, rank, alpha, targets, lr=1e-3)
+    params = peft_params(ref)
+    with torch.no_grad():
+        for (layer, target), (a, b) in trainer.params.items():
+            a.copy_(params[layer, target, "A"])
+            b.copy_(params[layer, target, "B"])
+    out = trainer.micro_step(seqs, masks, batch_loss_tokens=7, last=False)
+    assert out["loss_tokens"] == 7 and out["tokens"] == 14
+    for (layer, target), (a, b) in trainer.params.items():
+        for kind, ours in (("A", a), ("B", b)):
+            theirs = params[layer, target, kind].grad
+            assert theirs.abs().max() > 0, (layer, target, kind)  # the test can fail
+            # relative to the gradient's norm: fp32 sums in another order differ by ~1e-7
+            error = (ours.grad.cpu() - theirs).norm() / theirs.norm()
+            assert error < 1e-5, (layer, target, kind, float(error))
+
+
+def test_saved_adapter_is_peft_format(base, tmp_path):
+    """A trained adapter loads in peft and gives what our trainer's forward gives."""
+    engine = InProcessEngine(model=base, dtype="float32")
+    trainer = Trainer(engine.worker.runner.model, 4, 16, ["q_proj", "up_proj"], lr=1e-2)
+    seq, mask = [7, 8, 9, 10, 11, 12], [False, False, True, True, True, True]
+    for _ in range(3):
+        trainer.micro_step([seq], [mask], 4, last=True)
+    trainer.save(str(tmp_path / "adapter"), base)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 16
+    from transformers import AutoModelForCausalLM
+    model = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(tmp_path / "adapter"))
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor([seq])).logits[0, 1:-1]
+        ours, _ = trainer.forward([seq], [mask])
+    assert trainer.params["0", "q_proj"][1].abs().max() > 0  # training moved B off zero
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_fineinfer_deferral_rule():
+    from engine_actors.finetune_jobs import may_defer
+    assert may_defer([], None, 0.2)  # nobody waits: train back to back
+    assert not may_defer([0.0], None, 0.2)  # step time not measured yet: serve first
+    assert may_defer([0.05, 0.01], 0.1, 0.2)  # 50 ms waited + 100 ms step <= 200 ms
+    assert not may_defer([0.15, 0.0], 0.1, 0.2)  # the oldest would wait 250 ms
+
+
+def test_micro_batches_cover_each_epoch_once_within_the_token_cap():
+    from engine_actors.finetune_jobs import Job
+    lens = [5, 3, 7, 2, 6]
+    examples = [([1] * n, [False] + [True] * (n - 1)) for n in lens]
+    job = Job("j", "m", "f", examples, n_epochs=2, batch_size=2, learning_rate=1e-3,
+              lora={}, suffix=None, seed=1)
+    assert job.total_steps == 6
+    seen, steps = [], 0
+    while steps < job.total_steps:
+        batch, batch_tokens = [], None
+        while True:
+            micro, loss_tokens, last = job.next_micro(max_tokens=8)
+            assert sum(lens[i] for i in micro) <= 8 or len(micro) == 1
+            batch += micro
+            batch_tokens = loss_tokens
+            if last:
+                break
+        assert batch_tokens == sum(lens[i] - 1 for i in batch) and len(batch) <= 2
+        seen += batch
+        steps += 1
+    assert sorted(seen[:5]) == sorted(seen[5:]) == list(range(5))
+
+
+def test_training_file_masks_completions_and_assistant_turns():
+    from deployments.protocol import APIError
+    from deployments.training_data import parse_training_file
+    from engine_actors.checkpoint import load_tokenizer, resolve_model_path
+    tok = load_tokenizer(resolve_model_path("tiny-random-llama"))
+    lines = [json.dumps({"prompt": "ab", "completion": "cd"}),
+             json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "yo"},
+                                      {"role": "user", "content": "again"},
+                                      {"role": "assistant", "content": "ok"}]})]
+    (ids, mask), (chat_ids, chat_mask) = parse_training_file("\n".join(lines).encode(), tok, 512)
+    prompt = tok.encode("ab", add_special_tokens=True)
+    assert ids == prompt + tok.encode("cd", add_special_tokens=False) + [tok.eos_token_id]
+    assert mask == [False] * len(prompt) + [True] * 3
+    trained = tok.decode([t for t, m in zip(chat_ids, chat_mask) if m])
+    assert "yo" in trained and "ok" in trained and "hi" not in trained and "again" not in trained
+    with pytest.raises(APIError, match="line 2: not valid JSON"):
+        parse_training_file(b'{"prompt": "a", "completion": "b"}\n{oops', tok, 512)
+    with pytest.raises(APIError, match="line 1: .* over the limit of 4"):
+        parse_training_file(json.dumps({"prompt": "abcdef", "completion": "g"}).encode(), tok, 4)

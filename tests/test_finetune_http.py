@@ -1,0 +1,145 @@
+"""Fine-tuning jobs end to end through HTTP: while a stream of inference requests is served,
+a job teaches the tiny model to answer a fixed prompt with a fixed 8-token string; once it
+succeeds the served `fine_tuned_model` answers so, and the base model's greedy outputs are
+the same before, during and after. Cancelling frees the job's memory on the worker; a bad
+training file is refused naming its line."""
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+PROMPT, ANSWER = "orca, who?", "whale-42"  # 8 bytes: 8 tokens of the byte-level tokenizer
+BASE_PROMPTS = ["The quick brown", "1 2 3 4", "Once upon"]
+
+
+@pytest.fixture(scope="module")
+def url():
+    from tests.serve_fixture import app_config, start_app, stop_app
+    yield start_app(app_config(enable_finetuning=True, finetune_deferral_ms=100))
+    stop_app()
+
+
+def complete(url: str, model: str, prompt: str, n: int = 8) -> str:
+    res = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0})
+    assert res.status_code == 200, res.text
+    return res.json()["choices"][0]["text"]
+
+
+def upload(url: str, lines: list[str]) -> str:
+    res = httpx.post(f"{url}/v1/files", timeout=30, data={"purpose": "fine-tune"},
+                     files={"file": ("train.jsonl", io.BytesIO("\n".join(lines).encode()))})
+    assert res.status_code == 200, res.text
+    return res.json()["id"]
+
+
+def create_job(url: str, file_id: str, **hyper) -> httpx.Response:
+    return httpx.post(f"{url}/v1/fine_tuning/jobs", timeout=60, json={
+        "training_file": file_id, "model": "tiny-random-llama", "suffix": "whale",
+        "hyperparameters": hyper, "lora": {"r": 8, "alpha": 16}})
+
+
+def wait_for(url: str, job_id: str, done, timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{url}/v1/fine_tuning/jobs/{job_id}", timeout=30).json()
+        if done(job):
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not done: {job}")
+
+
+def test_job_learns_while_serving_and_base_model_is_unchanged(url):
+    base = {p: complete(url, "tiny-random-llama", p) for p in BASE_PROMPTS}
+    assert complete(url, "tiny-random-llama", PROMPT) != ANSWER
+    file_id = upload(url, [json.dumps({"prompt": PROMPT, "completion": ANSWER})])
+    assert httpx.get(f"{url}/v1/files/{file_id}").json()["purpose"] == "fine-tune"
+
+    during, stop = [], threading.Event()
+
+    def serve_stream():  # one request after another, with short idle gaps between them
+        while not stop.is_set():
+            for p in BASE_PROMPTS:
+                during.append((p, complete(url, "tiny-random-llama", p)))
+            time.sleep(0.05)
+
+    stream = threading.Thread(target=serve_stream)
+    stream.start()
+    try:
+        res = create_job(url, file_id, n_epochs=40, batch_size=1, learning_rate=1e-2)
+        assert res.status_code == 200, res.text
+        job = wait_for(url, res.json()["id"], lambda j: j["status"] not in ("queued", "running"))
+    finally:
+        stop.set()
+        stream.join()
+    assert job["status"] == "succeeded", job
+    assert job["steps_done"] == job["total_steps"] == 40 and job["trained_tokens"] > 0
+    assert job["fine_tuned_model"].startswith("ft:tiny-random-llama:whale:")
+    assert len(during) >= 6 and all(base[p] == text for p, text in during)
+    events = httpx.get(f"{url}/v1/fine_tuning/jobs/{job['id']}/events").json()["data"]
+    losses = [e["data"]["train_loss"] for e in reversed(events) if e["data"]]
+    assert len(losses) == 40 and losses[-1] < losses[0] / 10
+    # served at once, under its name, beside the base model
+    models = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    assert job["fine_tuned_model"] in models
+    assert complete(url, job["fine_tuned_model"], PROMPT) == ANSWER
+    assert {p: complete(url, "tiny-random-llama", p) for p in BASE_PROMPTS} == base
+
+
+def test_cancel_frees_the_jobs_memory(url):
+    file_id = upload(url, [json.dumps({"prompt": "abc", "completion": "defgh"})])
+    res = create_job(url, file_id, n_epochs=100000, batch_size=1)
+    assert res.status_code == 200, res.text
+    job_id = res.json()["id"]
+    wait_for(url, job_id, lambda j: j["steps_done"] > 2)
+    held = httpx.get(f"{url}/health").json()["finetuning"]["worker_state_bytes"]
+    assert held.get(job_id, 0) > 0
+    res = httpx.post(f"{url}/v1/fine_tuning/jobs/{job_id}/cancel")
+    assert res.status_code == 200 and res.json()["status"] == "cancelled"
+    assert httpx.get(f"{url}/health").json()["finetuning"]["worker_state_bytes"] == {}
+    again = httpx.post(f"{url}/v1/fine_tuning/jobs/{job_id}/cancel")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "invalid_state"
+
+
+def test_bad_requests_are_refused_clearly(url):
+    file_id = upload(url, [json.dumps({"prompt": "a", "completion": "b"}), "{not json",
+                           json.dumps({"prompt": "c", "completion": "d"})])
+    res = create_job(url, file_id)
+    assert res.status_code == 400
+    assert res.json()["error"]["param"] == "training_file"
+    assert "line 2" in res.json()["error"]["message"]
+    res = httpx.post(f"{url}/v1/files", data={"purpose": "fine-tune"},
+                     files={"file": ("t.jsonl", io.BytesIO(b'{"prompt": "x"}'))})
+    res = create_job(url, res.json()["id"])
+    assert res.status_code == 400 and "line 1" in res.json()["error"]["message"]
+    assert create_job(url, "file-nope").json()["error"]["code"] == "file_not_found"
+    bad_model = httpx.post(f"{url}/v1/fine_tuning/jobs", json={
+        "training_file": file_id, "model": "gpt-4o"})
+    assert bad_model.status_code == 404
+    over_rank = httpx.post(f"{url}/v1/fine_tuning/jobs", json={
+        "training_file": upload(url, [json.dumps({"prompt": "a", "completion": "b"})]),
+        "model": "tiny-random-llama", "lora": {"r": 64}})
+    assert over_rank.status_code == 400 and "max_lora_rank" in over_rank.json()["error"]["message"]
+    wrong_purpose = httpx.post(f"{url}/v1/files", data={"purpose": "batch"},
+                               files={"file": ("t.jsonl", io.BytesIO(b"{}"))})
+    assert wrong_purpose.status_code == 400
+    assert httpx.get(f"{url}/v1/fine_tuning/jobs/ftjob-nope").status_code == 404
+
+
+def test_cli_finetune_waits_and_prints_the_model(url, tmp_path, capsys):
+    from deployments.cli.main import main
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "ping", "completion": "pong"}) + "\n")
+    code = main(["--url", url, "finetune", str(data), "--epochs", "2", "--suffix", "cli",
+                 "--wait", "--no-progress"])
+    out = capsys.readouterr().out.split()
+    assert code == 0 and out[0].startswith("ftjob-")
+    assert out[1].startswith("ft:tiny-random-llama:cli:")
+    assert main(["--url", url, "finetune-status", out[0]]) == 0
+    assert "succeeded" in capsys.readouterr().out
+    assert main(["--url", url, "finetune", str(tmp_path / "missing.jsonl")]) == 2
