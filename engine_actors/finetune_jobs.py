@@ -110,8 +110,8 @@ class Job:
 class FineTuning:
     """The scheduler actor's files and jobs, and the steps it runs for them."""
 
-    def __init__(self, cfg, adapters):
-        self.cfg, self.adapters = cfg, adapters
+    def __init__(self, cfg, adapters, metrics=None):
+        self.cfg, self.adapters, self.metrics = cfg, adapters, metrics
         self.dir = cfg.finetune_dir or tempfile.mkdtemp(prefix="orca-finetune-")
         self.files: dict[str, tuple[dict, bytes]] = {}
         self.jobs: dict[str, Job] = {}
@@ -194,6 +194,10 @@ class FineTuning:
             return
         elapsed = time.monotonic() - start
         self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
+        if self.metrics is not None:
+            self.metrics.finetune_steps.inc()
+            self.metrics.finetune_tokens.inc(out["tokens"])
+            self.metrics.finetune_step_time.observe(elapsed)
         if job.status != "running":
             return  # cancelled while the step ran
         job.trained_tokens += out["tokens"]

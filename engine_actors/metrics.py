@@ -59,6 +59,16 @@ class EngineMetrics:
         self._prefix_seen = 0, 0
         self._lora_requests = Counter("orca:lora_requests", "Requests per LoRA adapter",
                                       labelnames=[*labels, "lora_name"], registry=r)
+        # fine-tuning in idle time (finetune_jobs.py): micro-batches run, tokens trained, and
+        # how long each took (inference waited at most that long behind it)
+        self.finetune_steps = Counter("orca:finetune_steps", "Fine-tuning micro-batches run",
+                                      labelnames=labels, registry=r).labels(**labels)
+        self.finetune_tokens = Counter("orca:finetune_trained_tokens", "Tokens of fine-tuning "
+                                       "micro-batches", labelnames=labels,
+                                       registry=r).labels(**labels)
+        self.finetune_step_time = Histogram(
+            "orca:finetune_step_seconds", "Wall time of one fine-tuning micro-batch",
+            labelnames=labels, buckets=QUEUE_BUCKETS, registry=r).labels(**labels)
         self._labels = labels
         for reason in ("stop", "length", "abort", "deadline"):  # every series from the start
             self._finished.labels(**labels, finished_reason=reason)

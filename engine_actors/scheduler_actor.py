@@ -51,7 +51,8 @@ class SchedulerActor:
         self.engine: EngineLoop | None = None
         self.metrics = EngineMetrics(cfg.model_name)
         self.adapters = Adapters(cfg, self.metrics.lora_request)  # LoRA adapters
-        self.finetuning = FineTuning(cfg, self.adapters) if cfg.enable_finetuning else None
+        self.finetuning = FineTuning(cfg, self.adapters, self.metrics) \
+            if cfg.enable_finetuning else None
         self.outboxes: dict[str, Outbox] = {}
         self.batches = Batches(self._add, self.abort,
                                lambda: load_tokenizer(resolve_model_path(cfg.model)))

@@ -265,9 +265,12 @@ class _Child:
     """The CLI in a subprocess (Ctrl-C needs a real signal), its output collected as it comes."""
 
     def __init__(self, *args: str):
+        # SIGINT handled as a terminal would, whatever this process inherited
         self.proc = subprocess.Popen([sys.executable, "-u", "-m", "deployments.cli", *args],
                                      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_DFL))
         self.out, self.err = [], []
         for stream, sink in [(self.proc.stdout, self.out), (self.proc.stderr, self.err)]:
             threading.Thread(target=lambda s=stream, k=sink: [k.append(c) for c in

@@ -89,6 +89,10 @@ def test_job_learns_while_serving_and_base_model_is_unchanged(url):
     assert job["fine_tuned_model"] in models
     assert complete(url, job["fine_tuned_model"], PROMPT) == ANSWER
     assert {p: complete(url, "tiny-random-llama", p) for p in BASE_PROMPTS} == base
+    metrics = httpx.get(f"{url}/metrics").text
+    trained = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("orca:finetune_trained_tokens_total"))
+    assert trained >= job["trained_tokens"]
 
 
 def test_cancel_frees_the_jobs_memory(url):

@@ -1,0 +1,243 @@
+"""Fine-tuning in idle time beside serving, through HTTP (the server started as `make serve`
+starts it, with `enable_finetuning: true`).
+
+    python -m load_tests.bench_finetune --model llama-8b --rate 8 --out results/finetune.json
+
+Training data: --examples prompt/completion lines of random letters, their lengths drawn as
+ORCA's trace draws prompts and outputs. Runs, in order:
+  dedicated  the same training in this process, a Trainer alone on the device: tokens/s
+  serve      ORCA's trace online at --rate (Poisson) for --duration s, no job: TTFT p99 and
+             median normalized latency
+  serve+ft   the same load while a job trains: the same metrics, and the job's tokens/s
+  idle       the job with no inference arriving, for --idle-s s: tokens/s
+--rate should be half the rate the server sustains (load_tests/load_sweep.sh finds it).
+Every --sample-s a sampler records the job's steps and trained tokens and the engine's
+running and waiting requests; `--plot FILE` draws them over time with the load.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import string
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from load_tests.bench_http import ROOT, write_config
+from load_tests.bench_prefix import wait_healthy
+from load_tests.load_client import LoadConfig, sweep
+from load_tests.traces import orca_trace
+
+HYPER = {"n_epochs": 1000, "batch_size": 4, "learning_rate": 1e-4}
+
+
+def training_lines(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+
+    def text(k):
+        return "".join(rng.choice(string.ascii_lowercase) for _ in range(k))
+    return [{"prompt": text(rng.randint(32, 512)), "completion": text(rng.randint(1, 128))}
+            for _ in range(n)]
+
+
+def dedicated_tokens_per_s(model: str, device: str, lines: list[dict], seconds: float,
+                           max_tokens: int) -> float:
+    """A Trainer alone on the device, the server's micro-batching: trained tokens/s."""
+    import torch
+
+    from deployments.training_data import parse_training_file
+    from engine_actors.checkpoint import load_tokenizer, resolve_model_path
+    from engine_actors.finetune import Trainer
+    from engine_actors.finetune_jobs import Job
+    from engine_actors.model_runner import ModelRunner
+    path = resolve_model_path(model)
+    data = "\n".join(json.dumps(line) for line in lines).encode()
+    examples = parse_training_file(data, load_tokenizer(path), max_tokens)
+    runner = ModelRunner(path, device, torch.bfloat16 if device == "cuda" else torch.float32,
+                         4096, 16, 8, 0)
+    trainer = Trainer(runner.model, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj",
+                                            "gate_proj", "up_proj", "down_proj"],
+                      HYPER["learning_rate"])
+    job = Job("dedicated", model, "", examples, HYPER["n_epochs"], HYPER["batch_size"],
+              HYPER["learning_rate"], {}, None, 0)
+    tokens, start = 0, None
+    while start is None or time.perf_counter() - start < seconds:
+        micro, loss_tokens, last = job.next_micro(max_tokens)
+        out = trainer.micro_step([examples[i][0] for i in micro],
+                                 [examples[i][1] for i in micro], loss_tokens, last)
+        if start is None:  # the first step warms up
+            start = time.perf_counter()
+            continue
+        tokens += out["tokens"]
+    rate = tokens / (time.perf_counter() - start)
+    del trainer, runner
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rate
+
+
+class Sampler(threading.Thread):
+    """Every `period` s: (t, job steps, trained tokens, running, waiting)."""
+
+    def __init__(self, url: str, period: float):
+        super().__init__(daemon=True)
+        self.url, self.period, self.job_id = url, period, None
+        self.rows: list[tuple] = []
+        self.stop = threading.Event()
+        self.t0 = time.monotonic()
+
+    def run(self):
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self.stop.wait(self.period):
+                health = client.get("/health").json()
+                job = client.get(f"/v1/fine_tuning/jobs/{self.job_id}").json() \
+                    if self.job_id else {}
+                self.rows.append((round(time.monotonic() - self.t0, 2),
+                                  job.get("steps_done", 0), job.get("trained_tokens", 0),
+                                  health.get("num_running", 0), health.get("num_waiting", 0)))
+
+
+def job_tokens(url: str, job_id: str) -> tuple[float, int]:
+    job = httpx.get(f"{url}/v1/fine_tuning/jobs/{job_id}", timeout=30).json()
+    if job["status"] not in ("queued", "running"):
+        raise RuntimeError(f"the job ended: {job}")
+    return time.monotonic(), job["trained_tokens"]
+
+
+def run_load(url: str, args, label: str) -> dict:
+    trace = orca_trace(args.num_requests, args.vocab_size, seed=3)
+    cfg = LoadConfig(url, num_warmup=args.warmup, duration_s=args.duration,
+                     show_progress=False, drain_timeout_s=1800)
+    [res] = asyncio.run(sweep(cfg, trace, [args.rate]))
+    if res["failed"] or res["num_short_outputs"]:
+        raise RuntimeError(f"{label}: {res['failed']} failed: {res['errors']}")
+    print(f"{label}: TTFT p99 {res['ttft_ms']['p99']:.1f} ms, normalized latency p50 "
+          f"{res['normalized_latency_ms']['median']:.2f} ms/token, "
+          f"{res['completed']} requests", flush=True)
+    return res
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama-8b")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--rate", type=float, required=True, help="requests/s of the online load")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of each load run")
+    p.add_argument("--idle-s", type=float, default=30.0)
+    p.add_argument("--examples", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=4096, help="trace length (cut by time)")
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--finetune-max-tokens", type=int, default=2048)
+    p.add_argument("--sample-s", type=float, default=0.5)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--plot")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    lines = training_lines(args.examples)
+    report = {"args": vars(args), "hyperparameters": HYPER,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    report["dedicated_tokens_s"] = dedicated_tokens_per_s(
+        args.model, args.device, lines, args.idle_s, args.finetune_max_tokens)
+    print(f"dedicated: {report['dedicated_tokens_s']:.0f} trained tokens/s", flush=True)
+    engine_args = {"model": args.model, "device": args.device, "enable_finetuning": True,
+                   "finetune_max_tokens": args.finetune_max_tokens}
+    config = write_config(engine_args, 1, args.port)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        wait_healthy(url, server)
+        sampler = Sampler(url, args.sample_s)
+        sampler.start()
+        phases = {}
+        mark = sampler.t0
+        phases["serve"] = [time.monotonic() - mark]
+        report["serve"] = run_load(url, args, "serve")
+        phases["serve"].append(time.monotonic() - mark)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            data = "\n".join(json.dumps(line) for line in lines).encode()
+            file_id = client.post("/v1/files", data={"purpose": "fine-tune"},
+                                  files={"file": ("train.jsonl", data)}).json()["id"]
+            job = client.post("/v1/fine_tuning/jobs", json={
+                "training_file": file_id, "model": args.model, "hyperparameters": HYPER,
+                "lora": {"r": 8, "alpha": 16}}).json()
+        sampler.job_id = job_id = job["id"]
+        while job_tokens(url, job_id)[1] == 0:
+            time.sleep(0.2)
+        t0, n0 = job_tokens(url, job_id)
+        report["serve+ft"] = run_load(url, args, "serve+ft")
+        t1, n1 = job_tokens(url, job_id)
+        phases["serve+ft"] = [t0 - mark, t1 - mark]
+        time.sleep(args.idle_s)
+        t2, n2 = job_tokens(url, job_id)
+        phases["idle"] = [t1 - mark, t2 - mark]
+        httpx.post(f"{url}/v1/fine_tuning/jobs/{job_id}/cancel", timeout=30)
+        sampler.stop.set()
+        report.update(loaded_tokens_s=(n1 - n0) / (t1 - t0), idle_tokens_s=(n2 - n1) / (t2 - t1),
+                      phases_s=phases, timeline=sampler.rows, timeline_columns=[
+                          "t_s", "steps_done", "trained_tokens", "num_running", "num_waiting"])
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+        os.unlink(config)
+    print(table(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+def table(r: dict) -> str:
+    a, b = r["serve"], r["serve+ft"]
+    rows = [("TTFT p99, ms", a["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
+            ("normalized latency p50, ms/token", a["normalized_latency_ms"]["median"],
+             b["normalized_latency_ms"]["median"])]
+    lines = ["| metric | serving alone | serving + fine-tuning | ratio |", "| --- | --- | --- | --- |"]
+    lines += [f"| {name} | {x:.2f} | {y:.2f} | {y / x:.2f} |" for name, x, y in rows]
+    d = r["dedicated_tokens_s"]
+    lines += ["", "| fine-tuning | trained tokens/s | / dedicated |", "| --- | --- | --- |",
+              f"| dedicated (Trainer alone) | {d:.0f} | 1.00 |",
+              f"| on the server, under load | {r['loaded_tokens_s']:.0f} | "
+              f"{r['loaded_tokens_s'] / d:.2f} |",
+              f"| on the server, no load | {r['idle_tokens_s']:.0f} | {r['idle_tokens_s'] / d:.2f} |"]
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = r["timeline"]
+    t = [row[0] for row in rows]
+    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(8, 7))
+    steps = [0.0] + [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(rows, rows[1:])]
+    axes[0].plot(t, steps)
+    axes[0].set_ylabel("fine-tuning steps/s")
+    axes[1].plot(t, [row[3] for row in rows], label="running")
+    axes[1].plot(t, [row[4] for row in rows], label="waiting")
+    axes[1].set_ylabel("requests")
+    axes[1].legend()
+    tokens = [0.0] + [(b[2] - a[2]) / (b[0] - a[0]) for a, b in zip(rows, rows[1:])]
+    axes[2].plot(t, tokens)
+    axes[2].set_ylabel("trained tokens/s")
+    axes[2].set_xlabel("time, s")
+    for name, (start, end) in r["phases_s"].items():  # where the load ran, and the idle part
+        for ax in axes:
+            ax.axvspan(start, end, alpha=0.08, color="C1" if name != "idle" else "C2")
+        axes[0].text(start, 0, name, fontsize=8)
+    fig.suptitle(f"fine-tuning beside serving at {r['args']['rate']} req/s")
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
