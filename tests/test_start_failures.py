@@ -35,7 +35,9 @@ def ends_with_the_cause(proc, stderr: list[str], cause: str) -> None:
         pytest.fail(f"serve run still running after {TIME_LIMIT_S}s:\n" + "".join(stderr[-20:]))
     time.sleep(0.5)  # the reader thread takes the last lines
     assert code != 0
-    tail = "".join(stderr[-15:])
+    # the end of the output: the cause, then Serve's teardown and the replica's last
+    # /health access-log lines (how many depends on the machine's speed)
+    tail = "".join(stderr[-60:])
     assert cause in tail, tail
 
 
@@ -69,7 +71,7 @@ def test_an_unplaceable_placement_group_ends_serve_run_and_health_said_starting(
         time.sleep(0.5)
     ends_with_the_cause(proc, stderr, "was not placed within placement_timeout_s=15")
     assert "starting" in seen
-    assert "the cluster has CPU" in "".join(stderr[-15:])
+    assert "the cluster has CPU" in "".join(stderr[-60:])
 
 
 def test_make_serve_ends_with_the_cause_as_its_last_line(tmp_path):
