@@ -65,6 +65,9 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_cpus_per_worker: NonNegativeFloat = 1.0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    # True: every tensor-parallel all-reduce goes through NCCL; False: small ones (decode
+    # steps) through peer memory, one kernel (kernels/all_reduce.py), as vLLM's custom one
+    disable_custom_all_reduce: bool = False
     distributed_timeout_s: PositiveFloat = 600.0  # collectives that wait longer fail the step
     # The workers' placement group must be placed within this time, or the start fails
     # naming the resources it asked for and those the cluster has.

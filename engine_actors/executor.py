@@ -18,8 +18,10 @@ from engine_actors.messages import StepInput
 from engine_actors.worker import Worker
 
 # Every process we start inherits these; NVLink multicast must stay off on shared hosts.
+# Ray shows each worker only its own GPU, so every rank calls its GPU device 0: symmetric
+# memory (the one-shot all-reduce's peer buffers) must not take that for a shared device.
 WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-              "NVSHMEM_DISABLE_NVLS": "1"}
+              "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
 
 
 def resolve_device(cfg: EngineConfig) -> str:

@@ -21,7 +21,7 @@ from engine_actors.grammar import Grammars
 from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
 from engine_actors.logits_processors import ids_only
-from engine_actors.messages import StepInput, StepResult
+from engine_actors.messages import NewRequest, StepInput, StepResult
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
@@ -109,13 +109,21 @@ class ModelRunner:
             * self.head_dim * elem
 
     def profile_kv_blocks(self, memory_fraction: float, max_step_tokens: int,
-                          graph_batch: int) -> int:
+                          graph_batch: int, max_batch_size: int) -> int:
         """KV blocks that fit in `memory_fraction` of the GPU beside the weights, the
         activations of the largest eager step, and the decode graphs' memory pool (bounded
-        by one eager decode step of graph_batch requests; 0: no graphs)."""
+        by one eager decode step of graph_batch requests; 0: no graphs).
+
+        The largest eager step is max_step_tokens tokens of max_batch_size requests that all
+        sample, with top-p and 20 log-probabilities: the logits and sampling buffers of the
+        last stage count as much as the layers' activations. A step that needs more than the
+        profile saw makes the allocator free its cache, which waits for the device: the host
+        stops running ahead of the GPU (with pipeline stages, the stages take turns)."""
         free, total = torch.cuda.mem_get_info()
         used = total - free  # weights, the CUDA context and anything else on the GPU
-        activations = self._profile_peak_bytes(min(max_step_tokens, self.max_model_len), 1)
+        step_tokens = min(max_step_tokens, self.max_model_len)
+        num_reqs = max(1, min(max_batch_size, self.max_num_seqs, step_tokens))
+        activations = self._profile_peak_bytes(step_tokens // num_reqs, num_reqs, sampled=True)
         graphs = self._profile_peak_bytes(1, graph_batch) if graph_batch else 0
         budget = total * memory_fraction - used - activations - graphs
         blocks = int(budget // self.kv_bytes_per_block())
@@ -124,15 +132,19 @@ class ModelRunner:
                                "GiB); raise gpu_memory_utilization or use a smaller model")
         return blocks
 
-    def _profile_peak_bytes(self, tokens_per_request: int, num_requests: int) -> int:
-        """Peak memory of one eager step of num_requests prompts of tokens_per_request."""
+    def _profile_peak_bytes(self, tokens_per_request: int, num_requests: int,
+                            sampled: bool = False) -> int:
+        """Peak memory of one eager step of num_requests prompts of tokens_per_request
+        (sampled: with the costliest sampling settings, not greedy)."""
         blocks_each = cdiv(tokens_per_request, self.block_size)
         self.allocate_kv_cache(blocks_each * num_requests)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         rows = list(range(num_requests))
-        step = StepInput(rows=rows, context_lens=[0] * num_requests,
+        new = [NewRequest(r, temperature=1.0, top_p=0.9, top_k=0, seed=None, logprobs=20)
+               for r in rows] if sampled else []
+        step = StepInput(new_requests=new, rows=rows, context_lens=[0] * num_requests,
                          query_lens=[tokens_per_request] * num_requests,
                          sample=[True] * num_requests,
                          token_ids=[0] * (tokens_per_request * num_requests),

@@ -7,10 +7,17 @@ stage, send / recv of hidden states between neighbouring stages. Control message
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# All-reduces up to this size (a [512, 4096] bf16 decode step's) run in one kernel over peer
+# memory; larger ones (prefill) go through NCCL. From load_tests/bench_allreduce.py.
+ONE_SHOT_MAX_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +27,7 @@ class ParallelGroup:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: object = None  # the stage's torch ProcessGroup when tp_size > 1
+    one_shot: object = None  # kernels/all_reduce.OneShotAllReduce for small CUDA messages
 
     @property
     def rank(self) -> int:
@@ -33,10 +41,19 @@ class ParallelGroup:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
+    def all_reduce_input(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where to write a tensor that all_reduce will sum, to save it a copy: the one-shot
+        all-reduce's own buffer when the message fits, else None (any tensor will do)."""
+        return None if self.one_shot is None else self.one_shot.input_buffer(shape, dtype)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over the stage's tensor-parallel ranks (in place)."""
-        if self.tp_size > 1:
-            dist.all_reduce(x, group=self.tp_group)
+        """Sum of x over the stage's tensor-parallel ranks (in place, except for a tensor from
+        all_reduce_input: use the returned one)."""
+        if self.tp_size == 1:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        dist.all_reduce(x, group=self.tp_group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,8 +83,10 @@ SINGLE = ParallelGroup()
 
 
 def init_parallel(address: str, rank: int, tp_size: int, pp_size: int, device: str,
-                  timeout_s: float) -> ParallelGroup:
-    """Join the worker group's process group (collective: every worker calls it)."""
+                  timeout_s: float, one_shot_bytes: int = 0) -> ParallelGroup:
+    """Join the worker group's process group (collective: every worker calls it).
+    one_shot_bytes > 0: on CUDA, all-reduces up to that size run through peer memory
+    (kernels/all_reduce.py) instead of NCCL."""
     world = tp_size * pp_size
     if world == 1:
         return SINGLE
@@ -80,9 +99,27 @@ def init_parallel(address: str, rank: int, tp_size: int, pp_size: int, device: s
     # every rank creates every stage's group, in the same order, members or not
     groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
               for s in range(pp_size)]
-    pp_rank = rank // tp_size
-    return ParallelGroup(rank % tp_size, tp_size, pp_rank, pp_size,
-                         groups[pp_rank] if tp_size > 1 else None)
+    pp_rank, tp_rank = rank // tp_size, rank % tp_size
+    one_shot = None
+    if tp_size > 1 and device == "cuda" and one_shot_bytes > 0:
+        one_shot = _one_shot(groups[pp_rank], tp_rank, tp_size, one_shot_bytes)
+    return ParallelGroup(tp_rank, tp_size, pp_rank, pp_size,
+                         groups[pp_rank] if tp_size > 1 else None, one_shot)
+
+
+def _one_shot(group, tp_rank: int, tp_size: int, max_bytes: int):
+    """The stage's one-shot all-reduce, or None (NCCL for everything) unless every rank of
+    the stage could map its peers' memory: the ranks must all take the same path."""
+    from kernels.all_reduce import OneShotAllReduce
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        one_shot = OneShotAllReduce(group, tp_rank, tp_size, max_bytes, device)
+    except RuntimeError as e:
+        logger.warning("one-shot all-reduce unavailable, using NCCL for all: %s", e)
+        one_shot = None
+    ok = torch.tensor([one_shot is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return one_shot if ok.item() else None
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:

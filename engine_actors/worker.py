@@ -24,7 +24,7 @@ from engine_actors.kv_cache import cdiv
 from engine_actors.messages import StepInput
 from engine_actors.finetune import Trainer
 from engine_actors.model_runner import ModelRunner, resolve_dtype
-from engine_actors.parallel import SINGLE, init_parallel
+from engine_actors.parallel import ONE_SHOT_MAX_BYTES, SINGLE, init_parallel
 
 CPU_KV_TOKENS = 16384  # default KV pool on CPU when max_num_tokens is not given
 
@@ -58,7 +58,9 @@ class Worker:
         cfg = self.cfg
         parallel = init_parallel(address, self.rank, cfg.tensor_parallel_size,
                                  cfg.pipeline_parallel_size, self.device,
-                                 cfg.distributed_timeout_s) if cfg.num_workers > 1 else SINGLE
+                                 cfg.distributed_timeout_s,
+                                 0 if cfg.disable_custom_all_reduce else ONE_SHOT_MAX_BYTES) \
+            if cfg.num_workers > 1 else SINGLE
         self.runner = ModelRunner(resolve_model_path(cfg.model), self.device,
                                   resolve_dtype(cfg.dtype, self.device), self.max_model_len,
                                   cfg.block_size, cfg.max_num_seqs, cfg.seed,
@@ -78,7 +80,8 @@ class Worker:
             return cdiv(CPU_KV_TOKENS, cfg.block_size)
         graph_batch = 0 if cfg.enforce_eager else min(cfg.max_batch_size, cfg.max_num_seqs, 512)
         return self.runner.profile_kv_blocks(cfg.gpu_memory_utilization,
-                                             cfg.max_num_batched_tokens, graph_batch)
+                                             cfg.max_num_batched_tokens, graph_batch,
+                                             cfg.max_batch_size)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
@@ -90,6 +93,9 @@ class Worker:
         if timeline is None:
             return {}
         stats = timeline.collect()
+        # the allocator's cache flushes (each waits for the device): a step that needed
+        # more memory than profiled
+        stats["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         if reset:
             timeline.reset()
         return stats

@@ -102,7 +102,8 @@ def _bench_worker_class():
     return DecodeBenchWorker
 
 
-def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int) -> dict:
+def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int,
+                        nccl_only: bool = False) -> dict:
     import os
 
     import ray
@@ -114,7 +115,7 @@ def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int) -
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False)
     cfg = EngineConfig.from_args(dict(model=model, device="cuda", tensor_parallel_size=tp,
-                                      max_batch_size=batch))
+                                      max_batch_size=batch, disable_custom_all_reduce=nccl_only))
     pg = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
     ray.get(pg.ready())
     cls = ray.remote(_bench_worker_class())
@@ -137,18 +138,22 @@ def main(argv=None) -> dict:
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="every all-reduce through NCCL (the engine arg of that name)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     bandwidth = copy_bandwidth_gbs()
     batch, ctx = args.batch_size, args.context_len
     if args.tp > 1:
-        r = run_tensor_parallel(args.model, batch, ctx, args.iters, args.tp)
+        r = run_tensor_parallel(args.model, batch, ctx, args.iters, args.tp,
+                                args.disable_custom_all_reduce)
     else:
         runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
                              batch, 0)
         r = _bench_worker_class().run_decode.__get__(_Holder(runner))(batch, ctx, args.iters)
     floor_ms = (r["weight_bytes"] + r["kv_bytes"]) / (bandwidth * 1e9) * 1e3
     report = {"model": args.model, "batch_size": batch, "context_len": ctx, "tp": args.tp,
+              "custom_all_reduce": args.tp > 1 and not args.disable_custom_all_reduce,
               "copy_gbs": bandwidth, "weight_gb_per_rank": r["weight_bytes"] / 1e9,
               "kv_gb_per_rank": r["kv_bytes"] / 1e9, "floor_ms": floor_ms,
               "eager_ms": r["eager_ms"], "graph_ms": r["graph_ms"],

@@ -96,6 +96,7 @@ def run_orca(engine_args: dict, trace: list[TraceRequest], warmup: list[TraceReq
               "kv_blocks": stats["num_blocks"], "engine_args": engine_args,
               "worker_step_trace": _trace_summary(traces)}
     if timeline and timeline[0]:
+        result["alloc_retries"] = [t.get("alloc_retries") for t in timeline]
         t = timeline[-1]  # the sampling worker
         result.update(num_steps=t["num_steps"], gpu_busy_s=t["gpu_busy_ms"] / 1e3,
                       gpu_idle_between_steps_s=t["gpu_idle_between_steps_ms"] / 1e3)
@@ -157,7 +158,21 @@ def summarise(result: dict, trace, outputs, num_params: int, ceilings: dict) -> 
         flops = 2 * num_params * (prompt + generated)
         result["mfu"] = flops / elapsed / (ceilings["matmul_bf16_tflops"] * 1e12)
         result["compute_floor_s"] = flops / (ceilings["matmul_bf16_tflops"] * 1e12)
+    if ceilings.get("copy_gbs") and "gpu_busy_s" in result \
+            and result["engine_args"].get("pipeline_parallel_size", 1) == 1:
+        result["pp2_ceiling_x"] = pp_ceiling(result, 2 * num_params, ceilings["copy_gbs"], 2)
     return result
+
+
+def pp_ceiling(result: dict, weight_bytes: int, copy_gbs: float, stages: int) -> float:
+    """The most `stages` pipeline stages could gain over this one-GPU run. Each step's GPU
+    time splits into reading the weights (weight_bytes at the copy bandwidth) and the
+    rest. With one batch per stage in flight, every batch still reads all weights (a stage
+    reads its share once per batch), so only the rest divides by the stages; the host time
+    outside the GPU's steps stays."""
+    busy, elapsed = result["gpu_busy_s"], result["elapsed_s"]
+    weights = min(busy, result["num_steps"] * weight_bytes / (copy_gbs * 1e9))
+    return elapsed / (elapsed - busy + weights + (busy - weights) / stages)
 
 
 def main(argv=None) -> dict:
@@ -246,7 +261,9 @@ def format_table(report: dict) -> str:
         idle = (f"{r['gpu_idle_between_steps_s'] * 1e3:.0f} ms over {r['num_steps']} steps"
                 if "gpu_idle_between_steps_s" in r else "-")
         lines.append(f"| {r['system']} | {r['elapsed_s']:.2f} | {r['generated_tok_s']:.0f} | "
-                     f"{r['requests_s']:.1f} | {mfu} | {speedup} | {idle} |")
+                     f"{r['requests_s']:.1f} | {mfu} | {speedup} | {idle} |"
+                     + (f" P=2 ceiling {r['pp2_ceiling_x']:.2f}x" if "pp2_ceiling_x" in r else "")
+                     + (f" alloc retries {r['alloc_retries']}" if "alloc_retries" in r else ""))
     lines += [f"| {f['system']} | failed: {f['error'][:200]} |" for f in report["failed"]]
     return "\n".join(lines)
 

@@ -38,7 +38,18 @@ for part in $BENCH; do
     lora-offline) python3 -m load_tests.bench_offline --model llama-8b --systems orca --adapters 0 8 --out "$OUT/lora-offline-8b.json" > "$OUT/lora-offline-8b.log" 2>&1; tail -5 "$OUT/lora-offline-8b.log" ;;
     prefix-8b) python3 -m load_tests.bench_prefix --model llama-8b --duration "${DURATION:-30}" --out "$OUT/prefix-8b.json" > "$OUT/prefix-8b.log" 2>&1; tail -14 "$OUT/prefix-8b.log" ;;
     dist-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tee "$OUT/dist-tests.log" | tail -5 ;;
-    dist-decode) for tp in 1 2; do timeout 240 python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp $tp --out "$OUT/decode-8b-tp$tp.json" > "/tmp/decode-tp$tp.log" 2>&1; tail -14 "/tmp/decode-tp$tp.log"; done ;;
-    dist-offline) for c in ${CONFIGS:-1,1 1,2 2,1 2,2}; do tp=${c%,*}; pp=${c#*,}; timeout 300 python3 -m load_tests.bench_offline --model llama-8b --systems orca --tp $tp --pp $pp --label "orca-tp$tp-pp$pp" --out "$OUT/offline-8b-tp$tp-pp$pp.json" > "/tmp/offline-tp$tp-pp$pp.log" 2>&1; tail -1 "/tmp/offline-tp$tp-pp$pp.log"; done ;;
+    dist-ar) for v in ${AR_VARIANTS:-own}; do timeout 240 python3 -m load_tests.bench_allreduce --world 2 --visible ${v%%:*} --env ${v#*:} --out "$OUT/allreduce-${v%%:*}.json" > "$OUT/allreduce-${v%%:*}.log" 2>&1; echo "-- $v"; tail -10 "$OUT/allreduce-${v%%:*}.log"; done ;;
+    dist-decode) for v in "1" "2 --disable-custom-all-reduce" "2"; do tp=${v%% *}; n=tp$tp${v#$tp}; n=${n// /}
+        timeout 240 python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp $v --out "$OUT/decode-8b-$n.json" > "$OUT/decode-$n.log" 2>&1
+        grep -E '"(tp|custom_all_reduce|floor_ms|eager_ms|graph_ms)"' "$OUT/decode-$n.log" | tr -d '\n'; echo; done ;;
+    dist-offline) for c in ${CONFIGS:-1,1 1,2 2,1 2,2}; do tp=${c%,*}; pp=${c#*,}; timeout 300 python3 -m load_tests.bench_offline --model llama-8b --systems orca --tp $tp --pp $pp --output-len ${OUTPUT_LEN:-1 128} --label "orca-tp$tp-pp$pp" --out "$OUT/offline-8b-tp$tp-pp$pp${LABEL:-}.json" > "/tmp/offline-tp$tp-pp$pp${LABEL:-}.log" 2>&1; tail -1 "/tmp/offline-tp$tp-pp$pp${LABEL:-}.log"; done ;;
+    dist-probe) # py-spy dumps (native frames) of every worker while P=2 runs the offline trace
+      python3 -m load_tests.bench_offline --model llama-8b --systems orca --pp 2 --label orca-tp1-pp2 \
+        --out "$OUT/probe-pp2.json" > /tmp/probe.log 2>&1 & bench=$!
+      spy=$(python3 -c "from load_tests.bench_http import _py_spy; print(_py_spy())")
+      while kill -0 $bench 2>/dev/null; do
+        for pid in $(pgrep -f "ray::Worker"); do echo "### $(date +%s.%N) pid $pid"; timeout 5 $spy dump --native -p $pid 2>&1; done
+        sleep 0.05; done > /tmp/probe-dumps.txt
+      tail -2 /tmp/probe.log; gzip -c /tmp/probe-dumps.txt > "$OUT/probe-dumps.txt.gz"; ls -la "$OUT" ;;
   esac
 done

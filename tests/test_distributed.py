@@ -229,3 +229,17 @@ def test_tp_pp_on_gpus_equal_one_gpu_in_fp32(ray_cluster, checkpoint):
                                         device="cuda", dtype="float32")
     for key, outputs in results.items():
         assert outputs == results[(1, 1)], key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp_on_two_gpus_equals_one_gpu_in_fp32_with_either_all_reduce(ray_cluster, checkpoint):
+    """T=2 through the one-shot all-reduce over peer memory (the default: every message of
+    this small model fits) and through NCCL: the same greedy tokens as one GPU; P=2 too."""
+    requests, results = compare_configs(checkpoint, [(1, 1), (2, 1), (1, 2)],
+                                        device="cuda", dtype="float32")
+    _, nccl = compare_configs(checkpoint, [(2, 1)], device="cuda", dtype="float32",
+                              disable_custom_all_reduce=True)
+    for key, outputs in results.items():
+        assert outputs == results[(1, 1)], key
+    assert nccl[(2, 1)] == results[(1, 1)]

@@ -74,7 +74,8 @@ class RowParallelLinear(nn.Module):
         self.lora: LoRAWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        buf = self.parallel.all_reduce_input(x.shape[:-1] + self.weight.shape[:1], x.dtype)
+        out = F.linear(x, self.weight) if buf is None else torch.matmul(x, self.weight.t(), out=buf)
         if self.lora is not None:  # A holds this rank's input columns: a partial sum too
             out = add_lora(out, x, self.lora)
         out = self.parallel.all_reduce(out)  # partial sums -> full
