@@ -106,6 +106,15 @@ class Job:
             self._batch = (sum(sum(self.examples[i][1]) for i in batch), 0.0)
         return self._micro.pop(0), self._batch[0], not self._micro
 
+    def record(self, tokens: int, loss_sum: float, ends_batch: bool) -> float | None:
+        """A micro-batch's result; at the end of its batch, the batch's mean loss (a step)."""
+        self.trained_tokens += tokens
+        self._batch = (self._batch[0], self._batch[1] + loss_sum)
+        if not ends_batch:
+            return None
+        self.steps_done += 1
+        return self._batch[1] / max(1, self._batch[0])
+
 
 class FineTuning:
     """The scheduler actor's files and jobs, and the steps it runs for them."""
@@ -200,11 +209,8 @@ class FineTuning:
             self.metrics.finetune_step_time.observe(elapsed)
         if job.status != "running":
             return  # cancelled while the step ran
-        job.trained_tokens += out["tokens"]
-        job._batch = (job._batch[0], job._batch[1] + out["loss_sum"])
-        if last:
-            job.steps_done += 1
-            loss = job._batch[1] / max(1, job._batch[0])
+        loss = job.record(out["tokens"], out["loss_sum"], last)
+        if loss is not None:
             job.event(f"Step {job.steps_done}/{job.total_steps}: training loss={loss:.4f}",
                       {"step": job.steps_done, "total_steps": job.total_steps,
                        "train_loss": loss, "trained_tokens": job.trained_tokens})
@@ -245,8 +251,9 @@ class FineTuning:
             job.started = False
             try:
                 await executor.finetune("drop", job.id)
-            except ray.exceptions.RayError:
-                pass  # the worker is gone, and its memory with it
+            except ray.exceptions.RayError as e:  # the worker is gone, and its memory too
+                logger.warning("freeing fine-tuning job %s's trainer failed: %s", job.id,
+                               str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def stats(self) -> dict:
         running = self.queue[0].id if self.queue and self.queue[0].started else None
