@@ -105,8 +105,10 @@ class Executor:
         return results[self.result_index]
 
     async def finetune(self, method: str, *args):
-        """A fine-tuning call on the worker (one worker: see engine_actors/finetune.py)."""
-        return await self.workers[0].finetune.remote(method, *args)
+        """A fine-tuning call on every worker (its ranks train together: see
+        engine_actors/finetune.py); the first worker's answer."""
+        results = await asyncio.gather(*[w.finetune.remote(method, *args) for w in self.workers])
+        return results[0]
 
     async def all_alive(self, timeout_s: float = 5.0) -> bool:
         try:

@@ -7,6 +7,14 @@ the optimizer. The forward is the model's own architecture written with the kern
 differentiable torch references, on the flattened tokens of the micro-batch (selective
 batching, as in inference): attention runs per sequence, causal, without a KV cache.
 `save` writes the adapter in PEFT's format, which the LoRA serving path (and peft) loads.
+
+With tensor parallelism every rank of the stage trains its shards, as the serving path
+shards adapters: a column-parallel projection's B by output rows (A whole), a row-parallel
+one's A by input columns (B whole). As in Megatron, a column-parallel input all-reduces its
+gradient in the backward pass and a row-parallel output all-reduces its partial sums in the
+forward pass; the whole tensors (column-parallel A, row-parallel B) sum their partial
+gradients over the ranks before the optimizer steps, and the logits' vocabulary shards are
+gathered for the loss. Pipeline stages are not supported for training.
 """
 from __future__ import annotations
 
@@ -25,16 +33,52 @@ from kernels.rotary import rotary_ref
 from kernels.silu_mul import silu_mul_ref
 
 
+class _CopyToRanks(torch.autograd.Function):
+    """Identity; the backward pass sums the gradient over the ranks (a replicated input of
+    a projection whose outputs are sharded)."""
+
+    @staticmethod
+    def forward(ctx, x, parallel):
+        ctx.parallel = parallel
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.parallel.all_reduce(grad.clone()), None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Sum of partial results over the ranks; the gradient (replicated) passes as it is."""
+
+    @staticmethod
+    def forward(ctx, x, parallel):
+        return parallel.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _row_parallel(module) -> bool:
+    return hasattr(module, "local_columns")
+
+
 class Trainer:
     def __init__(self, model, rank: int, alpha: float, targets: list[str], lr: float,
                  seed: int = 0):
-        if model.parallel.tp_size > 1 or model.parallel.pp_size > 1:
-            raise ValueError("fine-tuning runs on one worker: tensor and pipeline "
-                             "parallelism are not supported for it yet")
+        parallel = model.parallel
+        if parallel.pp_size > 1:
+            raise ValueError("fine-tuning with pipeline parallelism is not supported: "
+                             "serve with pipeline_parallel_size 1 to fine-tune")
+        if parallel.tp_size > model.config.num_key_value_heads:
+            raise ValueError(f"fine-tuning with tensor_parallel_size {parallel.tp_size} above "
+                             f"the model's {model.config.num_key_value_heads} KV heads (which "
+                             "then replicate) is not supported")
         self.model, self.rank, self.alpha, self.targets = model, rank, alpha, list(targets)
-        self.scale = alpha / rank
-        gen = torch.Generator().manual_seed(seed)
+        self.parallel, self.scale = parallel, alpha / rank
+        gen = torch.Generator().manual_seed(seed)  # the same draws on every rank
         self.params: dict[tuple[str, str], tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+        self.whole: list[torch.nn.Parameter] = []  # on every rank in full: gradients summed
         self.trained: dict[int, list[str | None]] = {}  # id(projection) -> target per part
         for layer_id, layer in model.layers.items():
             for target in self.targets:
@@ -43,14 +87,16 @@ class Trainer:
                 parts = self.trained.setdefault(id(module),
                                                 [None] * len(getattr(module, "parts", [0])))
                 parts[part] = target
-                out = module.part_sizes[part] if hasattr(module, "part_sizes") \
-                    else module.weight.shape[0]
-                a = torch.empty(rank, module.weight.shape[1])
+                row = _row_parallel(module)
+                out = module.weight.shape[0] if row else module.part_sizes[part]
+                in_features = module.weight.shape[1] * (parallel.tp_size if row else 1)
+                a = torch.empty(rank, in_features)
                 torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)  # as peft
                 dev = module.weight.device
-                self.params[layer_id, target] = (torch.nn.Parameter(a.to(dev)),
-                                                 torch.nn.Parameter(torch.zeros(out, rank,
-                                                                                device=dev)))
+                a = torch.nn.Parameter((module.local_columns(a) if row else a).to(dev))
+                b = torch.nn.Parameter(torch.zeros(out, rank, device=dev))
+                self.params[layer_id, target] = (a, b)
+                self.whole.append(b if row else a)
         self.optimizer = torch.optim.AdamW([p for ab in self.params.values() for p in ab],
                                            lr=lr, weight_decay=0.0)
 
@@ -67,6 +113,7 @@ class Trainer:
             loss_sum = F.cross_entropy(logits, targets, reduction="sum")
             (loss_sum / batch_loss_tokens).backward()
         if last:
+            self.sum_gradients()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.model.embed_tokens.weight.is_cuda:
@@ -75,6 +122,14 @@ class Trainer:
                 "tokens": sum(len(s) for s in sequences),
                 "elapsed_s": time.perf_counter() - start}
 
+    def sum_gradients(self) -> None:
+        """Tensor parallelism: the whole tensors' partial gradients, summed over the ranks
+        (collective; once per batch, before the optimizer steps)."""
+        if self.parallel.tp_size > 1:
+            for p in self.whole:
+                if p.grad is not None:
+                    self.parallel.all_reduce(p.grad)
+
     def forward(self, sequences: list[list[int]], masks: list[list[bool]]):
         """fp32 logits at the positions before each trained token, and those tokens."""
         model = self.model
@@ -82,7 +137,7 @@ class Trainer:
         ids = torch.tensor([t for s in sequences for t in s], device=dev)
         lens = [len(s) for s in sequences]
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        hidden, residual = F.embedding(ids, model.embed_tokens.weight), None
+        hidden, residual = model.embed_tokens(ids), None
         for layer_id, layer in model.layers.items():
             if residual is None:
                 residual, x = hidden, rmsnorm_ref(hidden, layer.input_layernorm.weight,
@@ -101,7 +156,20 @@ class Trainer:
         flat_masks = [m for mask in masks for m in list(mask[1:]) + [False]]
         where = torch.tensor(flat_masks, device=dev)
         targets = torch.roll(ids, -1)[where]
-        return F.linear(hidden[where], model.lm_head.weight).float(), targets
+        return self._logits(hidden[where]).float(), targets
+
+    def _logits(self, hidden):
+        """Full-vocabulary logits. With tensor parallelism each rank computes its vocabulary
+        shard; the others' arrive without gradient, since every rank computes the same loss
+        and needs only its own shard's share of the gradient."""
+        if self.parallel.tp_size == 1:
+            return F.linear(hidden, self.model.lm_head.weight)
+        # vocabulary-sharded outputs of a replicated input: its gradient sums over ranks
+        local = F.linear(_CopyToRanks.apply(hidden, self.parallel), self.model.lm_head.weight)
+        parts = list(self.parallel.all_gather_last_dim(local.detach()).chunk(
+            self.parallel.tp_size, dim=-1))
+        parts[self.parallel.tp_rank] = local
+        return torch.cat(parts, dim=-1)[:, :self.model.config.vocab_size]
 
     def _attention(self, layer_id, attn, x, positions, lens):
         q, k, v = self._linear(layer_id, attn.qkv_proj, x).split(attn.qkv_proj.part_sizes, -1)
@@ -121,19 +189,25 @@ class Trainer:
         return self._linear(layer_id, attn.o_proj, torch.cat(outs).flatten(1))
 
     def _linear(self, layer_id: str, module, x):
-        """The frozen projection plus this job's low-rank updates of its trained parts."""
-        out = F.linear(x, module.weight, module.bias)
+        """The frozen projection plus this job's low-rank updates of its trained parts
+        (this rank's shard of the output, or the full output of a row-parallel one)."""
+        row, tp = _row_parallel(module), self.parallel.tp_size > 1
+        if tp and not row:
+            x = _CopyToRanks.apply(x, self.parallel)
+        out = F.linear(x, module.weight)
         targets = self.trained.get(id(module))
-        if targets is None:
-            return out
-        deltas = []
-        for target, size in zip(targets, getattr(module, "part_sizes", [out.shape[-1]])):
-            if target is None:
-                deltas.append(out.new_zeros(x.shape[0], size))
-                continue
-            a, b = self.params[layer_id, target]
-            deltas.append((x @ a.to(x.dtype).T) @ (b * self.scale).to(x.dtype).T)
-        return out + torch.cat(deltas, -1)
+        if targets is not None:
+            deltas = []
+            for target, size in zip(targets, getattr(module, "part_sizes", [out.shape[-1]])):
+                if target is None:
+                    deltas.append(out.new_zeros(x.shape[0], size))
+                    continue
+                a, b = self.params[layer_id, target]
+                deltas.append((x @ a.to(x.dtype).T) @ (b * self.scale).to(x.dtype).T)
+            out = out + torch.cat(deltas, -1)
+        if tp and row:
+            out = _SumOverRanks.apply(out, self.parallel)
+        return out if module.bias is None else out + module.bias
 
     def state_bytes(self) -> int:
         """Device bytes of the parameters, their gradients and AdamW's moments."""
@@ -145,14 +219,23 @@ class Trainer:
 
     # ---- the adapter --------------------------------------------------------------------
     def save(self, path: str, base_model: str) -> None:
-        """PEFT's adapter_config.json and adapter_model.safetensors."""
-        os.makedirs(path, exist_ok=True)
+        """PEFT's adapter_config.json and adapter_model.safetensors (collective with tensor
+        parallelism: the shards are gathered, the first rank writes)."""
         tensors = {}
         for (layer_id, target), (a, b) in self.params.items():
             block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer_id}.{block}.{target}"
-            tensors[f"{key}.lora_A.weight"] = a.detach().float().cpu().contiguous()
-            tensors[f"{key}.lora_B.weight"] = b.detach().float().cpu().contiguous()
+            module = self.model.layers[layer_id].get_submodule(MODULES[target][0])
+            a, b = a.detach().float(), b.detach().float()
+            if _row_parallel(module):  # A's input columns were sharded
+                a = self.parallel.all_gather_last_dim(a)
+            else:  # B's output rows (this part's heads) were sharded
+                b = self.parallel.all_gather_last_dim(b.T.contiguous()).T
+            tensors[f"{key}.lora_A.weight"] = a.cpu().contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.cpu().contiguous()
+        if self.parallel.tp_rank != 0:
+            return
+        os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank,
                   "lora_alpha": self.alpha, "target_modules": self.targets, "bias": "none",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -219,6 +220,36 @@ def test_lora_adapters_sharded_over_tp_and_pp_equal_transformers_peft(ray_cluste
     for rid, prompt, sampling, adapter in requests:
         expected = peft_greedy(checkpoint, paths.get(adapter), prompt, sampling.max_tokens)
         assert outputs[rid] == expected, (rid, adapter)
+
+
+def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint):
+    """A job trains over T=2 (every rank its shards), while the base model serves; its
+    adapter, saved whole, then answers the trained prompt with the trained tokens."""
+    import ray
+
+    from engine_actors.lora import TARGETS
+    prompt, answer = [5, 6, 7, 8], [40, 41, 42, 43, 44]
+    spec = {"model": "m", "training_file": "file-tp", "suffix": "tp", "seed": 0,
+            "examples": [(prompt + answer, [False] * len(prompt) + [True] * len(answer))],
+            "n_epochs": 40, "batch_size": 1, "learning_rate": 1e-2,
+            "lora": {"r": 8, "alpha": 16, "target_modules": list(TARGETS)}}
+    base = [("base", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
+    actor = start_engine(checkpoint, 2, 1, enable_finetuning=True, max_lora_rank=8)
+    try:
+        before = asyncio.run(run_in_waves(actor, base, waves=1))
+        job = ray.get(actor.finetune_call.remote("create", spec))
+        for _ in range(600):
+            job = ray.get(actor.finetune_call.remote("job", job["id"]))
+            if job["status"] not in ("queued", "running"):
+                break
+            time.sleep(0.1)
+        assert job["status"] == "succeeded", job
+        tuned = [("tuned",) + base[0][1:] + (job["fine_tuned_model"],)]
+        outputs = asyncio.run(run_in_waves(actor, base + tuned, waves=1))
+    finally:
+        stop_engine(actor)
+    assert before[base[0][0]] != answer  # the test can fail
+    assert outputs["tuned"] == answer and outputs["base"] == before["base"]
 
 
 @pytest.mark.gpu

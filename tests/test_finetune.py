@@ -45,22 +45,30 @@ def peft_params(model) -> dict[tuple[str, str, str], torch.nn.Parameter]:
     return out
 
 
+# two ragged examples; the loss is on the completion tokens only
+SEQS = [[5, 17, 99, 3, 250, 41, 7, 7, 80], [12, 200, 13, 64, 9]]
+MASKS = [[False] * 5 + [True] * 4, [False] * 2 + [True] * 3]
+
+
+def peft_backward(base: str, rank: int, alpha: int, targets: list[str]):
+    """peft's model after one backward pass over SEQS (its LoRA gradients set)."""
+    ref = peft_model(base, rank, alpha, targets)
+    width = max(map(len, SEQS))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in SEQS])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in SEQS])
+    labels = torch.tensor([[t if m else -100 for t, m in zip(s, mask)] + [-100] * (width - len(s))
+                           for s, mask in zip(SEQS, MASKS)])
+    ref(input_ids=ids, attention_mask=attention, labels=labels).loss.backward()
+    return ref
+
+
 @pytest.mark.parametrize("targets,device", [
     (TARGETS, "cpu"), (["q_proj", "v_proj", "down_proj"], "cpu"),
     pytest.param(TARGETS, "cuda", marks=pytest.mark.gpu)])
 def test_one_step_gradients_equal_transformers_peft(base, targets, device):
     rank, alpha = 4, 8
-    ref = peft_model(base, rank, alpha, targets)
-    # two ragged examples; the loss is on the completion tokens only
-    seqs = [[5, 17, 99, 3, 250, 41, 7, 7, 80], [12, 200, 13, 64, 9]]
-    masks = [[False] * 5 + [True] * 4, [False] * 2 + [True] * 3]
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    labels = torch.tensor([[t if m else -100 for t, m in zip(s, mask)] + [-100] * (width - len(s))
-                           for s, mask in zip(seqs, masks)])
-    ref(input_ids=ids, attention_mask=attention, labels=labels).loss.backward()
-
+    ref = peft_backward(base, rank, alpha, targets)
+    seqs, masks = SEQS, MASKS
     engine = InProcessEngine(device, model=base, dtype="float32")
     trainer = Trainer(engine.worker.runner.model, rank, alpha, targets, lr=1e-3)
     params = peft_params(ref)
@@ -76,6 +84,73 @@ def test_one_step_gradients_equal_transformers_peft(base, targets, device):
             assert theirs.abs().max() > 0, (layer, target, kind)  # the test can fail
             # relative to the gradient's norm: fp32 sums in another order differ by ~1e-7
             error = (ours.grad.cpu() - theirs).norm() / theirs.norm()
+            assert error < 1e-5, (layer, target, kind, float(error))
+
+
+def _tp_rank(rank: int, base: str, address: str, targets: list[str], ref_path: str,
+             out_path: str) -> None:
+    """One of two tensor-parallel ranks (gloo): set the reference's LoRA weights, shard by
+    shard, run one micro-batch, sum the whole tensors' gradients, gather the shards."""
+    from engine_actors.layers.lora import MODULES
+    from engine_actors.model_runner import ModelRunner
+    from engine_actors.parallel import init_parallel
+    parallel = init_parallel(address, rank, 2, 1, "cpu", 60)
+    model = ModelRunner(base, "cpu", torch.float32, 64, 16, 4, 0, parallel=parallel).model
+    trainer = Trainer(model, 4, 8, targets, lr=1e-3)
+    ref = torch.load(ref_path)
+    modules = {(layer, target): (model.layers[layer].get_submodule(MODULES[target][0]),
+                                 MODULES[target][1]) for layer, target in trainer.params}
+    with torch.no_grad():
+        for key, (a, b) in trainer.params.items():
+            module, part = modules[key]
+            full_a, full_b = ref[key + ("A",)], ref[key + ("B",)]
+            if hasattr(module, "local_columns"):  # row-parallel: A's input columns
+                a.copy_(module.local_columns(full_a))
+                b.copy_(full_b)
+            else:  # column-parallel: B's output rows of this rank's heads
+                a.copy_(full_a)
+                b.copy_(module.local_rows(full_b, part)[1])
+    out = trainer.micro_step(SEQS, MASKS, batch_loss_tokens=7, last=False)
+    trainer.sum_gradients()
+    grads = {}
+    for key, (a, b) in trainer.params.items():
+        module, _ = modules[key]
+        if hasattr(module, "local_columns"):
+            grads[key] = (parallel.all_gather_last_dim(a.grad), b.grad)
+        else:
+            grads[key] = (a.grad, parallel.all_gather_last_dim(b.grad.T.contiguous()).T)
+    trainer.save(out_path + ".adapter", base)  # collective: the shards are gathered
+    if rank == 0:
+        torch.save({"grads": grads, "loss_sum": out["loss_sum"]}, out_path)
+
+
+def test_tensor_parallel_gradients_equal_transformers_peft(base, tmp_path):
+    """T=2 (gloo): each rank trains its shards of the adapter; gathered, the gradients of
+    one step equal transformers + peft's on the same batch, and the saved adapter holds
+    the whole weights."""
+    import socket
+
+    import torch.multiprocessing as mp
+    targets = TARGETS
+    params = peft_params(peft_backward(base, 4, 8, targets))
+    torch.save({k: p.detach() for k, p in params.items()}, tmp_path / "ref.pt")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    mp.spawn(_tp_rank, args=(base, address, targets, str(tmp_path / "ref.pt"),
+                             str(tmp_path / "out.pt")), nprocs=2)
+    grads = torch.load(tmp_path / "out.pt")["grads"]
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "out.pt.adapter" / "adapter_model.safetensors"))
+    for (layer, target, kind), p in params.items():
+        block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        name = f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{kind}.weight"
+        torch.testing.assert_close(saved[name], p.detach())  # no step ran: the set weights
+    for (layer, target), (grad_a, grad_b) in grads.items():
+        for kind, ours in (("A", grad_a), ("B", grad_b)):
+            theirs = params[layer, target, kind].grad
+            assert theirs.abs().max() > 0, (layer, target, kind)
+            error = (ours - theirs).norm() / theirs.norm()
             assert error < 1e-5, (layer, target, kind, float(error))
 
 
