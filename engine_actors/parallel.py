@@ -114,7 +114,7 @@ def _one_shot(group, tp_rank: int, tp_size: int, max_bytes: int):
     device = torch.device("cuda", torch.cuda.current_device())
     try:
         one_shot = OneShotAllReduce(group, tp_rank, tp_size, max_bytes, device)
-    except RuntimeError as e:
+    except (RuntimeError, ImportError, AttributeError, OSError) as e:  # no peer memory here
         logger.warning("one-shot all-reduce unavailable, using NCCL for all: %s", e)
         one_shot = None
     ok = torch.tensor([one_shot is not None], dtype=torch.int32, device=device)
