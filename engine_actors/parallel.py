@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,14 @@ class ParallelGroup:
 
 
 SINGLE = ParallelGroup()
+
+
+def free_address() -> str:
+    """host:port of a free port on this machine, for a process group's rendezvous."""
+    host = socket.gethostbyname(socket.gethostname())
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"{host}:{s.getsockname()[1]}"
 
 
 def init_parallel(address: str, rank: int, tp_size: int, pp_size: int, device: str,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import socket
 import time
 
 import torch
@@ -24,7 +23,7 @@ from engine_actors.kv_cache import cdiv
 from engine_actors.messages import StepInput
 from engine_actors.finetune import Trainer
 from engine_actors.model_runner import ModelRunner, resolve_dtype
-from engine_actors.parallel import ONE_SHOT_MAX_BYTES, SINGLE, init_parallel
+from engine_actors.parallel import ONE_SHOT_MAX_BYTES, SINGLE, free_address, init_parallel
 
 CPU_KV_TOKENS = 16384  # default KV pool on CPU when max_num_tokens is not given
 
@@ -47,10 +46,7 @@ class Worker:
 
     def address(self) -> str:
         """host:port for the process group's rendezvous (asked of rank 0)."""
-        host = socket.gethostbyname(socket.gethostname())
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return f"{host}:{s.getsockname()[1]}"
+        return free_address()
 
     def setup(self, address: str = "") -> None:
         """Join the process group (all workers at once; a single worker has none), then load

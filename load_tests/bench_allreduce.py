@@ -26,11 +26,8 @@ class Rank:
         self.rank, self.world = rank, world
 
     def address(self) -> str:
-        import socket
-        host = socket.gethostbyname(socket.gethostname())
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return f"{host}:{s.getsockname()[1]}"
+        from engine_actors.parallel import free_address
+        return free_address()
 
     def run(self, address: str, max_bytes: int) -> dict:
         import ray

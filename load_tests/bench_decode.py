@@ -131,12 +131,18 @@ def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int,
             "weight_bytes": results[0]["weight_bytes"], "kv_bytes": results[0]["kv_bytes"]}
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def decode_arguments(doc: str) -> argparse.ArgumentParser:
+    """The arguments every decode-step benchmark takes (this one, bench_lora)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=50)
+    return p
+
+
+def main(argv=None) -> dict:
+    p = decode_arguments(__doc__)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="every all-reduce through NCCL (the engine arg of that name)")

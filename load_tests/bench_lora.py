@@ -18,7 +18,6 @@ tile shapes.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -31,7 +30,7 @@ from engine_actors.kv_cache import cdiv
 from engine_actors.layers import lora as lora_layers
 from engine_actors.lora import TARGETS
 from engine_actors.model_runner import ModelRunner
-from load_tests.bench_decode import time_decode
+from load_tests.bench_decode import decode_arguments, time_decode
 
 
 def save_random_adapters(model_path: str, out_dir: str, count: int, rank: int,
@@ -115,11 +114,7 @@ def new_runner(model_path: str, batch: int, ctx: int, iters: int, lora=None) -> 
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="llama-8b")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--context-len", type=int, default=512)
-    p.add_argument("--iters", type=int, default=50)
+    p = decode_arguments(__doc__)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 2, 8, 32])
     p.add_argument("--kernels", action="store_true", help="time the kernels alone")

@@ -128,16 +128,13 @@ def test_tensor_parallel_gradients_equal_transformers_peft(base, tmp_path):
     """T=2 (gloo): each rank trains its shards of the adapter; gathered, the gradients of
     one step equal transformers + peft's on the same batch, and the saved adapter holds
     the whole weights."""
-    import socket
-
     import torch.multiprocessing as mp
+
+    from engine_actors.parallel import free_address
     targets = TARGETS
     params = peft_params(peft_backward(base, 4, 8, targets))
     torch.save({k: p.detach() for k, p in params.items()}, tmp_path / "ref.pt")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{sock.getsockname()[1]}"
-    mp.spawn(_tp_rank, args=(base, address, targets, str(tmp_path / "ref.pt"),
+    mp.spawn(_tp_rank, args=(base, free_address(), targets, str(tmp_path / "ref.pt"),
                              str(tmp_path / "out.pt")), nprocs=2)
     grads = torch.load(tmp_path / "out.pt")["grads"]
     from safetensors.torch import load_file
