@@ -24,6 +24,7 @@ class Grammars:
         self.model_path, self.vocab_size = model_path, vocab_size
         self.matchers: dict[int, object] = {}  # row -> xgrammar GrammarMatcher
         self._compiler = None
+        self._batch = None  # xgrammar's BatchGrammarMatcher (fills rows on several threads)
 
     def _compile(self, spec: tuple[str, str]):
         import xgrammar as xgr
@@ -51,14 +52,17 @@ class Grammars:
         return [self.matchers.get(r) for r in rows]
 
     def bitmask(self, matchers: list[object | None]) -> torch.Tensor:
-        """[N, V/32] int32 on the CPU: allowed tokens of each grammar row (others: all)."""
+        """[N, V/32] int32 on the CPU: allowed tokens of each grammar row (others: all),
+        filled by xgrammar's thread pool."""
         import xgrammar as xgr
         mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, m in enumerate(matchers):
-            # a terminated one ended its request: a step already in flight samples a token
-            # the scheduler drops
-            if m is not None and not m.is_terminated():
-                m.fill_next_token_bitmask(mask, i)
+        # a terminated one ended its request: a step already in flight samples a token the
+        # scheduler drops
+        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if rows:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
         return mask
 
 
