@@ -118,12 +118,10 @@ class EngineConfig:
 
     @property
     def max_steps_in_flight(self) -> int:
-        """ORCA keeps one batch per pipeline stage in flight (Algorithm 1's n_workers). A
-        single stage keeps one more with async_scheduling, to overlap the control plane.
-        With stages, batches are disjoint and each extra one would re-read every weight."""
-        if self.pipeline_parallel_size > 1:
-            return self.pipeline_parallel_size
-        return 2 if self.async_scheduling else 1
+        """ORCA keeps one batch per pipeline stage in flight (Algorithm 1's n_workers). With
+        async_scheduling each batch's next step is queued behind it (continuing from the
+        samples still on the device), so the control plane's round trip is hidden."""
+        return self.pipeline_parallel_size * (2 if self.async_scheduling else 1)
 
     @property
     def max_num_seqs(self) -> int:

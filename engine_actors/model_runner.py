@@ -27,7 +27,8 @@ from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.sampler import Sampler
 from engine_actors.sampling_head import SamplingHead
-from engine_actors.stage_link import StageLink
+from engine_actors.stage_link import StageLink, TokenLink
+from engine_actors.step_extras import CONTINUE
 from engine_actors.step_tensors import StepTensors, prepare
 from engine_actors.timeline import StepTimeline
 from engine_actors.transfer import PendingStep, Staging
@@ -78,13 +79,18 @@ class ModelRunner:
         self.num_graph_replays = 0
         self.timeline = StepTimeline() if self.device.type == "cuda" else None
         self.link: StageLink | None = None
+        self.tokens: TokenLink | None = None
         self.fail_next = False  # chaos testing: the next forward raises
 
-    def allocate_stage_buffers(self, max_tokens: int, num_in_flight: int) -> None:
-        """The pipeline link to the neighbouring stages (see StageLink)."""
+    def allocate_stage_buffers(self, max_tokens: int, num_in_flight: int,
+                               continuation: bool = False) -> None:
+        """The pipeline link to the neighbouring stages (see StageLink); with continuation
+        (async scheduling), the link of sampled ids from the last stage to the first."""
         if self.parallel.pp_size > 1:
             self.link = StageLink(self.parallel, max_tokens, self.hf_config.hidden_size, self.dtype,
                                   self.device, num_in_flight)
+            if continuation and (self.parallel.is_first_stage or self.parallel.is_last_stage):
+                self.tokens = TokenLink(self.parallel, self.last_sampled, self.max_num_seqs)
 
     def _load_model(self, path: str) -> LlamaForCausalLM:
         default_dtype = torch.get_default_dtype()
@@ -178,6 +184,8 @@ class ModelRunner:
         out, parse = None, None
         if logits is not None:
             out, parse = self.head.sample(logits, inputs, step, self.last_sampled)
+            if self.tokens is not None and inputs.sample_rows_host:
+                self.tokens.send(self.last_sampled[inputs.sample_rows])
         pending = self.staging.to_host(out, parse or ids_only)
         self.head.launched(pending)
         if self.timeline is not None:
@@ -208,9 +216,11 @@ class ModelRunner:
             self.block_table[inputs.table_rows, inputs.table_cols] = inputs.table_blocks
         input_ids = hidden = residual = None
         if self.parallel.is_first_stage:
+            if self.tokens is not None and CONTINUE in step.token_ids:
+                # the rows' previous steps are at least P back (Scheduler.stride)
+                self.tokens.wait_through(step.step_id - self.parallel.pp_size)
             # -1 (CONTINUE): the token this row's previous step sampled, still on the device
-            input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids,
-                                    self.last_sampled[inputs.token_rows])
+            input_ids = self._resolve(inputs)
         else:
             hidden, residual = self.link.recv(step.step_id, num_tokens)
         meta = AttentionMetadata(
@@ -219,8 +229,8 @@ class ModelRunner:
             slot_mapping=self._slot_mapping(inputs.token_rows, inputs.positions),
             block_size=self.block_size, max_query_len=inputs.max_query_len)
         if self.parallel.is_last_stage and self.head.sampler.processors.counted:
-            # penalties count the step's tokens (pipelined stages have no -1 continuations)
-            resolved = input_ids if input_ids is not None else inputs.input_ids
+            # penalties count the step's tokens (the last stage sampled any -1 itself)
+            resolved = input_ids if input_ids is not None else self._resolve(inputs)
             self.head.sampler.processors.observe(step.rows, inputs.token_rows, inputs.positions,
                                             resolved, self.hf_config.vocab_size)
         if bucket:
@@ -238,8 +248,14 @@ class ModelRunner:
             self.link.release_recv(step.step_id)
         if not self.parallel.is_last_stage:
             self.link.send(step.step_id, out[0][:num_tokens], out[1][:num_tokens])
+            if self.tokens is not None and inputs.sample_rows_host:
+                self.tokens.post(step.step_id, inputs.sample_rows)
             return None, inputs
         return (out[:num_reqs] if bucket else out), inputs  # graphs pad the batch
+
+    def _resolve(self, inputs: StepTensors) -> torch.Tensor:
+        return torch.where(inputs.input_ids >= 0, inputs.input_ids,
+                           self.last_sampled[inputs.token_rows])
 
     def _is_graphable(self, step: StepInput) -> bool:
         return self.graphs is not None and max(step.query_lens) == 1 and all(step.sample) \

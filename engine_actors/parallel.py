@@ -79,6 +79,14 @@ class ParallelGroup:
         dist.recv(x, src=self.rank - self.tp_size)
         return x
 
+    def send_to_first(self, x: torch.Tensor) -> None:
+        """Last stage -> the same tensor-parallel rank of the first stage (sampled ids)."""
+        dist.send(x, dst=self.tp_rank)
+
+    def irecv_from_last(self, x: torch.Tensor):
+        """First stage: receive into x from the last stage; returns the pending Work."""
+        return dist.irecv(x, src=(self.pp_size - 1) * self.tp_size + self.tp_rank)
+
 
 SINGLE = ParallelGroup()
 

@@ -79,6 +79,7 @@ class Request:
     num_computed_tokens: int = 0
     num_inflight_samples: int = 0  # tokens sampled by in-flight steps, not yet received
     num_inflight_steps: int = 0
+    last_step: int = -1  # index of the latest step that scheduled it (Scheduler.num_steps)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_iterations: int = 0  # iterations this request took part in

@@ -14,7 +14,10 @@ admitted ones (at most max_num_seqs) in their own table, deadlines in a heap.
 With `allow_continuation`, a request may be scheduled again while a step that samples its
 next token is still in flight (overlapped scheduling): the step message carries
 CONTINUE (-1) for that token and the worker substitutes its own last sample for the row.
-Without it, the batches in flight are disjoint (ORCA, needed with pipeline stages).
+Without it, the batches in flight are disjoint (ORCA). With `stride` P (pipeline stages),
+a request's consecutive steps are at least P steps apart, so the P steps in the pipeline
+at once are disjoint while each batch's next steps are already queued behind them: the
+first stage gets the last stage's samples over the device link (engine_actors/stage_link.py).
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ class Batch:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, budget: Budget, max_model_len: int,
                  eos_token_ids: set[int], allow_continuation: bool = False,
-                 loras: LoRASlots | None = None):
+                 loras: LoRASlots | None = None, stride: int = 1):
         self.kv = kv
         self.loras = loras  # LoRA adapter slots of the workers (None: no adapters)
         self.policy = policy
@@ -69,6 +72,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.allow_continuation = allow_continuation
+        self.stride = stride  # steps between a request's consecutive steps, at least
+        self.num_steps = 0  # steps built so far: the next one's index
         self.pool: dict[str, Request] = {}  # unfinished requests
         self.admitted: dict[str, Request] = {}  # those holding a table row and KV
         self.waiting: list[Request] = []  # the others, sorted by policy.key
@@ -85,13 +90,12 @@ class Scheduler:
         capacity = num_blocks * cfg.block_size
         kv = KVCacheManager(num_blocks, cfg.block_size, cfg.max_num_seqs,
                             cfg.enable_prefix_caching)
-        # with pipeline stages, batches in flight must be disjoint (ORCA)
-        continuation = cfg.async_scheduling and cfg.pipeline_parallel_size == 1
         return cls(kv, policy or make_policy(cfg.scheduling_policy),
                    Budget(cfg.max_batch_size, cfg.max_num_batched_tokens),
                    context_len(model_len, cfg.max_model_len, capacity), set(eos_token_ids),
-                   allow_continuation=continuation,
-                   loras=LoRASlots(cfg.max_loras) if cfg.lora_enabled else None)
+                   allow_continuation=cfg.async_scheduling,
+                   loras=LoRASlots(cfg.max_loras) if cfg.lora_enabled else None,
+                   stride=cfg.pipeline_parallel_size)
 
     @property
     def num_requests(self) -> int:
@@ -109,7 +113,8 @@ class Scheduler:
     def is_ready(self, req: Request) -> bool:
         """Can admitted `req` take part in the next step? Once its samples (received or in
         flight) reach max_tokens, the only token left uncomputed is the last sample."""
-        if req.status is RequestStatus.RUNNING and not self.allow_continuation:
+        if req.status is RequestStatus.RUNNING and (
+                not self.allow_continuation or self.num_steps - req.last_step < self.stride):
             return False
         return req.num_new_tokens > 0 and req.can_sample_more
 
@@ -183,7 +188,9 @@ class Scheduler:
             req.num_computed_tokens += n
             req.num_iterations += 1
             req.num_inflight_steps += 1
+            req.last_step = self.num_steps
             req.status = RequestStatus.RUNNING
+        self.num_steps += 1
         return batch
 
     def _admit(self, req: Request, hits: list[int], step: StepInput, adapters: set[int]) -> None:

@@ -64,7 +64,7 @@ class Worker:
                                   lora=(cfg.max_loras, cfg.max_lora_rank)
                                   if cfg.lora_enabled else None)
         self.runner.allocate_stage_buffers(max(cfg.max_num_batched_tokens, cfg.max_batch_size),
-                                           cfg.max_steps_in_flight)
+                                           cfg.max_steps_in_flight, cfg.async_scheduling)
 
     def num_kv_blocks(self) -> int:
         """How many KV blocks this worker can hold (collective with several workers: the

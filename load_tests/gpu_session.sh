@@ -43,6 +43,11 @@ for part in $BENCH; do
         timeout 240 python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp $v --out "$OUT/decode-8b-$n.json" > "$OUT/decode-$n.log" 2>&1
         grep -E '"(tp|custom_all_reduce|floor_ms|eager_ms|graph_ms)"' "$OUT/decode-$n.log" | tr -d '\n'; echo; done ;;
     dist-offline) for c in ${CONFIGS:-1,1 1,2 2,1 2,2}; do tp=${c%,*}; pp=${c#*,}; timeout 300 python3 -m load_tests.bench_offline --model llama-8b --systems orca --tp $tp --pp $pp --output-len ${OUTPUT_LEN:-1 128} --label "orca-tp$tp-pp$pp" --out "$OUT/offline-8b-tp$tp-pp$pp${LABEL:-}.json" > "/tmp/offline-tp$tp-pp$pp${LABEL:-}.log" 2>&1; tail -1 "/tmp/offline-tp$tp-pp$pp${LABEL:-}.log"; done ;;
+    dist-pp) # continuation with stages: 2-GPU parity first (a failure stops the benchmarks)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py -k two_gpus 2>&1 | tail -3 | tee /tmp/pp-tests.log
+      grep -q " passed" /tmp/pp-tests.log && ! grep -q failed /tmp/pp-tests.log || exit 1
+      for c in "1 1 128" "2 1 128" "2 64 512" "1 64 512"; do set -- $c
+        timeout 100 python3 -m load_tests.bench_offline --model llama-8b --systems orca --pp $1 --output-len $2 $3 --label "orca-pp$1-out$3" --out "$OUT/offline-pp$1-out$3.json" > /tmp/o.log 2>&1; tail -1 /tmp/o.log; done ;;
     dist-probe) # py-spy dumps (native frames) of every worker while P=2 runs the offline trace
       python3 -m load_tests.bench_offline --model llama-8b --systems orca --pp 2 --label orca-tp1-pp2 \
         --out "$OUT/probe-pp2.json" > /tmp/probe.log 2>&1 & bench=$!

@@ -158,6 +158,24 @@ def test_tp_pp_outputs_equal_a_single_worker(ray_cluster, checkpoint):
         assert outputs == results[(1, 1)], key
 
 
+def test_pipeline_continuation_keeps_seeded_sampling_and_penalties(ray_cluster, checkpoint):
+    """P=2 continues each batch from the last stage's samples returned over the device link:
+    seeded sampling with penalties (which count the continued tokens on the last stage)
+    gives what one worker gives."""
+    rng = random.Random(8)
+    requests = [(f"s{i}", [rng.randrange(256) for _ in range(rng.randint(1, 40))],
+                 SamplingParams(max_tokens=rng.randint(4, 20), temperature=0.9, seed=100 + i,
+                                presence_penalty=0.5, repetition_penalty=1.3,
+                                ignore_eos=True))
+                for i in range(12)]
+    results = {}
+    for tp, pp in [(1, 1), (1, 2)]:
+        actor = start_engine(checkpoint, tp, pp)
+        results[(tp, pp)] = asyncio.run(run_in_waves(actor, requests))
+        stop_engine(actor)
+    assert results[(1, 2)] == results[(1, 1)]
+
+
 def test_worker_death_fails_in_flight_requests_and_recovers(ray_cluster):
     import ray
     actor = start_engine(resolve_model_path(DEFAULT_MODEL), 2, 1)

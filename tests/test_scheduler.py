@@ -160,6 +160,37 @@ def test_overlapped_steps_continue_from_the_workers_last_sample():
     assert sched.kv.num_free_blocks == 64 and sched.kv.num_reserved_blocks == 0
 
 
+def test_pipeline_stride_keeps_the_steps_in_the_pipeline_disjoint_and_continues_behind():
+    """P=2 stages with continuation: a request's consecutive steps are at least 2 apart (the
+    two stages never hold the same request), and its next step is sent before its token
+    is back (the first stage gets it from the last over the device link)."""
+    kv = KVCacheManager(64, 4, 8)  # rows for two disjoint batches of up to 3
+    sched = Scheduler(kv, FCFS(), Budget(3, 64), 512, {EOS}, allow_continuation=True, stride=2)
+    runner = FakeRunner(4)
+    outs, in_flight, gaps = {}, [], []
+    prompts = {f"r{i}": [i + 3] * (2 + 3 * i) for i in range(6)}
+    for rid, prompt in prompts.items():
+        sched.add(make_req(rid, prompt, max_tokens=4 + int(rid[1:])))
+    index, flying = 0, {}  # request id -> indices of its steps in flight
+    while sched.pool or in_flight:
+        while len(in_flight) < 4 and (batch := sched.schedule()) is not None:
+            for item in batch.scheduled:
+                mine = flying.setdefault(item.request.request_id, [])
+                gaps += [index - i for i in mine]
+                mine.append(index)
+            in_flight.append((index, batch, runner.execute(batch.step)))
+            index += 1
+        done, batch, sampled = in_flight.pop(0)
+        for item in batch.scheduled:
+            flying[item.request.request_id].remove(done)
+        for out in sched.process(batch, sampled):
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for rid, prompt in prompts.items():
+        assert outs[rid] == expected_output(prompt, 4 + int(rid[1:]))
+    assert gaps and min(gaps) == 2  # never in adjacent steps at once, continued at the stride
+    assert any(-1 in s.token_ids for s in runner.steps)
+
+
 def test_eos_while_the_next_step_is_in_flight_drops_its_token():
     sched, runner = make_scheduler(num_blocks=32), FakeRunner(4)
     sched.allow_continuation = True
