@@ -14,8 +14,8 @@ from array import array
 from collections.abc import Callable
 
 from engine_actors.detokenizer import TextStream
-from engine_actors.messages import BatchRequest, BatchResult, EngineRequest, Refusal
-from engine_actors.scheduler import RequestOutput
+from engine_actors.messages import (BatchRequest, BatchResult, EngineRequest, Refusal,
+                                    RequestOutput)
 
 RETENTION_S = 3600.0
 MAX_BATCHES = 1000

@@ -19,8 +19,10 @@ import ray
 from engine_actors.checkpoint import ModelInfo, model_info
 from engine_actors.config import EngineConfig
 from engine_actors.executor import Executor, resolve_device
+from engine_actors.messages import EngineRequest, Refusal, RequestOutput
 from engine_actors.metrics import EngineMetrics
-from engine_actors.scheduler import Batch, RequestOutput, Scheduler
+from engine_actors.request import Request
+from engine_actors.scheduler import Batch, RequestRejected, Scheduler
 
 logger = logging.getLogger("orca_serve.scheduler")
 IDLE_WAKE_S = 2.0  # an idle loop still wakes this often, to expire deadlines
@@ -70,6 +72,24 @@ class EngineLoop:
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", info.name, device,
                     num_blocks, cfg.block_size)
         return cls(cfg, info, executor, scheduler, metrics, deliver)
+
+    def queue_full(self) -> Refusal | None:
+        waiting = self.scheduler.num_waiting
+        if waiting >= self.cfg.max_queued_requests:
+            return Refusal("queue_full", f"{waiting} requests are already waiting; retry later")
+        return None
+
+    def add(self, r: EngineRequest, sink, lora) -> Refusal | None:
+        """Queue a request (its outputs go to `sink`; `lora`: its adapter or None)."""
+        now = time.monotonic()
+        deadline = now + r.deadline_ms / 1e3 if r.deadline_ms is not None else float("inf")
+        try:
+            self.scheduler.add(Request(r.request_id, r.prompt_token_ids, r.sampling, now, sink,
+                                       priority=r.priority, deadline=deadline, lora=lora))
+        except RequestRejected as e:
+            return Refusal("too_long", str(e))
+        self.wake()
+        return None
 
     def wake(self) -> None:
         """New work arrived."""
@@ -160,6 +180,14 @@ class EngineLoop:
         self.metrics.waiting.set(s.num_waiting)
         self.metrics.kv_usage.set(s.kv.usage)
         self.metrics.prefix_cache(s.kv.num_queried_tokens, s.kv.num_hit_tokens)
+
+    async def drain(self, timeout_s: float) -> list[RequestOutput]:
+        """Wait up to timeout_s for the requests to finish; ends those left (their outputs,
+        finish "abort")."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.pool and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.scheduler.fail_all()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

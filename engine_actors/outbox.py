@@ -8,10 +8,11 @@ ingress replica, a benchmark, a test); a background batch keeps its results itse
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Protocol
 
-from engine_actors.scheduler import RequestOutput
+from engine_actors.messages import RequestOutput, RequestUpdate
 
 
 class Sink(Protocol):
@@ -24,12 +25,12 @@ class Sink(Protocol):
 
 class Outbox:
     """Outputs waiting to be streamed to one caller, merged per request between reads: one
-    stream item per iteration carries all of the caller's requests, each update in the wire
-    form of RequestUpdate (a list; see RequestUpdate.from_wire)."""
+    stream item per iteration carries all of the caller's requests, each RequestUpdate in
+    its wire form (RequestUpdate.to_wire)."""
 
     def __init__(self, client_id: str):
         self.client_id = client_id
-        self.pending: dict[str, list] = {}
+        self.pending: dict[str, RequestUpdate] = {}
         self.request_ids: set[str] = set()  # unfinished requests of this caller
         self.event = asyncio.Event()
 
@@ -37,20 +38,14 @@ class Outbox:
         self.request_ids.add(request_id)
 
     def deliver(self, out: RequestOutput, error: str | None) -> None:
-        error = error if out.finish_reason else None
-        item = self.pending.get(out.request_id)
-        if item is None:
-            self.pending[out.request_id] = [out.new_token_ids, out.finish_reason,
-                                            out.num_prompt_tokens, out.num_output_tokens, error,
-                                            out.logprobs, out.prompt_logprobs,
-                                            out.num_cached_tokens]
+        update = RequestUpdate(out.new_token_ids, out.finish_reason, out.num_prompt_tokens,
+                               out.num_output_tokens, error if out.finish_reason else None,
+                               out.logprobs, out.prompt_logprobs, out.num_cached_tokens)
+        earlier = self.pending.get(out.request_id)
+        if earlier is None:
+            self.pending[out.request_id] = update
         else:
-            item[0].extend(out.new_token_ids)
-            item[1:5] = out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, error
-            item[7] = out.num_cached_tokens
-            for i, more in ((5, out.logprobs), (6, out.prompt_logprobs)):
-                if more:
-                    item[i] = (item[i] or []) + more
+            earlier.merge(update)
         if out.finish_reason is not None:
             self.request_ids.discard(out.request_id)
         self.event.set()
@@ -76,7 +71,25 @@ class Outbox:
                     return
             batch, self.pending = self.pending, {}
             if batch:
-                yield batch
+                yield {rid: update.to_wire() for rid, update in batch.items()}
+
+
+class EarlyAborts:
+    """Aborts that arrive before their requests' add_requests (Ray may reorder calls of
+    different tasks; adds wait for the engine to start): remembered, at most `limit`."""
+
+    def __init__(self, limit: int = 4096):
+        self.ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.limit = limit
+
+    def remember(self, request_id: str) -> None:
+        self.ids[request_id] = None
+        while len(self.ids) > self.limit:
+            self.ids.popitem(last=False)
+
+    def take(self, request_id: str) -> bool:
+        """Was request_id aborted before it came? (It is forgotten.)"""
+        return self.ids.pop(request_id, 0) is None
 
 
 async def _is_alive(actor, timeout_s: float) -> bool:

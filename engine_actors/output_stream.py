@@ -33,6 +33,19 @@ class OutputStream:
         except Exception:  # the actor is gone already
             pass
 
+    async def follow(self, unfinished: set[str],
+                     on_update: Callable[[str, RequestUpdate], None]) -> None:
+        """Pass every update to on_update until `unfinished` is empty (the caller may add
+        to it or take from it meanwhile: later submissions, refusals)."""
+        if not unfinished:
+            return
+        async for request_id, update in self:
+            on_update(request_id, update)
+            if update.finish_reason is not None:
+                unfinished.discard(request_id)
+                if not unfinished:
+                    return
+
     async def submit(self, requests: list[EngineRequest]) -> None:
         """Queue requests for this caller; raises RuntimeError naming the first refusal."""
         refusals = await self.actor.add_requests.remote(self.client_id, requests)
@@ -47,22 +60,15 @@ async def run_requests(actor, requests: list[EngineRequest],
     """Submit `requests` in one call and follow them until each has finished; returns each
     request's updates merged into one (all its tokens, its finish reason)."""
     stream = OutputStream(actor)
+    results = {r.request_id: RequestUpdate() for r in requests}
+
+    def merge(request_id: str, update: RequestUpdate) -> None:
+        results[request_id].merge(update)
+        if on_update is not None:
+            on_update(request_id, update)
     try:
         await stream.submit(requests)
-    except BaseException:
-        stream.close()
-        raise
-    results = {r.request_id: RequestUpdate() for r in requests}
-    unfinished = set(results)
-    try:
-        async for request_id, update in stream:
-            results[request_id].merge(update)
-            if on_update is not None:
-                on_update(request_id, update)
-            if update.finish_reason is not None:
-                unfinished.discard(request_id)
-                if not unfinished:
-                    break
+        await stream.follow(set(results), merge)
     finally:
         stream.close()
     return results

@@ -12,12 +12,11 @@ No per-iteration work scans the whole pool: waiting requests are kept in the pol
 admitted ones (at most max_num_seqs) in their own table, deadlines in a heap.
 
 With `allow_continuation`, a request may be scheduled again while a step that samples its
-next token is still in flight (overlapped scheduling): the step message carries
-CONTINUE (-1) for that token and the worker substitutes its own last sample for the row.
-Without it, the batches in flight are disjoint (ORCA). With `stride` P (pipeline stages),
-a request's consecutive steps are at least P steps apart, so the P steps in the pipeline
-at once are disjoint while each batch's next steps are already queued behind them: the
-first stage gets the last stage's samples over the device link (engine_actors/stage_link.py).
+next token is still in flight: the step carries CONTINUE (-1) for that token, and the
+worker substitutes the row's last sample, still on the device. Without it, the batches in
+flight are disjoint (ORCA). With `stride` P (pipeline stages), a request's steps are at
+least P apart: the P steps in the pipeline are disjoint while each batch's next steps
+queue behind them (the first stage gets the last stage's samples: stage_link.TokenLink).
 """
 from __future__ import annotations
 
@@ -25,32 +24,19 @@ import bisect
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import KVCacheManager, context_len
 from engine_actors.lora import LoRASlots
-from engine_actors.messages import StepInput, StepResult, TokenLogprobs
+from engine_actors.messages import RequestOutput, StepInput, StepResult
 from engine_actors.policies import Budget, Policy, Scheduled, make_policy
 from engine_actors.request import FinishReason, Request, RequestStatus
 from engine_actors.step_extras import (add_to_step, new_prompt_logprobs, new_request, trim,
                                        wants_prompt_logprobs)
 
+
 class RequestRejected(ValueError):
     """The request can never run (too long for the model or the KV pool)."""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    sink: Any  # the request's sink (see Request.sink)
-    new_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked
-    prompt_logprobs: list[TokenLogprobs] | None = None  # of the next prompt positions
-    num_cached_tokens: int = 0  # prompt tokens its first admission found in the cache
 
 
 @dataclass(slots=True)

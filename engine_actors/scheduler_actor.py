@@ -1,12 +1,11 @@
 """The singleton scheduler actor: the engine's one address for its callers.
 
 It composes the iteration loop with worker recovery (`engine_loop`), the callers' outboxes
-(`outbox`), background batches (`batches`), LoRA adapters (`lora`) and fine-tuning jobs in
-idle time (`finetune_jobs`); here are start-up,
-teardown and the calls. Every request carries its sink, and `_deliver` is the one place
-where outputs go out and finished requests are counted. An ingress replica submits with
+(`outbox`), background batches (`batches`), LoRA adapters (`lora`) and fine-tuning jobs
+(`finetune_jobs`); here are start-up, teardown and the calls. `_deliver` is the one place
+where outputs go out to their requests' sinks. An ingress replica submits with
 `add_requests` and holds one `stream` call that yields, once per iteration, the updates of
-all its requests, so the per-token cost does not grow with the number of requests.
+all its requests.
 
 Lifetime: created on first use by an ingress replica (a named, detached actor, one per
 distinct configuration); it tears itself down, workers and placement group included, when
@@ -16,9 +15,7 @@ comes back within ORPHAN_GRACE_S, or when the engine fails in a way it cannot re
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import time
 
 import ray
 
@@ -28,17 +25,15 @@ from engine_actors.config import EngineConfig
 from engine_actors.engine_loop import EngineLoop, start_failure_cause
 from engine_actors.finetune_jobs import FineTuning
 from engine_actors.lora import Adapters
-from engine_actors.messages import BatchRequest, EngineRequest, Refusal
+from engine_actors.messages import BatchRequest, EngineRequest, Refusal, RequestOutput
 from engine_actors.metrics import EngineMetrics
-from engine_actors.outbox import Outbox
-from engine_actors.request import FinishReason, Request
-from engine_actors.scheduler import RequestOutput, RequestRejected
+from engine_actors.outbox import EarlyAborts, Outbox
+from engine_actors.request import FinishReason
 
 logger = logging.getLogger("orca_serve.scheduler")
 NAMESPACE = "orca-serve"
 ORPHAN_GRACE_S = 30.0
 HEARTBEAT_S = 2.0
-MAX_UNKNOWN_ABORTS = 4096
 
 
 def actor_name(cfg: EngineConfig) -> str:
@@ -60,9 +55,7 @@ class SchedulerActor:
         self._started: asyncio.Task | None = None
         self._start_error: str | None = None
         self._tasks: set[asyncio.Task] = set()  # background tasks, kept alive
-        # aborts that arrive before their add_requests (Ray may reorder calls of different
-        # tasks; adds wait for the engine to start): remembered, bounded
-        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._early_aborts = EarlyAborts()
 
     # ---- life cycle -------------------------------------------------------------------
     async def ready(self) -> ModelInfo:
@@ -141,29 +134,20 @@ class SchedulerActor:
         return [self._add(outbox, r) for r in requests]
 
     def _add(self, sink, r: EngineRequest) -> Refusal | None:
-        if self._early_aborts.pop(r.request_id, 0) is None:
+        if self._early_aborts.take(r.request_id):
             return None  # aborted before it was added
         if self.draining:
             return Refusal("draining", "the server is shutting down")
-        scheduler = self.engine.scheduler
-        if scheduler.num_waiting >= self.cfg.max_queued_requests:
-            return Refusal("queue_full", f"{scheduler.num_waiting} requests are already "
-                           "waiting; retry later")
+        refusal = self.engine.queue_full()
+        if refusal is not None:
+            return refusal
         adapter = self.adapters.of(r.lora_name)  # counted per adapter
         if isinstance(adapter, Refusal):
             return adapter
-        now = time.monotonic()
-        deadline = now + r.deadline_ms / 1e3 if r.deadline_ms is not None else float("inf")
-        req = Request(r.request_id, r.prompt_token_ids, r.sampling, now, sink,
-                      priority=r.priority, deadline=deadline, lora=adapter)
-        try:
-            scheduler.add(req)
-        except RequestRejected as e:
-            return Refusal("too_long", str(e))
-        if isinstance(sink, Outbox):
+        refusal = self.engine.add(r, sink, adapter)
+        if refusal is None and isinstance(sink, Outbox):
             sink.add(r.request_id)
-        self.engine.wake()
-        return None
+        return refusal
 
     def abort(self, request_ids: list[str], stopped: bool = False) -> None:
         """End requests now; `stopped`: the caller found a stop string (finish "stop")."""
@@ -171,9 +155,7 @@ class SchedulerActor:
         for rid in request_ids:
             out = self.engine.scheduler.abort(rid, reason) if self.engine else None
             if out is None:
-                self._early_aborts[rid] = None
-                while len(self._early_aborts) > MAX_UNKNOWN_ABORTS:
-                    self._early_aborts.popitem(last=False)
+                self._early_aborts.remember(rid)
                 continue
             self.metrics.finished(out.finish_reason, out.num_prompt_tokens,
                                   out.num_output_tokens)
@@ -254,11 +236,8 @@ class SchedulerActor:
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; end those still running after timeout_s ("abort")."""
         self.draining = True
-        deadline = time.monotonic() + timeout_s
-        while self.engine and self.engine.scheduler.pool and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.engine and self.engine.scheduler.pool:
-            self._deliver(self.engine.scheduler.fail_all(), None)  # plain finish "abort"
+        if self.engine is not None:
+            self._deliver(await self.engine.drain(timeout_s), None)
 
     async def executor_call(self, method: str, *args):
         """Operations and diagnosis on the workers (Executor's: `workers`, stage-major;
