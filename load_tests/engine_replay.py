@@ -93,17 +93,7 @@ async def replay(actor, trace: list[TraceRequest]) -> list[EngineOutcome]:
     unfinished = set(rids)
     start = time.perf_counter()
     stream = OutputStream(actor)
-    on_update = _record(outcomes, start)
-
-    async def consume():
-        async for rid, update in stream:
-            on_update(rid, update)
-            if update.finish_reason is not None:
-                unfinished.discard(rid)
-                if not unfinished:
-                    return
-
-    consumer = asyncio.ensure_future(consume())
+    consumer = asyncio.ensure_future(stream.follow(unfinished, _record(outcomes, start)))
     calls = []
     for rid, r in zip(rids, trace):
         delay = start + r.arrival_s - time.perf_counter()

@@ -29,9 +29,10 @@ import json
 import time
 import uuid
 
+from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.protocol import APIError, CompletionRequest, parse_body
@@ -88,8 +89,8 @@ def build_app(backend: Backend, tokenizer, model_name: str, vocab_size: int,
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model_name}
         if stream:
-            return StreamingResponse(_sse(backend, req, tokenizer, base, include_usage),
-                                     media_type="text/event-stream")
+            return EventSourceResponse(_sse(backend, req, tokenizer, base, include_usage),
+                                       sep="\n")
         text, finish, error = [], None, None
         async for delta, finish, error in _deltas(backend, req, tokenizer):
             text.append(delta)
@@ -143,16 +144,17 @@ async def _deltas(backend: Backend, req: GenRequest, tokenizer):
 
 
 async def _sse(backend: Backend, req: GenRequest, tokenizer, base: dict, include_usage: bool):
+    """The events' data (sse-starlette frames them)."""
     async for delta, finish, error in _deltas(backend, req, tokenizer):
         if error:
             body = APIError(500, error).body()
         else:
             body = {**base, "choices": [{"index": 0, "text": delta, "logprobs": None,
                                          "finish_reason": finish}]}
-        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        yield json.dumps(body, ensure_ascii=False)
     if include_usage:
-        yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(req)})}\n\n"
-    yield "data: [DONE]\n\n"
+        yield json.dumps({**base, "choices": [], "usage": _usage(req)})
+    yield "[DONE]"
 
 
 def _usage(req: GenRequest) -> dict:

@@ -8,7 +8,7 @@ import pytest
 from engine_actors.batches import Batches, BatchState
 from engine_actors.messages import BatchRequest
 from engine_actors.request import SamplingParams
-from engine_actors.scheduler import RequestOutput
+from engine_actors.messages import RequestOutput
 
 
 def output(state, index, tokens, reason=None, num_prompt=3):

@@ -85,25 +85,25 @@ def workload(seed=4, n=18):
 
 
 async def run_in_waves(actor, requests, waves=3):
-    """Submit in waves, each after tokens of the previous arrived (joins while batches are
+    """Submit in waves, each once tokens of the previous one arrive (joins while batches are
     in flight); returns request id -> tokens."""
     stream = OutputStream(actor)
     outputs = {r[0]: [] for r in requests}
-    unfinished = set(outputs)
     size = -(-len(requests) // waves)
     pending = [[EngineRequest(*r[:3], lora_name=r[3] if len(r) > 3 else None)
                 for r in requests[i:i + size]] for i in range(0, len(requests), size)]
-    await stream.submit(pending.pop(0))
+    submitted = []
+
+    def on_update(rid, update):
+        assert update.error is None, update
+        outputs[rid].extend(update.token_ids)
+        if pending:
+            submitted.append(asyncio.ensure_future(stream.submit(pending.pop(0))))
     try:
-        async for rid, update in stream:
-            outputs[rid].extend(update.token_ids)
-            assert update.error is None, update
-            if update.finish_reason:
-                unfinished.discard(rid)
-            if pending:
-                await stream.submit(pending.pop(0))
-            if not unfinished and not pending:
-                return outputs
+        await stream.submit(pending.pop(0))
+        await stream.follow(set(outputs), on_update)
+        await asyncio.gather(*submitted)
+        return outputs
     finally:
         stream.close()
 

@@ -269,3 +269,30 @@ def test_fcfs_running_request_that_cannot_grow_does_not_block_the_others():
     drain(sched, runner, outs)
     assert outs["chat"] == expected_output([5] * 4, 12)
     assert outs["given"] == expected_output([6] * 4, 16)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "das", "sjf", "edf"])
+def test_a_policy_only_chooses_the_scheduler_alone_changes_kv(policy):
+    """Policies plan on counts; the KV manager's state (free blocks, reservations, table
+    rows, each request's blocks) is the same after select() as before, even when the plan
+    admits, grows and preempts."""
+    sched = make(policy, num_blocks=12, block_size=4, max_batch=3, max_tokens=16)
+    runner = FakeRunner(4)
+    for i in range(3):
+        sched.add(req(f"old{i}", 6, 10, priority=1, deadline=100.0))
+    step(sched, runner, {})
+    for i in range(3):
+        sched.add(req(f"new{i}", 5, 4, t=1.0, priority=0, deadline=1.5))
+    kv = sched.kv
+
+    def state():
+        return (kv.num_free_blocks, kv.num_reserved_blocks, kv.num_free_rows,
+                {r.request_id: (r.row, list(r.blocks), r.num_reserved_blocks)
+                 for r in sched.pool.values()})
+
+    before = state()
+    ready = [r for r in sched.admitted.values() if sched.is_ready(r)]
+    selection = sched.policy.select(ready, sched.waiting, list(sched.admitted.values()), kv,
+                                    sched.budget, sched.loras)
+    assert selection.batch  # it planned something
+    assert state() == before

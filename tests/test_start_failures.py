@@ -82,3 +82,29 @@ def test_make_serve_ends_with_the_cause_as_its_last_line(tmp_path):
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("orca-serve: the engine failed to start: FileNotFoundError"), last
+
+
+def test_start_failures_raised_in_a_worker_come_out_as_one_line_naming_the_cause():
+    """What /health, the API's 503 and serve run's stderr say (engine_loop.start_failure_cause):
+    running out of device memory while profiling, or a kernel that does not compile, arrive
+    wrapped in Ray's task error with its traceback; a worker that dies has no cause object."""
+    import ray
+    import torch
+
+    from engine_actors.engine_loop import start_failure_cause
+
+    def raised_in_a_worker(error):
+        try:
+            raise error
+        except Exception as e:
+            return ray.exceptions.RayTaskError("Worker.num_kv_blocks", "Traceback ...\n", e)
+
+    oom = raised_in_a_worker(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate "
+                                                    "2.00 GiB\nmore details"))
+    assert start_failure_cause(oom) == ("OutOfMemoryError: CUDA out of memory. Tried to "
+                                        "allocate 2.00 GiB")
+    compile_error = raised_in_a_worker(RuntimeError("arange's range must be a power of 2"))
+    assert start_failure_cause(compile_error) == \
+        "RuntimeError: arange's range must be a power of 2"
+    died = ray.exceptions.ActorDiedError()
+    assert start_failure_cause(died).startswith("a worker died while starting: ")
