@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 import uuid
 
 import ray
@@ -40,15 +41,37 @@ class RequestRefused(ValueError):
 
 class RequestGroup:
     """Outputs of a group of requests, as (request_id, RequestUpdate) pairs, until all have
-    finished. `close()` aborts whatever has not finished (client gone, timeout); call it in
-    a `finally`."""
+    finished. Updates that arrive while the reader is busy are merged per request, so a
+    reader that falls behind (a slow client) catches up with one larger chunk instead of one
+    event per token. A reader that only needs each request's end (`wake_each_update=False`:
+    a non-streamed response without stop strings) is woken once per request, not once per
+    iteration; `arrivals` then keeps when its tokens came, for the latency metrics.
+    `close()` aborts whatever has not finished (client gone, timeout); call it in a
+    `finally`."""
 
-    def __init__(self, client: EngineClient, actor, request_ids: list[str]):
+    def __init__(self, client: EngineClient, actor, request_ids: list[str],
+                 wake_each_update: bool = True):
         self.client, self.actor = client, actor
         self.unfinished = set(request_ids)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: dict[str, RequestUpdate] = {}  # not read yet, in arrival order
+        self.ready = asyncio.Event()
+        self.wake_each_update = wake_each_update
+        self.arrivals: dict[str, list[tuple[float, int]]] = {}  # (time, tokens), deferred
         for rid in request_ids:
-            client._queues[rid] = self.queue
+            client._groups[rid] = self
+
+    def put(self, request_id: str, update: RequestUpdate) -> None:
+        if not self.wake_each_update and update.token_ids:
+            self.arrivals.setdefault(request_id, []).append(
+                (time.monotonic(), len(update.token_ids)))
+        earlier = self.pending.get(request_id)
+        if earlier is None:
+            self.pending[request_id] = update
+        else:
+            earlier.merge(update)
+            earlier.unavailable |= update.unavailable
+        if self.wake_each_update or update.finish_reason is not None:
+            self.ready.set()
 
     def __aiter__(self):
         return self
@@ -56,26 +79,38 @@ class RequestGroup:
     async def __anext__(self) -> tuple[str, RequestUpdate]:
         if not self.unfinished:
             raise StopAsyncIteration
-        request_id, update = await self.queue.get()
+        while (request_id := self._next_ready()) is None:
+            self.ready.clear()
+            await self.ready.wait()
+        update = self.pending.pop(request_id)
         if update.unavailable:
             raise EngineUnavailable(update.error)
         if update.finish_reason is not None:
             self.unfinished.discard(request_id)
-            self.client._queues.pop(request_id, None)
+            self.client._groups.pop(request_id, None)
         return request_id, update
+
+    def _next_ready(self) -> str | None:
+        """The request whose update the reader gets next: the earliest pending one, or for
+        a reader of ends only, the earliest that has ended."""
+        for request_id, update in self.pending.items():
+            if self.wake_each_update or update.finish_reason is not None:
+                return request_id
+        return None
 
     def finish(self, request_id: str) -> None:
         """A stop string matched: end the request in the scheduler (finish "stop")."""
         if request_id in self.unfinished:
             self.unfinished.discard(request_id)
-            self.client._queues.pop(request_id, None)
+            self.pending.pop(request_id, None)
+            self.client._groups.pop(request_id, None)
             EngineClient.abort(self.actor, [request_id], stopped=True)
 
     def close(self) -> None:
         if self.unfinished:
             EngineClient.abort(self.actor, list(self.unfinished))
             for rid in self.unfinished:
-                self.client._queues.pop(rid, None)
+                self.client._groups.pop(rid, None)
             self.unfinished.clear()
 
 
@@ -104,10 +139,11 @@ class EngineClient:
         self.client_id = uuid.uuid4().hex
         self.info: ModelInfo | None = None
         self._actor = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._groups: dict[str, RequestGroup] = {}  # of each unfinished request
         self._lock: asyncio.Lock | None = None
         self._stream_task: asyncio.Task | None = None
-        self._adds: list[tuple[list[EngineRequest], asyncio.Future]] = []  # this tick's
+        self._adds: list[tuple[list[EngineRequest], asyncio.Future]] = []  # not sent yet
+        self._is_adding = False  # an add_requests call is in flight
 
     @property
     def is_connected(self) -> bool:
@@ -147,9 +183,9 @@ class EngineClient:
         reason = "scheduler stream ended"
         try:
             async for request_id, update in stream:
-                queue = self._queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait((request_id, update))
+                group = self._groups.get(request_id)
+                if group is not None:
+                    group.put(request_id, update)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -157,20 +193,22 @@ class EngineClient:
             logger.warning("scheduler stream broke: %s", e)
         if self._actor is actor:
             self._actor = None
-        for request_id, queue in list(self._queues.items()):
-            queue.put_nowait((request_id, RequestUpdate(finish_reason="abort", error=reason,
-                                                        unavailable=True)))
+        for request_id, group in list(self._groups.items()):
+            group.put(request_id, RequestUpdate(finish_reason="abort", error=reason,
+                                                unavailable=True))
 
-    async def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+    async def submit(self, requests: list[EngineRequest],
+                     wake_each_update: bool = True) -> RequestGroup:
         """Queue requests (the choices of one HTTP request); returns their joint output
-        stream. Raises RequestRefused, with nothing left queued, if the scheduler refuses
-        any of them. The requests of every HTTP request submitted in the same event-loop
-        tick go to the scheduler in one call (they can start in the same iteration)."""
+        stream (see RequestGroup for `wake_each_update`). Raises RequestRefused, with
+        nothing left queued, if the scheduler refuses any of them. Submissions go to the scheduler together: those of one event-loop tick,
+        and all those made while the previous add_requests call was in flight, in one call
+        (a burst of HTTP requests costs a few Ray calls, not one each)."""
         actor = await self._connected_actor()
-        group = RequestGroup(self, actor, [r.request_id for r in requests])
+        group = RequestGroup(self, actor, [r.request_id for r in requests], wake_each_update)
         loop = asyncio.get_running_loop()
         result = loop.create_future()
-        if not self._adds:
+        if not self._adds and not self._is_adding:
             loop.call_soon(self._send_adds, actor)
         self._adds.append((requests, result))
         try:
@@ -188,13 +226,23 @@ class EngineClient:
         return group
 
     def _send_adds(self, actor) -> None:
-        """One add_requests call for this tick's submissions, made outside any of their
+        """One add_requests call for the submissions waiting, made outside any of their
         request tasks (see detached): one client leaving must not cancel the others' call."""
         batch, self._adds = self._adds, []
+        if not batch:
+            return
+        self._is_adding = True
         ref = detached(actor.add_requests.remote, self.client_id,
                        [r for requests, _ in batch for r in requests])
-        asyncio.get_running_loop().create_task(_split_result(ref, batch),
+        asyncio.get_running_loop().create_task(self._added(ref, batch, actor),
                                                context=contextvars.Context())
+
+    async def _added(self, ref, batch, actor) -> None:
+        try:
+            await _split_result(ref, batch)
+        finally:
+            self._is_adding = False
+            self._send_adds(actor)  # what arrived meanwhile
 
     async def _connected_actor(self):
         """The scheduler actor, connecting first; EngineUnavailable if it is gone."""

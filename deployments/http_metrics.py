@@ -61,10 +61,11 @@ class RequestTimer:
         self.last: float | None = None
         self.num_tokens = 0
 
-    def tokens(self, count: int) -> None:
+    def tokens(self, count: int, now: float | None = None) -> None:
+        """`count` tokens arrived `now` (default: at this moment)."""
         if count == 0:
             return
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if self.first is None:
             self.first = now
             self.metrics.ttft.observe(now - self.start)

@@ -11,6 +11,7 @@ supervisor that signals this whole process group cannot kill it before the drain
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import threading
 
 import yaml
 
+from deployments import serve_env
 from engine_actors.config import EngineConfig
 
 # how often the launcher looks at things: it connects to `serve run`'s cluster once that is
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_sigint)
     # `serve run` through this Python: the `serve` script is not on PATH in every install
     child = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", config],
-                             start_new_session=True, stderr=subprocess.PIPE)
+                             start_new_session=True, stderr=subprocess.PIPE,
+                             env=serve_env.apply(dict(os.environ)))
     drainer.serve_run_pid = child.pid
     failure: list[str] = []  # an engine start failure that `serve run` reported
     relay = threading.Thread(target=_relay_stderr, args=(child.stderr, failure), daemon=True)

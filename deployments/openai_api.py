@@ -112,7 +112,9 @@ class OpenAIRoutes:
                 subs.append((engine_req, p_idx * req.n + j, text, ids))
         self.frontend.refuse_if_draining()
         try:
-            group = await self.frontend.client.submit([s[0] for s in subs])
+            # a non-streamed response without stop strings needs only each choice's end
+            group = await self.frontend.client.submit(
+                [s[0] for s in subs], wake_each_update=bool(req.stream or req.stop_list()))
         except RequestRefused as e:
             self.metrics.failure(e.code)
             raise refusal_error(e.code, str(e)) from None
@@ -137,7 +139,7 @@ class OpenAIRoutes:
         try:
             async for rid, update in within(group, timeout):
                 choice = choices[rid]
-                choice.consume(update)
+                choice.consume(update, group.arrivals.pop(rid, None))
                 if choice.text_stream.is_stopped:
                     group.finish(rid)
         except TimeoutError:

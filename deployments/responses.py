@@ -79,8 +79,10 @@ class Choice:
         self.tool_calls: list = []  # parsed at the end
         self.call_ids: list[str] = []
 
-    def consume(self, update: RequestUpdate) -> str:
-        """Apply one update; returns the new text."""
+    def consume(self, update: RequestUpdate,
+                arrivals: list[tuple[float, int]] | None = None) -> str:
+        """Apply one update; returns the new text. `arrivals`: when its tokens reached this
+        replica, (time, count) pairs, if it merges several updates (RequestGroup)."""
         is_final = update.finish_reason is not None
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         if update.error and update.finish_reason != "deadline":
@@ -106,7 +108,8 @@ class Choice:
         if self.logprobs is not None and not was_stopped:
             self._add_logprobs(update)
         if self.timer is not None and not was_stopped:
-            self.timer.tokens(len(update.token_ids))
+            for at, count in arrivals or [(None, len(update.token_ids))]:
+                self.timer.tokens(count, at)
             if self.finish_reason is not None and not self.error:
                 self.timer.done(self.finish_reason)
         return delta

@@ -20,8 +20,9 @@ from engine_actors.messages import StepResult
 
 
 class Grammars:
-    def __init__(self, model_path: str, vocab_size: int):
+    def __init__(self, model_path: str, vocab_size: int, threads: int | str = "auto"):
         self.model_path, self.vocab_size = model_path, vocab_size
+        self.threads = threads  # of xgrammar's mask filling ("auto": half the CPU threads)
         self.matchers: dict[int, object] = {}  # row -> xgrammar GrammarMatcher
         self._compiler = None
         self._batch = None  # xgrammar's BatchGrammarMatcher (fills rows on several threads)
@@ -61,7 +62,7 @@ class Grammars:
         rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if rows:
             if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher()
+                self._batch = xgr.BatchGrammarMatcher(self.threads)
             self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
         return mask
 

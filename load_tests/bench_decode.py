@@ -141,6 +141,8 @@ def _bench_worker_class():
     from engine_actors.worker import Worker
 
     class DecodeBenchWorker(Worker):
+        grammar_threads: list[int] = []
+
         def run_decode(self, batch: int, context_len: int, iters: int) -> dict:
             runner = self.runner
             runner.allocate_kv_cache(batch * cdiv(context_len + iters + 8, runner.block_size))
@@ -163,6 +165,10 @@ def _bench_worker_class():
             variants["json_rows_active"] = sum(not m.is_terminated() for m in matchers)
             for key, (seconds, calls) in spent.items():  # per step that had grammar rows
                 variants[key] = seconds / max(calls, 1) * 1e3
+            for threads in self.grammar_threads:  # the same with a set number of fill threads
+                runner.head.grammars.threads, runner.head.grammars._batch = threads, None
+                variants[f"json_half_t{threads}"] = time_decode(runner, batch, context_len,
+                                                                iters, "json_half")
             return {"eager_ms": eager, "graph_ms": graph, "weight_bytes": weight_bytes(runner.model),
                     "kv_bytes": kv, "variants_ms": variants}
 
@@ -213,6 +219,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="every all-reduce through NCCL (the engine arg of that name)")
+    p.add_argument("--grammar-threads", type=int, nargs="*", default=[],
+                   help="also json_half with xgrammar filling masks on this many threads")
     p.add_argument("--out")
     args = p.parse_args(argv)
     bandwidth = copy_bandwidth_gbs()
@@ -223,7 +231,9 @@ def main(argv=None) -> dict:
     else:
         runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
                              batch, 0)
-        r = _bench_worker_class().run_decode.__get__(_Holder(runner))(batch, ctx, args.iters)
+        holder = _Holder(runner)
+        holder.grammar_threads = args.grammar_threads
+        r = _bench_worker_class().run_decode.__get__(holder)(batch, ctx, args.iters)
     floor_ms = (r["weight_bytes"] + r["kv_bytes"]) / (bandwidth * 1e9) * 1e3
     report = {"model": args.model, "batch_size": batch, "context_len": ctx, "tp": args.tp,
               "custom_all_reduce": args.tp > 1 and not args.disable_custom_all_reduce,

@@ -5,11 +5,17 @@
 Systems, one after another on the same device, the same trace (token-id prompts, greedy,
 EOS ignored, every request sent at t=0):
   orca           the engine in-process (bench_offline's `orca`: scheduler actor + worker)
-  http           `deployments.launch` (as `make serve`) and POST /v1/completions
+  http           `deployments.launch` (as `make serve`: HAProxy in front of the ingress
+                 replica, deployments/serve_env.py) and POST /v1/completions
   http-stream    the same with stream: true (server-sent events)
-  http-rN        non-streaming, N ingress replicas (--replicas 2,4)
+  ...-rN         with N ingress replicas (http-r2, http-stream-r4; --replicas 2,4 adds
+                 http-r2 and http-r4)
+  ...-proxy      through Serve's Python proxy instead of HAProxy (RAY_SERVE_ENABLE_HA_PROXY=0:
+                 what a plain `serve run` gives), e.g. http-proxy, http-stream-proxy
 Each HTTP system checks every response's usage.completion_tokens against the trace and
-reports elapsed seconds and its ratio to `orca`. The client is one asyncio process
+reports elapsed seconds and its ratio to `orca`. Systems that differ only in streaming share
+one server, one after the other; prefix caching is off for every system (a second run would
+find the trace's prompts cached). The client is one asyncio process
 (aiohttp, connections unbounded), as lean as a client can be in Python.
 """
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,6 +88,7 @@ async def _one(session, url: str, r: TraceRequest, stream: bool) -> int:
         return usage["completion_tokens"]
 
 
+HTTP_SYSTEM = re.compile(r"http(?P<stream>-stream)?(?:-r(?P<replicas>\d+))?(?P<proxy>-proxy)?")
 PROCESSES = {"proxy": "ProxyActor", "replica": "ServeReplica", "scheduler": "SchedulerActor"}
 
 
@@ -120,53 +128,63 @@ def _start_profiles(profile_dir: str | None, seconds: float) -> list[subprocess.
 
 
 async def _replay(url: str, trace: list[TraceRequest], warmup: list[TraceRequest],
-                  stream: bool, profile_dir: str | None = None) -> float:
+                  modes: list[bool], profile_dirs: list[str | None]) -> list[tuple[float, float]]:
+    """For each mode (stream or not), in turn: (elapsed s, the client's own CPU s) of the
+    timed trace, after a warm-up in that mode. A client whose CPU time nears the elapsed
+    time is what limits the run."""
     import aiohttp
     timeout = aiohttp.ClientTimeout(total=None)
     connector = aiohttp.TCPConnector(limit=0)
+    results = []
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await _wait_healthy(session, url)
-        start = time.perf_counter()
-        await asyncio.gather(*[_one(session, url, r, stream) for r in warmup])
-        profiles = _start_profiles(profile_dir, 3 * (time.perf_counter() - start) + 2)
-        await asyncio.sleep(0.5 if profiles else 0.0)  # py-spy attaches
-        start = time.perf_counter()
-        tokens = await asyncio.gather(*[_one(session, url, r, stream) for r in trace])
-        elapsed = time.perf_counter() - start
-        for p in profiles:
-            p.wait()
-    wrong = [i for i, (n, r) in enumerate(zip(tokens, trace)) if n != r.max_tokens]
-    if wrong:
-        raise RuntimeError(f"{len(wrong)} responses with the wrong completion_tokens")
-    return elapsed
+        for stream, profile_dir in zip(modes, profile_dirs):
+            start = time.perf_counter()
+            await asyncio.gather(*[_one(session, url, r, stream) for r in warmup])
+            profiles = _start_profiles(profile_dir, 3 * (time.perf_counter() - start) + 2)
+            await asyncio.sleep(0.5 if profiles else 0.0)  # py-spy attaches
+            start, cpu = time.perf_counter(), time.process_time()
+            tokens = await asyncio.gather(*[_one(session, url, r, stream) for r in trace])
+            results.append((time.perf_counter() - start, time.process_time() - cpu))
+            for p in profiles:
+                p.wait()
+            wrong = [i for i, (n, r) in enumerate(zip(tokens, trace)) if n != r.max_tokens]
+            if wrong:
+                raise RuntimeError(f"{len(wrong)} responses with the wrong completion_tokens")
+    return results
 
 
-def run_http(engine_args: dict, trace, warmup, stream: bool, replicas: int,
-             port: int = 8000, profile_dir: str | None = None,
-             server_env: dict | None = None) -> dict:
+def run_http(engine_args: dict, trace, warmup, modes: list[bool], replicas: int,
+             port: int = 8000, profile_dirs: list[str | None] | None = None,
+             server_env: dict | None = None) -> list[dict]:
+    """One server (`deployments.launch`), the trace once per mode (stream or not)."""
     config = write_config(engine_args, replicas, port)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            **(server_env or {})}
+    started = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        elapsed = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, warmup, stream,
-                                      profile_dir))
+        runs = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, warmup, modes,
+                                   profile_dirs or [None] * len(modes)))
     finally:
+        stopping = time.perf_counter()
         server.terminate()  # drains, then stops serve run and its Ray cluster
         server.wait(timeout=120)
         os.unlink(config)
-    name = "http-stream" if stream else ("http" if replicas == 1 else f"http-r{replicas}")
-    return {"system": name, "elapsed_s": elapsed, "replicas": replicas, "stream": stream,
-            "server_env": server_env or {}}
+        print(f"server up and runs {stopping - started:.0f} s, stop "
+              f"{time.perf_counter() - stopping:.0f} s", file=sys.stderr)
+    return [{"elapsed_s": elapsed, "client_cpu_s": cpu, "replicas": replicas, "stream": stream,
+             "server_env": server_env or {}} for stream, (elapsed, cpu) in zip(modes, runs)]
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--systems", default="orca,http,http-stream")
-    p.add_argument("--replicas", default="", help="extra non-streaming runs, e.g. 2,4")
+    p.add_argument("--systems", default="orca,http,http-stream",
+                   help="orca, and HTTP systems named as above")
+    p.add_argument("--replicas", default="", help="adds http-rN for each N, e.g. 2,4")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
     p.add_argument("--output-len", type=int, nargs=2, default=(1, 128))
@@ -183,8 +201,10 @@ def main(argv=None) -> dict:
 
     from load_tests.bench_offline import offline_traces, run_orca
     trace, warmup = offline_traces(args)
+    # prefix caching off: a server's second run of the trace would find its prompts cached
     engine_args = dict(model=args.model, device=args.device, max_batch_size=args.max_batch_size,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=False)
     if args.device == "cpu":
         engine_args["max_num_tokens"] = 200_000
     results = []
@@ -194,28 +214,35 @@ def main(argv=None) -> dict:
         results.append({"system": "orca", "elapsed_s": res["elapsed_s"]})
     server_env = dict(kv.split("=", 1) for kv in filter(None, args.server_env.split(",")))
 
-    def http(stream: bool, replicas: int, name: str | None = None) -> None:
-        profile = os.path.join(args.profile, name + args.label) if args.profile and name else None
-        res = run_http(engine_args, trace, warmup, stream, replicas, profile_dir=profile,
-                       server_env=server_env)
-        res["system"] += args.label
-        results.append(res)
-
-    if "http" in systems:
-        http(False, 1, "http")
-    if "http-stream" in systems:
-        http(True, 1, "http-stream")
-    for n in filter(None, args.replicas.split(",")):
-        http(False, int(n))
+    # one server per (replicas, proxy): its streamed and non-streamed runs share it
+    servers: dict[tuple[int, bool], list[str]] = {}
+    for name in systems + [f"http-r{n}" for n in filter(None, args.replicas.split(","))]:
+        if name == "orca":
+            continue
+        m = HTTP_SYSTEM.fullmatch(name)
+        if m is None:
+            p.error(f"unknown system {name!r}")
+        servers.setdefault((int(m["replicas"] or 1), bool(m["proxy"])), []).append(name)
+    for (replicas, proxy), names in servers.items():
+        env = {**server_env, "RAY_SERVE_ENABLE_HA_PROXY": "0"} if proxy else server_env
+        modes = [bool(HTTP_SYSTEM.fullmatch(n)["stream"]) for n in names]
+        profiles = [os.path.join(args.profile, n + args.label) if args.profile else None
+                    for n in names]
+        runs = run_http(engine_args, trace, warmup, modes, replicas, profile_dirs=profiles,
+                        server_env=env)
+        for name, res in zip(names, runs):
+            results.append({"system": name + args.label, **res})
+            print(f"{name}: {res['elapsed_s']:.2f} s", flush=True)  # a cut-off run keeps these
     base = next((r["elapsed_s"] for r in results if r["system"] == "orca"), None)
     for r in results:
         r["vs_orca"] = r["elapsed_s"] / base if base else None
     report = {"model": args.model, "device": args.device, "num_requests": len(trace),
               "results": results}
-    print("| system | elapsed s | vs in-process |\n| --- | --- | --- |")
+    print("| system | elapsed s | vs in-process | client CPU s |\n| --- | --- | --- | --- |")
     for r in results:
         ratio = f"{r['vs_orca']:.2f}x" if r["vs_orca"] else "-"
-        print(f"| {r['system']} | {r['elapsed_s']:.2f} | {ratio} |")
+        cpu = f"{r['client_cpu_s']:.2f}" if "client_cpu_s" in r else "-"
+        print(f"| {r['system']} | {r['elapsed_s']:.2f} | {ratio} | {cpu} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

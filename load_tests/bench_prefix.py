@@ -64,6 +64,8 @@ def run_setting(caching: bool, engine_args: dict, args) -> dict:
     try:
         wait_healthy(url, server)
         for name, (trace, rate, duration) in traces.items():
+            if name not in args.traces.split(","):
+                continue
             cfg = LoadConfig(url, num_warmup=args.warmup, duration_s=duration or 1e9,
                              show_progress=False, drain_timeout_s=1800)
             [res] = asyncio.run(sweep(cfg, trace, [rate]))
@@ -97,6 +99,8 @@ def table(off: dict, on: dict) -> str:
     lines = ["| trace | metric | caching off | caching on | on / off | cached share (on) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for trace, key, label in ROWS:
+        if trace not in off or trace not in on:
+            continue
         a, b = get(off[trace], key), get(on[trace], key)
         lines.append(f"| {trace} | {label} | {a:.2f} | {b:.2f} | {b / a:.2f} | "
                      f"{on[trace]['cached_prompt_fraction']:.2f} |")
@@ -120,6 +124,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-num-tokens", type=int, help="KV capacity (default: sized on GPU)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--traces", default="shared-prefix,multi-turn,orca")
     p.add_argument("--out")
     args = p.parse_args(argv)
     engine_args = {"model": args.model, "device": args.device,

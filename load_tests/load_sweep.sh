@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Online latency-throughput sweep, systems side by side (ORCA Figure 10's form), one at a
 # time on the same device: this engine through `serve run`, then transformers' continuous
-# batching and static batching behind load_tests/hf_server.py, all driven by the same load
-# client with the same trace, then the report (table, plot, sustained rates). HF_CB_CONFIG
-# replaces the continuous-batching config used on CUDA (JSON, '{}' for the defaults).
+# batching (its defaults, and tuned as in NOTES.md) and static batching behind
+# load_tests/hf_server.py, all driven by the same load client with the same trace, then the
+# report (table, plot, sustained rates) of every load-*.json in $OUT, so systems swept in
+# separate calls report together. HF_CB_CONFIG replaces hf-cb-tuned's config (JSON).
 #   MODEL=llama-8b DEVICE=cuda bash load_tests/load_sweep.sh        (the GPU machine)
 #   MODEL=tiny-random-llama DEVICE=cpu RATES=2,8 DURATION=5 bash load_tests/load_sweep.sh
 set -uo pipefail
 MODEL=${MODEL:-llama-8b}; DEVICE=${DEVICE:-cuda}; OUT=${OUT:-out}
 TRACE=${TRACE:-orca}; RATES=${RATES:-2,8,16,32,48,64}; HF_RATES=${HF_RATES:-0.5,1,2,4,8}
-DURATION=${DURATION:-20}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-static"}
+DURATION=${DURATION:-60}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-cb-tuned hf-static"}
+# the engine's token budget per iteration: it bounds how long one iteration (and so the gap
+# between two tokens of a running request) can take when many prompts arrive at once
+MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
 PY=${PY:-python3}
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -32,12 +36,12 @@ for system in $SYSTEMS; do
   echo "=== $system"
   case $system in
     orca)
-      $PY - "$MODEL" "$DEVICE" > /tmp/sweep_config.yaml <<'PYEOF'
+      $PY - "$MODEL" "$DEVICE" "$MAX_NUM_BATCHED_TOKENS" > /tmp/sweep_config.yaml <<'PYEOF'
 import sys, yaml
 cfg = yaml.safe_load(open("serve_config.yaml"))
 args = cfg["applications"][0]["args"]
 args.update(model=sys.argv[1], device=sys.argv[2], max_batch_size=256,
-            max_num_batched_tokens=8192)
+            max_num_batched_tokens=int(sys.argv[3]))
 args.pop("max_num_tokens", None) if sys.argv[2] == "cuda" else None
 print(yaml.safe_dump(cfg))
 PYEOF
@@ -46,16 +50,22 @@ PYEOF
       if wait_up http://127.0.0.1:8000; then client orca http://127.0.0.1:8000 "$RATES"
       else echo "orca did not come up"; tail -20 "$OUT/serve-orca.log"; fi
       kill -TERM $pid; wait $pid ;;
-    hf-cb|hf-static)
-      mode=${system#hf-}
+    hf-cb|hf-cb-tuned|hf-static)
       extra=()
-      [ "$mode" = static ] && extra=(--max-batch-size 32)
-      [ "$mode" = cb ] && [ "$DEVICE" = cuda ] && extra=(--cb-config "${HF_CB_CONFIG:-{\"use_cuda_graph\": true, \"max_batch_tokens\": 16384, \"default_compile_level\": 1\}}")
-      [ "$mode" = cb ] && [ "$DEVICE" = cpu ] && extra=(--cb-config '{"num_blocks": 256, "max_batch_tokens": 256}')
+      case $system in
+        hf-static) mode=static; extra=(--max-batch-size 32) ;;
+        hf-cb) mode=cb  # transformers' defaults (on CPU: a KV pool that fits the machine)
+          [ "$DEVICE" = cpu ] && extra=(--cb-config '{"num_blocks": 256, "max_batch_tokens": 256}') ;;
+        hf-cb-tuned) mode=cb  # NOTES.md: CUDA graphs, 16384-token batches, compiled
+          extra=(--cb-config "${HF_CB_CONFIG:-{\"use_cuda_graph\": true, \"max_batch_tokens\": 16384, \"default_compile_level\": 1\}}")
+          [ "$DEVICE" = cpu ] && extra=(--cb-config '{"num_blocks": 256, "max_batch_tokens": 256}') ;;
+      esac
       $PY -m load_tests.hf_server --model "$MODEL" --device "$DEVICE" --mode "$mode" \
         --port 8100 "${extra[@]}" > "$OUT/serve-$system.log" 2>&1 &
       pid=$!
-      if wait_up http://127.0.0.1:8100; then client "$system" http://127.0.0.1:8100 "$HF_RATES"
+      # RATES_HF_CB, RATES_HF_CB_TUNED, RATES_HF_STATIC: each baseline's own rates
+      var=RATES_$(echo "$system" | tr 'a-z-' 'A-Z_')
+      if wait_up http://127.0.0.1:8100; then client "$system" http://127.0.0.1:8100 "${!var:-$HF_RATES}"
       else echo "$system did not come up"; tail -20 "$OUT/serve-$system.log"; fi
       kill $pid; wait $pid ;;
   esac

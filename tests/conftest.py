@@ -6,6 +6,10 @@ import os
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Serve's settings as `make serve` runs it (HAProxy in front of the ingress replicas)
+from deployments import serve_env  # noqa: E402
+
+serve_env.apply()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -81,3 +81,12 @@ def test_dashboard_is_not_exposed_beyond_the_cluster(service):
     serve_svc = service["spec"].get("serveService", {})
     assert serve_svc.get("spec", {}).get("type", "ClusterIP") == "ClusterIP"
     assert cluster["authOptions"]["mode"] == "token"
+
+
+def test_every_pod_runs_serve_as_make_serve_does(service):
+    """The Serve settings of deployments/serve_env.py (HAProxy in front of the ingress
+    replicas) must be in every pod's environment: Serve reads them when Ray starts."""
+    from deployments.serve_env import SERVE_ENV
+    for c in _containers(service):
+        env = {e["name"]: e["value"] for e in c.get("env", [])}
+        assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, c["name"]

@@ -15,7 +15,7 @@ import pytest
 
 from tests.serve_fixture import ROOT, start_long_stream, wait_healthy, write_config
 
-RAY_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "dashboard")
+RAY_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "dashboard", "haproxy")
 
 
 def ray_processes() -> set[int]:
@@ -28,6 +28,14 @@ def ray_processes() -> set[int]:
         if any(m in text for m in RAY_PROCESS_MARKERS):
             found.add(p.info["pid"])
     return found
+
+
+def listener_name(port: int) -> str | None:
+    """The name of the process listening on this TCP port."""
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+            return psutil.Process(c.pid).name()
+    return None
 
 
 def as_background_job():
@@ -66,6 +74,8 @@ def test_serve_run_config_then_ctrl_c(tmp_path):
             time.sleep(0.2)
         ready = [line for line in lines if "orca-serve ready" in line]
         assert len(ready) == 1 and f"http://127.0.0.1:{port}/v1" in ready[0]
+        # the HTTP port is HAProxy's (deployments/serve_env.py), not Serve's Python proxy
+        assert listener_name(port) == "haproxy"
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
         proc.wait(timeout=60)

