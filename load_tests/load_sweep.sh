@@ -9,7 +9,13 @@
 #   MODEL=tiny-random-llama DEVICE=cpu RATES=2,8 DURATION=5 bash load_tests/load_sweep.sh
 set -uo pipefail
 MODEL=${MODEL:-llama-8b}; DEVICE=${DEVICE:-cuda}; OUT=${OUT:-out}
-TRACE=${TRACE:-orca}; RATES=${RATES:-2,8,16,32,48,64}; HF_RATES=${HF_RATES:-0.5,1,2,4,8}
+# default rates: llama-8b on one H200, up to and past each system's knee (ORCA's offline trace
+# runs at ~97 req/s in the engine, ~16 in hf-cb-tuned, ~13 in hf-cb, ~9 in hf-static);
+# HF_RATES sets every baseline's, RATES_HF_CB, RATES_HF_CB_TUNED, RATES_HF_STATIC one's
+TRACE=${TRACE:-orca}; RATES=${RATES:-8,32,56,72,88,104}
+RATES_HF_STATIC=${RATES_HF_STATIC:-${HF_RATES:-1,2,4,6,8}}
+RATES_HF_CB=${RATES_HF_CB:-${HF_RATES:-2,4,8,12,16}}
+RATES_HF_CB_TUNED=${RATES_HF_CB_TUNED:-${HF_RATES:-2,4,8,12,16,20}}
 DURATION=${DURATION:-60}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-cb-tuned hf-static"}
 # the engine's token budget per iteration: it bounds how long one iteration (and so the gap
 # between two tokens of a running request) can take when many prompts arrive at once
@@ -63,9 +69,8 @@ PYEOF
       $PY -m load_tests.hf_server --model "$MODEL" --device "$DEVICE" --mode "$mode" \
         --port 8100 "${extra[@]}" > "$OUT/serve-$system.log" 2>&1 &
       pid=$!
-      # RATES_HF_CB, RATES_HF_CB_TUNED, RATES_HF_STATIC: each baseline's own rates
-      var=RATES_$(echo "$system" | tr 'a-z-' 'A-Z_')
-      if wait_up http://127.0.0.1:8100; then client "$system" http://127.0.0.1:8100 "${!var:-$HF_RATES}"
+      var=RATES_$(echo "$system" | tr 'a-z-' 'A-Z_')  # RATES_HF_CB_TUNED, ...
+      if wait_up http://127.0.0.1:8100; then client "$system" http://127.0.0.1:8100 "${!var}"
       else echo "$system did not come up"; tail -20 "$OUT/serve-$system.log"; fi
       kill $pid; wait $pid ;;
   esac
