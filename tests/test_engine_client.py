@@ -1,5 +1,6 @@
-"""The ingress replica's side of the engine (deployments/engine_client.py), without Ray: how
-outputs reach a request's reader, and how submissions are gathered into add_requests calls."""
+"""The ingress replica's side of the engine (deployments/engine_client.py, request_group.py),
+without Ray: how outputs reach a request's reader, and how submissions are gathered into
+add_requests calls."""
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,8 @@ class FakeScheduler:
 
 
 def group_of(*request_ids, wake_each_update=True):
-    client = types.SimpleNamespace(_groups={})
-    return RequestGroup(client, FakeScheduler(), list(request_ids), wake_each_update), client
+    routes = {}
+    return RequestGroup(routes, FakeScheduler(), list(request_ids), wake_each_update), routes
 
 
 async def next_within(group, seconds=0.05):
@@ -43,7 +44,7 @@ async def next_within(group, seconds=0.05):
 
 def test_updates_that_arrive_while_the_reader_is_busy_come_as_one():
     async def run():
-        group, client = group_of("a", "b")
+        group, routes = group_of("a", "b")
         group.put("a", RequestUpdate([1], num_cached_tokens=16))
         group.put("b", RequestUpdate([7]))
         group.put("a", RequestUpdate([2], num_cached_tokens=16))
@@ -51,7 +52,7 @@ def test_updates_that_arrive_while_the_reader_is_busy_come_as_one():
         rid, update = await next_within(group)
         assert (rid, update.token_ids, update.finish_reason) == ("a", [1, 2, 3], "length")
         assert update.num_cached_tokens == 16
-        assert "a" not in client._groups and "b" in client._groups  # a has ended
+        assert "a" not in routes and "b" in routes  # a has ended
         rid, update = await next_within(group)
         assert (rid, update.token_ids, update.finish_reason) == ("b", [7], None)
         with pytest.raises(asyncio.TimeoutError):  # nothing more until b's next update
