@@ -115,9 +115,10 @@ class EngineClient:
                      wake_each_update: bool = True) -> RequestGroup:
         """Queue requests (the choices of one HTTP request); returns their joint output
         stream (see RequestGroup for `wake_each_update`). Raises RequestRefused, with
-        nothing left queued, if the scheduler refuses any of them. Submissions go to the scheduler together: those of one event-loop tick,
-        and all those made while the previous add_requests call was in flight, in one call
-        (a burst of HTTP requests costs a few Ray calls, not one each)."""
+        nothing left queued, if the scheduler refuses any of them. Submissions go to the
+        scheduler together: those of one event-loop tick, and all those made while the
+        previous add_requests call was in flight, in one call (a burst of HTTP requests
+        costs a few Ray calls, not one each)."""
         actor = await self._connected_actor()
         group = RequestGroup(self._groups, actor, [r.request_id for r in requests],
                              wake_each_update)

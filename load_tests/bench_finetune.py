@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import string
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
-from load_tests.bench_http import ROOT, write_config
+from load_tests.bench_http import launched
 from load_tests.bench_prefix import wait_healthy
 from load_tests.load_client import LoadConfig, sweep
 from load_tests.traces import orca_trace
@@ -148,12 +145,8 @@ def main(argv=None) -> dict:
     print(f"dedicated: {report['dedicated_tokens_s']:.0f} trained tokens/s", flush=True)
     engine_args = {"model": args.model, "device": args.device, "enable_finetuning": True,
                    "finetune_max_tokens": args.finetune_max_tokens}
-    config = write_config(engine_args, 1, args.port)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{args.port}"
-    try:
+    with launched(engine_args, 1, args.port) as server:
         wait_healthy(url, server)
         sampler = Sampler(url, args.sample_s)
         sampler.start()
@@ -184,10 +177,6 @@ def main(argv=None) -> dict:
         report.update(loaded_tokens_s=(n1 - n0) / (t1 - t0), idle_tokens_s=(n2 - n1) / (t2 - t1),
                       phases_s=phases, timeline=sampler.rows, timeline_columns=[
                           "t_s", "steps_done", "trained_tokens", "num_running", "num_waiting"])
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
-        os.unlink(config)
     print(table(report))
     if args.out:
         with open(args.out, "w") as f:

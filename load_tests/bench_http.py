@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -50,6 +51,25 @@ def write_config(engine_args: dict, replicas: int, port: int) -> str:
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(cfg, f)
     return path
+
+
+@contextlib.contextmanager
+def launched(engine_args: dict, replicas: int = 1, port: int = 8000,
+             server_env: dict | None = None):
+    """The application of serve_config.yaml with these engine args, started as `make serve`
+    starts it (`deployments.launch`, so it drains and stops cleanly); yields the process.
+    The caller waits until /health answers."""
+    config = write_config(engine_args, replicas, port)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           **(server_env or {})}
+    server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield server
+    finally:
+        server.terminate()  # drains, then stops serve run and its Ray cluster
+        server.wait(timeout=120)
+        os.unlink(config)
 
 
 async def _wait_healthy(session, url: str, timeout_s: float = 600.0) -> None:
@@ -158,22 +178,13 @@ def run_http(engine_args: dict, trace, warmup, modes: list[bool], replicas: int,
              port: int = 8000, profile_dirs: list[str | None] | None = None,
              server_env: dict | None = None) -> list[dict]:
     """One server (`deployments.launch`), the trace once per mode (stream or not)."""
-    config = write_config(engine_args, replicas, port)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           **(server_env or {})}
     started = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with launched(engine_args, replicas, port, server_env):
         runs = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, warmup, modes,
                                    profile_dirs or [None] * len(modes)))
-    finally:
         stopping = time.perf_counter()
-        server.terminate()  # drains, then stops serve run and its Ray cluster
-        server.wait(timeout=120)
-        os.unlink(config)
-        print(f"server up and runs {stopping - started:.0f} s, stop "
-              f"{time.perf_counter() - stopping:.0f} s", file=sys.stderr)
+    print(f"server up and runs {stopping - started:.0f} s, stop "
+          f"{time.perf_counter() - stopping:.0f} s", file=sys.stderr)
     return [{"elapsed_s": elapsed, "client_cpu_s": cpu, "replicas": replicas, "stream": stream,
              "server_env": server_env or {}} for stream, (elapsed, cpu) in zip(modes, runs)]
 

@@ -19,14 +19,12 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import subprocess
-import sys
 import time
 
 import httpx
 
-from load_tests.bench_http import ROOT, write_config
+from load_tests.bench_http import launched
 from load_tests.load_client import LoadConfig, sweep
 from load_tests.traces import multi_turn_trace, orca_trace, shared_prefix_trace
 
@@ -46,12 +44,7 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 900.0) -
 
 
 def run_setting(caching: bool, engine_args: dict, args) -> dict:
-    port = args.port
-    config = write_config({**engine_args, "enable_prefix_caching": caching}, 1, port)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{args.port}"
     v = args.vocab_size
     traces = {
         "shared-prefix": (shared_prefix_trace(args.num_requests, v, 1, args.prefix_len),
@@ -61,7 +54,7 @@ def run_setting(caching: bool, engine_args: dict, args) -> dict:
         "orca": (orca_trace(args.num_requests, v, 3), math.inf, None),
     }
     out = {"enable_prefix_caching": caching}
-    try:
+    with launched({**engine_args, "enable_prefix_caching": caching}, 1, args.port) as server:
         wait_healthy(url, server)
         for name, (trace, rate, duration) in traces.items():
             if name not in args.traces.split(","):
@@ -77,10 +70,6 @@ def run_setting(caching: bool, engine_args: dict, args) -> dict:
                   f"{res['total_token_throughput']:.0f} tok/s, TTFT p50 "
                   f"{res['ttft_ms']['median']:.1f} ms, cached "
                   f"{res['cached_prompt_fraction']:.2f}", flush=True)
-    finally:
-        server.terminate()  # drains, then stops serve run and its Ray cluster
-        server.wait(timeout=120)
-        os.unlink(config)
     return out
 
 

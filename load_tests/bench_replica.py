@@ -19,11 +19,9 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 
-from load_tests.bench_http import ROOT, _one, _server_pids, _wait_healthy, write_config
+from load_tests.bench_http import _one, _server_pids, _wait_healthy, launched
 from load_tests.traces import TraceRequest
 
 
@@ -89,17 +87,9 @@ def main(argv=None) -> dict:
                    "max_num_batched_tokens": 8192, "enable_prefix_caching": False}
     if args.device == "cpu":
         engine_args["max_num_tokens"] = 200_000
-    config = write_config(engine_args, 1, args.port)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           **dict(kv.split("=", 1) for kv in filter(None, args.server_env.split(",")))}
-    server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    server_env = dict(kv.split("=", 1) for kv in filter(None, args.server_env.split(",")))
+    with launched(engine_args, 1, args.port, server_env):
         report = asyncio.run(_measure(f"http://127.0.0.1:{args.port}", args))
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
-        os.unlink(config)
     report.update(model=args.model, device=args.device, server_env=args.server_env)
     print(json.dumps(report, indent=2))
     if args.out:

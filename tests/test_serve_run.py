@@ -117,3 +117,13 @@ def test_sigterm_drains_then_stops(tmp_path):
             os.killpg(proc.pid, signal.SIGINT)
             proc.wait(timeout=60)
     wait_gone(before)
+
+
+def test_serve_env_prints_shell_exports_of_every_setting():
+    """`eval "$(python -m deployments.serve_env)"` before a plain `serve run`."""
+    from deployments.serve_env import SERVE_ENV
+    out = subprocess.run(["bash", "-c", 'eval "$(' + sys.executable + ' -m deployments.serve_env)"'
+                          + " && env"], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": os.environ.get("PATH", "")}, check=True).stdout
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV
