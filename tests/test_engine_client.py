@@ -117,3 +117,29 @@ def test_submissions_made_while_an_add_is_in_flight_go_in_one_call():
         assert [sorted(g.unfinished) for g in groups] == [["b"], ["c"], ["d", "e"]]
         assert scheduler.aborts == []
     asyncio.run(run())
+
+
+def test_latency_metrics_of_a_deferred_reader_follow_when_tokens_came(tmp_path):
+    """A non-streamed choice is consumed once, at its end; its TTFT, inter-token gaps and
+    end-to-end latency still come from when each update reached the replica."""
+    from deployments.http_metrics import HTTPMetrics, RequestTimer
+    from deployments.responses import Choice
+    from engine_actors.checkpoint import load_tokenizer, save_byte_tokenizer
+    from engine_actors.detokenizer import TextStream
+    save_byte_tokenizer(str(tmp_path))
+    metrics = HTTPMetrics("m")
+    start = 100.0
+    choice = Choice(0, 0, TextStream(load_tokenizer(str(tmp_path))), [1, 2], None,
+                    RequestTimer(metrics, start))
+    merged = RequestUpdate([104, 105, 106, 107], finish_reason="length")
+    choice.consume(merged, [(100.010, 1), (100.030, 1), (100.060, 2)])
+
+    def observed(histogram):
+        samples = {s.name: s.value for s in histogram.collect()[0].samples}
+        return samples[histogram._name + "_count"], samples[histogram._name + "_sum"]
+
+    assert observed(metrics.ttft) == pytest.approx((1, 0.010))
+    # gaps: 20 ms, then two tokens that came together share 30 ms
+    assert observed(metrics.itl) == pytest.approx((3, 0.020 + 0.015 + 0.015))
+    assert observed(metrics.e2e) == pytest.approx((1, 0.060))
+    assert observed(metrics.tpot) == pytest.approx((1, 0.050 / 3))
