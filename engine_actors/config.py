@@ -49,7 +49,7 @@ class EngineConfig:
     # Overlap: schedule the next iteration while the current one runs (a running request
     # continues from the worker's own last sampled token). Off: one step in flight per stage.
     async_scheduling: bool = True
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    enforce_eager: bool = False  # True: no CUDA graphs (decode and mixed steps run eagerly)
 
     # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.
     max_num_tokens: PositiveInt | None = None  # default: 16384 on CPU, sized from free GPU memory

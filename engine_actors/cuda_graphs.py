@@ -1,4 +1,5 @@
-"""CUDA graphs of one stage's forward for decode-only steps, one graph per batch-size bucket.
+"""CUDA graphs of one stage's forward: decode-only steps (one graph per batch-size bucket)
+and mixed steps (prompts beside decodes, one graph per token and request bucket).
 
 A step of B decode requests replays the graph of the smallest bucket >= B: the step's inputs
 are copied into static buffers, padding requests have no query tokens (attention skips them)
@@ -13,6 +14,7 @@ import torch
 
 from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
+from kernels.attention import work_list
 from kernels.lora import max_tiles
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
@@ -49,10 +51,9 @@ class DecodeGraphs:
         return next((b for b in self.sizes if b >= num_reqs and (b, False) in self.graphs), 0)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool) -> None:
         """Largest first, so smaller graphs reuse the pool. Collective: with tensor
         parallelism every rank of the stage captures the same buckets in the same order."""
-        pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.sizes, reverse=True):
             args = self._args(size)
             for lora in [False, True] if self.lora_slots else [False]:
@@ -105,3 +106,109 @@ class DecodeGraphs:
                                                              b["residual"][:size])
         return (b["input_ids"][:size], b["positions"][:size], self.kv_caches, meta,
                 b["logits_indices"][:size], hidden, residual)
+
+
+TOKEN_SIZES = [128, 256, 512, 1024, 2048]
+REQUEST_SIZES = [8, 32, 128, 256]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The mixed-step graphs' token buckets for steps of up to max_tokens tokens: those
+    below it and the first that holds it (steps past 2048 tokens run eagerly)."""
+    below = [t for t in TOKEN_SIZES if t < max_tokens]
+    return below + [t for t in TOKEN_SIZES if t >= max_tokens][:1]
+
+
+class MixedGraphs:
+    """CUDA graphs of steps that carry prompt tokens: a step of T tokens in B requests
+    replays the graph of the smallest token bucket >= T and request bucket >= B. Padding
+    tokens belong to no request and write into the scratch block; padding requests have no
+    tokens. Attention takes its launch grid from a work list built on the device
+    (kernels.attention.work_list), sized for the bucket. A graph stops at the final hidden
+    states of the sampling tokens: the LM head runs after it, so that graphs keep [B, H]
+    outputs rather than [B, vocab] logits alive. Steps with LoRA adapters or prompt
+    log-probabilities, and steps past the largest bucket, run eagerly."""
+
+    def __init__(self, model, kv_caches, pad_block_table_row: torch.Tensor, block_size: int,
+                 max_tokens: int, max_requests: int, dtype: torch.dtype, block_m: int):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.first, self.last = model.parallel.is_first_stage, model.parallel.is_last_stage
+        self.token_sizes = token_buckets(max_tokens)
+        self.request_sizes = sorted({min(r, max_requests) for r in REQUEST_SIZES})
+        self.block_m = block_m  # query tokens per attention tile at prefill
+        t, r, dev = max(self.token_sizes, default=0), max(self.request_sizes), \
+            pad_block_table_row.device
+        hidden = model.config.hidden_size
+        self.buf = dict(
+            input_ids=torch.zeros(t, dtype=torch.int32, device=dev),
+            positions=torch.zeros(t, dtype=torch.int32, device=dev),
+            slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.zeros(r + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.zeros(r, dtype=torch.int32, device=dev),
+            block_tables=pad_block_table_row.expand(r, -1).clone(),
+            logits_indices=torch.zeros(r, dtype=torch.int64, device=dev),
+            hidden=torch.zeros(t, hidden, dtype=dtype, device=dev),
+            residual=torch.zeros(t, hidden, dtype=dtype, device=dev))
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
+
+    def bucket_for(self, num_tokens: int, num_reqs: int) -> tuple[int, int] | None:
+        t = next((t for t in self.token_sizes if t >= num_tokens), 0)
+        r = next((r for r in self.request_sizes if r >= num_reqs), 0)
+        return (t, r) if (t, r) in self.graphs else None
+
+    @torch.inference_mode()
+    def capture(self, pool) -> None:
+        """Largest first, into the decode graphs' pool. Collective like DecodeGraphs.capture."""
+        for t in sorted(self.token_sizes, reverse=True):
+            for r in sorted(self.request_sizes, reverse=True):
+                if r > t:
+                    continue
+                args = self._args(t, r)
+                for _ in range(2):  # warm up: compiles the Triton kernels for this shape
+                    self._run(t, r, args)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._run(t, r, args)
+                self.graphs[t, r] = (graph, out)
+        torch.cuda.synchronize()
+
+    def replay(self, bucket: tuple[int, int], input_ids, positions, meta: AttentionMetadata,
+               logits_indices, hidden=None, residual=None):
+        """Final hidden states [bucket requests, H] whose first len(logits_indices) rows are
+        the sampling tokens', or (hidden, residual) [bucket tokens, H] mid-pipeline. The
+        step's tensors are padded to the bucket (step_tensors.prepare)."""
+        b = self.buf
+        t, r = bucket
+        if self.first:
+            b["input_ids"][:t].copy_(input_ids)
+        else:
+            b["hidden"][:hidden.shape[0]].copy_(hidden)
+            b["residual"][:residual.shape[0]].copy_(residual)
+        b["positions"][:t].copy_(positions)
+        b["slot_mapping"][:t].copy_(meta.slot_mapping)
+        b["cu_seqlens_q"][:r + 1].copy_(meta.cu_seqlens_q)
+        b["seq_lens"][:r].copy_(meta.seq_lens)
+        b["block_tables"][:r].copy_(meta.block_tables)
+        n = logits_indices.shape[0]
+        b["logits_indices"][:n].copy_(logits_indices)
+        b["logits_indices"][n:r].zero_()  # stale indices may lie past this bucket's tokens
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out
+
+    def _args(self, t: int, r: int):
+        b = self.buf
+        meta = AttentionMetadata(
+            cu_seqlens_q=b["cu_seqlens_q"][:r + 1], seq_lens=b["seq_lens"][:r],
+            block_tables=b["block_tables"][:r], slot_mapping=b["slot_mapping"][:t],
+            block_size=self.block_size, max_query_len=t)
+        hidden, residual = (None, None) if self.first else (b["hidden"][:t], b["residual"][:t])
+        return (b["input_ids"][:t], b["positions"][:t], self.kv_caches, meta,
+                b["logits_indices"][:r], hidden, residual)
+
+    def _run(self, t: int, r: int, args):
+        meta = args[3]
+        # at most one partial tile per request beyond the full ones
+        meta.work = work_list(meta.cu_seqlens_q, self.block_m, -(-t // self.block_m) + r)
+        return self.model(*args, head=False)

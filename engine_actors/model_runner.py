@@ -4,7 +4,9 @@
 non-blocking copy, the sampled ids come back in one non-blocking copy, and the returned
 `PendingStep` is waited on separately, so the worker can accept and enqueue the next step
 while the device still runs this one. Decode-only steps replay a CUDA graph captured for
-the smallest batch-size bucket that fits; other steps run eagerly.
+the smallest batch-size bucket that fits, steps with prompt tokens a mixed-step graph of
+the smallest token and request buckets that fit (up to 2048 tokens); other steps (LoRA
+adapters or prompt log-probabilities in a mixed step, larger steps) run eagerly.
 
 As a pipeline stage, the runner receives the previous stage's hidden states and residual,
 runs its layers and sends them on; only the last stage samples.
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors, load_hf_config
-from engine_actors.cuda_graphs import DecodeGraphs
+from engine_actors.cuda_graphs import DecodeGraphs, MixedGraphs, token_buckets
 from engine_actors.kv_cache import cdiv
 from engine_actors.grammar import Grammars
 from engine_actors.layers import lora as lora_layers
@@ -32,6 +34,7 @@ from engine_actors.step_extras import CONTINUE
 from engine_actors.step_tensors import StepTensors, prepare
 from engine_actors.timeline import StepTimeline
 from engine_actors.transfer import PendingStep, Staging
+from kernels.attention import tile_shape
 from kernels.lora import max_tiles
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,7 +79,8 @@ class ModelRunner:
                                  Grammars(model_path, self.hf_config.vocab_size), self.staging)
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
-        self.num_graph_replays = 0
+        self.mixed: MixedGraphs | None = None
+        self.num_graph_replays = self.num_mixed_replays = 0
         self.timeline = StepTimeline() if self.device.type == "cuda" else None
         self.link: StageLink | None = None
         self.tokens: TokenLink | None = None
@@ -117,8 +121,9 @@ class ModelRunner:
     def profile_kv_blocks(self, memory_fraction: float, max_step_tokens: int,
                           graph_batch: int, max_batch_size: int) -> int:
         """KV blocks that fit in `memory_fraction` of the GPU beside the weights, the
-        activations of the largest eager step, and the decode graphs' memory pool (bounded
-        by one eager decode step of graph_batch requests; 0: no graphs).
+        activations of the largest eager step, and the CUDA graphs' memory pool (bounded by
+        one eager decode step of graph_batch requests, or one eager step of the largest
+        mixed-step graph's tokens; graph_batch 0: no graphs).
 
         The largest eager step is max_step_tokens tokens of max_batch_size requests that all
         sample, with top-p and 20 log-probabilities: the logits and sampling buffers of the
@@ -131,6 +136,9 @@ class ModelRunner:
         num_reqs = max(1, min(max_batch_size, self.max_num_seqs, step_tokens))
         activations = self._profile_peak_bytes(step_tokens // num_reqs, num_reqs, sampled=True)
         graphs = self._profile_peak_bytes(1, graph_batch) if graph_batch else 0
+        if graph_batch and self.parallel.tp_size == self.parallel.pp_size == 1:
+            graphs = max(graphs, self._profile_peak_bytes(
+                min(max(token_buckets(step_tokens)), self.max_model_len), 1))
         budget = total * memory_fraction - used - activations - graphs
         blocks = int(budget // self.kv_bytes_per_block())
         if blocks < 1:
@@ -171,7 +179,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(len(self.model.layers))]
         self.block_table[self.pad_row] = num_blocks
-        self.graphs = None
+        self.graphs = self.mixed = None
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -210,8 +218,12 @@ class ModelRunner:
                 self.row_lora[r.row] = r.lora_slot
         num_reqs, num_tokens = len(step.rows), len(step.token_ids)
         bucket = self.graphs.bucket_for(num_reqs) if self._is_graphable(step) else 0
-        inputs = prepare(step, bucket or num_reqs, self.pad_row, self.row_lora, self.staging,
-                         max_tiles(bucket, self.lora_slots) if bucket and self.lora_slots else 0)
+        mixed = self.mixed.bucket_for(num_tokens, num_reqs) \
+            if not bucket and self._is_mixed_graphable(step) else None
+        inputs = prepare(step, bucket or (mixed[1] if mixed else num_reqs), self.pad_row,
+                         self.row_lora, self.staging,
+                         max_tiles(bucket, self.lora_slots) if bucket and self.lora_slots else 0,
+                         pad_tokens_to=mixed[0] if mixed else 0)
         if inputs.table_rows.numel():
             self.block_table[inputs.table_rows, inputs.table_cols] = inputs.table_blocks
         input_ids = hidden = residual = None
@@ -238,6 +250,12 @@ class ModelRunner:
             lora = inputs.lora_token_slots is not None and (inputs.lora_token_slots >= 0).any()
             out = self.graphs.replay(bucket, input_ids, inputs.positions, meta, hidden, residual,
                                      *((inputs.lora_order, inputs.lora_tiles) if lora else ()))
+        elif mixed:
+            self.num_mixed_replays += 1
+            out = self.mixed.replay(mixed, input_ids, inputs.positions, meta,
+                                    inputs.logits_indices, hidden, residual)
+            if self.parallel.is_last_stage:  # the graph ends before the LM head
+                out = self.model.logits(out[:inputs.logits_indices.shape[0]])
         else:
             if self.row_lora is not None:
                 lora_layers.set_batch(lora_layers.LoRABatch(
@@ -261,17 +279,33 @@ class ModelRunner:
         return self.graphs is not None and max(step.query_lens) == 1 and all(step.sample) \
             and not step.prompt_logprobs
 
+    def _is_mixed_graphable(self, step: StepInput) -> bool:
+        return self.mixed is not None and not step.prompt_logprobs and (
+            self.row_lora is None or bool((self.row_lora[step.rows] < 0).all()))
+
     def _slot_mapping(self, token_rows, positions):
         blocks = self.block_table[token_rows, positions // self.block_size]
         return blocks.long() * self.block_size + positions % self.block_size
 
-    # ---- CUDA graphs for decode-only steps ------------------------------------------------
-    def capture_cuda_graphs(self, max_batch_size: int) -> None:
-        """Capture decode graphs for every bucket up to max_batch_size (needs the KV cache)."""
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def capture_cuda_graphs(self, max_batch_size: int, max_step_tokens: int = 0) -> None:
+        """Capture decode graphs for every bucket up to max_batch_size, and mixed-step graphs
+        for token buckets up to max_step_tokens (0: none); needs the KV cache."""
         if not self.use_cuda_graphs:
             return
+        pool = torch.cuda.graph_pool_handle()
+        max_reqs = min(max_batch_size, self.max_num_seqs)
+        # the larger graphs first: the decode graphs reuse their pool. One worker only: with
+        # several, the mixed steps' collectives inside graphs have not been run on GPUs yet.
+        if max_step_tokens and self.parallel.tp_size == self.parallel.pp_size == 1:
+            attn = next(iter(self.model.layers.values())).self_attn
+            block_m = tile_shape(attn.num_heads, attn.num_kv_heads, attn.head_dim, 2)[0]
+            mixed = MixedGraphs(self.model, self.kv_caches, self.block_table[self.pad_row],
+                                self.block_size, min(max_step_tokens, self.max_model_len),
+                                max_reqs, self.dtype, block_m)
+            mixed.capture(pool)
+            self.mixed = mixed if mixed.graphs else None
         graphs = DecodeGraphs(self.model, self.kv_caches, self.block_table[self.pad_row],
-                              self.block_size, min(max_batch_size, self.max_num_seqs), self.dtype,
-                              lora_slots=self.lora_slots)
-        graphs.capture()
+                              self.block_size, max_reqs, self.dtype, lora_slots=self.lora_slots)
+        graphs.capture(pool)
         self.graphs = graphs

@@ -15,11 +15,13 @@ from kernels.lora import group_tokens
 
 
 def prepare(step: StepInput, pad_to: int, pad_row: int, row_lora: np.ndarray | None,
-            staging: Staging, lora_tiles: int = 0) -> StepTensors:
+            staging: Staging, lora_tiles: int = 0, pad_tokens_to: int = 0) -> StepTensors:
     """Every integer of the step in one host array and one copy, then device views.
     pad_to: requests after padding (a CUDA graph's bucket); pad_row: the table row of
-    padding requests; row_lora: each table row's adapter slot, when LoRA is on;
-    lora_tiles: under a graph, the fixed number of LoRA tiles (and tokens in order)."""
+    padding requests and tokens; row_lora: each table row's adapter slot, when LoRA is on;
+    lora_tiles: under a graph, the fixed number of LoRA tiles (and tokens in order);
+    pad_tokens_to: tokens after padding (a mixed-step graph's bucket; by default one
+    padding token per padding request, as a decode graph has)."""
     query_lens = np.asarray(step.query_lens, dtype=np.int32)
     context_lens = np.asarray(step.context_lens, dtype=np.int32)
     rows = np.asarray(step.rows, dtype=np.int32)
@@ -36,10 +38,11 @@ def prepare(step: StepInput, pad_to: int, pad_row: int, row_lora: np.ndarray | N
         cu_seqlens_q[:-1] - context_lens, query_lens)
     token_rows = np.repeat(rows, query_lens)
     token_ids = np.asarray(step.token_ids, dtype=np.int32)
-    if num_pad:
-        positions = np.concatenate([positions, np.zeros(num_pad, np.int32)])
-        token_rows = np.concatenate([token_rows, np.full(num_pad, pad_row, np.int32)])
-        token_ids = np.concatenate([token_ids, np.zeros(num_pad, np.int32)])
+    token_pad = pad_tokens_to - num_tokens if pad_tokens_to else num_pad
+    if token_pad:  # tokens of no request: they write their keys/values into the scratch block
+        positions = np.concatenate([positions, np.zeros(token_pad, np.int32)])
+        token_rows = np.concatenate([token_rows, np.full(token_pad, pad_row, np.int32)])
+        token_ids = np.concatenate([token_ids, np.zeros(token_pad, np.int32)])
     sample = np.asarray(step.sample, dtype=bool)
     logits_indices = (cu_seqlens_q[1:len(step.rows) + 1] - 1)[sample]
     sample_rows = rows[:len(step.rows)][sample]

@@ -17,6 +17,10 @@ blocks into one kernel): program (i, j, h) takes query tile j of request i for K
 with the GROUP query heads that share that KV head stacked as rows, so K/V are read once
 per group. It streams K/V through the block table with an online softmax (flash
 attention), up to the causal limit of its tile.
+
+Inside a CUDA graph the launch grid cannot follow the step: there the kernel takes a work
+list instead (`work_list`), one (request, tile) per program over a fixed grid that any step
+of the graph's token and request counts fits, with (-1, 0) for programs left over.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import triton.language as tl
 
 
 def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                        block_size: int, scale: float, max_query_len: int = 0) -> torch.Tensor:
+                        block_size: int, scale: float, max_query_len: int = 0,
+                        work: torch.Tensor | None = None) -> torch.Tensor:
     """Per-request attention in plain torch (ORCA's split -> attention -> merge)."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -50,13 +55,19 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        block_tables_ptr, scale_log2e,
+        block_tables_ptr, work_ptr, scale_log2e,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    req = tl.program_id(0)
-    tile = tl.program_id(1)
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WORK: tl.constexpr):
+    if WORK:  # program i takes the (request, tile) of work item i
+        req = tl.load(work_ptr + 2 * tl.program_id(0))
+        tile = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+        if req < 0:
+            return
+    else:
+        req = tl.program_id(0)
+        tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + req)
     q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
@@ -105,34 +116,61 @@ def _paged_attention_kernel(
              mask=row_ok[:, None] & dim_ok[None, :])
 
 
+def tile_shape(num_q_heads: int, num_kv_heads: int, head_dim: int,
+               max_query_len: int) -> tuple[int, int, int]:
+    """(query tokens per tile, rows per program, padded head size) of a launch: at least 16
+    rows for tl.dot, and a larger tile when prompts are being prefilled."""
+    group = num_q_heads // num_kv_heads
+    dim_p2 = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    rows = 16 if max_query_len == 1 else (64 if dim_p2 > 64 else 128)
+    block_m = max(rows // group, 1)
+    return block_m, triton.next_power_of_2(block_m * group), dim_p2
+
+
+def work_list(cu_seqlens_q: torch.Tensor, block_m: int, num_work: int) -> torch.Tensor:
+    """[num_work, 2] int32: (request, query tile) of each program, request by request, then
+    (-1, 0). Device ops only (no host sync), so it runs inside a CUDA graph. A step of T
+    tokens in B requests has at most cdiv(T, block_m) + B tiles."""
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    tiles = (q_lens + block_m - 1) // block_m
+    ends = torch.cumsum(tiles, 0)
+    item = torch.arange(num_work, device=cu_seqlens_q.device)
+    req = torch.searchsorted(ends, item, right=True)  # the first request ending past item
+    last = tiles.shape[0] - 1
+    tile = item - (ends - tiles)[req.clamp(max=last)]
+    real = req <= last
+    return torch.stack([torch.where(real, req, -1), torch.where(real, tile, 0)], 1).int()
+
+
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                           block_size: int, scale: float, max_query_len: int) -> torch.Tensor:
+                           block_size: int, scale: float, max_query_len: int,
+                           work: torch.Tensor | None = None) -> torch.Tensor:
+    """work: a work list made by work_list with the block_m of tile_shape(..., max_query_len)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     assert num_q_heads % num_kv_heads == 0 and 8 <= head_dim <= 256
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert cu_seqlens_q.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
-    # rows per program = BLOCK_M tokens x GROUP heads: at least 16 for tl.dot, and a
-    # larger tile when prompts are being prefilled
-    dim_p2 = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    rows = 16 if max_query_len == 1 else (64 if dim_p2 > 64 else 128)
-    block_m = max(rows // group, 1)
+    block_m, rows, dim_p2 = tile_shape(num_q_heads, num_kv_heads, head_dim, max_query_len)
     out = torch.empty_like(q)
-    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_kv_heads)
+    if work is None:
+        grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_kv_heads)
+    else:
+        grid = (work.shape[0], 1, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        scale * 1.4426950408889634,
+        cu_seqlens_q if work is None else work, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_M=block_m,
-        ROWS=triton.next_power_of_2(block_m * group), BLOCK_N=64 if dim_p2 <= 128 else 32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        ROWS=rows, BLOCK_N=64 if dim_p2 <= 128 else 32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WORK=work is not None)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size,
-                    scale, max_query_len):
+                    scale, max_query_len, work=None):
     fn = paged_attention_triton if q.is_cuda else paged_attention_ref
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size, scale,
-              max_query_len)
+              max_query_len, work)

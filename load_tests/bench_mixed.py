@@ -6,7 +6,8 @@ Online, a new request's prompt rides in the iteration of everyone's next token, 
 iteration is a gap in every running stream. This times it: D requests decode at context
 --context-len while one more request prefills P prompt tokens in the same step, launched back
 to back through ModelRunner.launch as the worker does, timed with CUDA events. P = 0 is the
-decode-only step (a CUDA graph once captured). Each P is reported beside the decode-only step.
+decode-only step (a CUDA graph). Each mixed step is timed twice: replaying its mixed-step
+CUDA graph, and eagerly (the graphs set aside), beside the decode-only step.
 """
 from __future__ import annotations
 
@@ -71,16 +72,22 @@ def main(argv=None) -> dict:
     for k, v in runner.kv_caches:
         k.normal_()
         v.normal_()
-    runner.capture_cuda_graphs(max_rows)
+    runner.capture_cuda_graphs(max_rows, max(args.prompt_lens) + max_rows)
+    mixed_graphs = runner.mixed
     report = {"model": args.model, "context_len": args.context_len, "steps": []}
     for d in args.decode_rows:
         for plen in args.prompt_lens:
-            replays = runner.num_graph_replays
-            ms = time_mixed(runner, d, args.context_len, plen, args.iters)
-            report["steps"].append({"decode_rows": d, "prompt_len": plen, "ms": ms,
-                                    "graph": runner.num_graph_replays > replays})
-            print(f"decode rows {d:4d}  prompt {plen:5d}  {ms:7.2f} ms  "
-                  f"{'graph' if runner.num_graph_replays > replays else 'eager'}", flush=True)
+            row = {"decode_rows": d, "prompt_len": plen}
+            for mode in ["graph", "eager"] if plen else ["graph"]:
+                runner.mixed = mixed_graphs if mode == "graph" else None
+                replays = runner.num_graph_replays + runner.num_mixed_replays
+                row[f"{mode}_ms"] = time_mixed(runner, d, args.context_len, plen, args.iters)
+                row[f"{mode}_replayed"] = \
+                    runner.num_graph_replays + runner.num_mixed_replays > replays
+            report["steps"].append(row)
+            print(f"decode rows {d:4d}  prompt {plen:5d}  graph {row['graph_ms']:7.2f} ms "
+                  f"({'replayed' if row['graph_replayed'] else 'eager'})  eager "
+                  f"{row.get('eager_ms', float('nan')):7.2f} ms", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

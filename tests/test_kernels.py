@@ -140,6 +140,42 @@ def test_paged_attention_kernel(device, dtype, heads, block_size, q_lens, s_lens
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("heads,q_lens,s_lens,pad_requests,pad_tokens,bucket", [
+    ((8, 2), [1, 7, 5, 1, 50], [1, 7, 33, 16, 50], 3, 17, 128),  # decodes and prompts
+    ((4, 4), [1, 1], [9, 40], 6, 30, 32),  # decode rows only, most of the graph empty
+    ((4, 1), [97], [120], 0, 0, 97),  # one chunk, every work item used
+])
+def test_paged_attention_kernel_from_a_work_list(device, dtype, heads, q_lens, s_lens,
+                                                 pad_requests, pad_tokens, bucket):
+    """As a CUDA graph runs it: a fixed grid of work items built on the device, padding
+    requests with no tokens and padding tokens that belong to no request."""
+    from kernels.attention import tile_shape, work_list
+    q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, q_lens, heads[0],
+                                                               heads[1], 64, 4)
+    real = q.shape[0]
+    q = torch.cat([q, torch.randn(pad_tokens, heads[0], 64)])
+    cu_pad = cu + [cu[-1]] * pad_requests
+    lens = s_lens + [0] * pad_requests
+    tables = torch.cat([tables, torch.zeros(pad_requests, tables.shape[1], dtype=torch.int32)])
+    q, k_cache, v_cache = [t.to(device).to(dtype) for t in (q, k_cache, v_cache)]
+    cu_t = torch.tensor(cu_pad, dtype=torch.int32, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    tables = tables.to(device)
+    block_m = tile_shape(heads[0], heads[1], 64, bucket)[0]
+    num_work = -(-(real + pad_tokens) // block_m) + len(lens)
+    work = work_list(cu_t, block_m, num_work)
+    expected = [(i, t) for i, n in enumerate(q_lens) for t in range(-(-n // block_m))]
+    assert work[:len(expected)].tolist() == [list(e) for e in expected]
+    assert (work[len(expected):, 0] == -1).all()
+    out = paged_attention_triton(q, k_cache, v_cache, cu_t, lens_t, tables, 4, 0.125, bucket,
+                                 work=work)
+    ref = paged_attention_ref(q[:real].float(), k_cache.float(), v_cache.float(),
+                              cu_t[:len(q_lens) + 1], lens_t[:len(q_lens)],
+                              tables[:len(q_lens)], 4, 0.125)
+    torch.testing.assert_close(out[:real].float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("num_tokens,heads,dim", [(1, 1, 16), (13, 2, 64), (7, 8, 128)])
 def test_kv_write_kernel(device, dtype, num_tokens, heads, dim):
     k = torch.randn(num_tokens, heads, dim, device=device).to(dtype)

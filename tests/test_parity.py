@@ -70,12 +70,15 @@ def test_greedy_matches_transformers(checkpoint, block_size, budget, overlap):
 
 
 @pytest.mark.gpu
-def test_greedy_matches_transformers_on_gpu_fp32(checkpoint):
-    """Triton kernels, CUDA graphs and overlapped steps, in fp32: exactly transformers'."""
+@pytest.mark.parametrize("budget", [24, 4096])
+def test_greedy_matches_transformers_on_gpu_fp32(checkpoint, budget):
+    """Triton kernels, CUDA graphs (decode and mixed steps; chunked prefill with the small
+    budget) and overlapped steps, in fp32: exactly transformers'."""
     engine = InProcessEngine(device="cuda", model=checkpoint, dtype="float32", max_batch_size=8,
-                             max_num_batched_tokens=24, max_num_tokens=4096)
+                             max_num_batched_tokens=budget, max_num_tokens=4096)
     check_parity(checkpoint, engine, ragged_workload(seed=11), device="cuda")
-    assert engine.worker.runner.num_graph_replays > 0
+    runner = engine.worker.runner
+    assert runner.num_graph_replays > 0 and runner.num_mixed_replays > 0
 
 
 def test_builtin_default_model_matches_transformers():

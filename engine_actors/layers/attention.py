@@ -19,6 +19,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, KV pool slot of each new token
     block_size: int
     max_query_len: int  # sizes the attention launch; 1 for a decode-only step
+    work: torch.Tensor | None = None  # under a mixed-step CUDA graph: kernels.attention.work_list
 
 
 class Attention(nn.Module):
@@ -33,4 +34,5 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache  # [S, Hkv, D] each
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                               meta.block_tables, meta.block_size, self.scale, meta.max_query_len)
+                               meta.block_tables, meta.block_size, self.scale, meta.max_query_len,
+                               meta.work)

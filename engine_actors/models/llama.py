@@ -127,10 +127,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor, hidden: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None):
+                residual: torch.Tensor | None = None, head: bool = True):
         """First stage: input_ids [T]; later stages: hidden, residual [T, H] from the previous.
         Returns (hidden, residual) [T, H], or on the last stage fp32 logits [N, V] of the N
-        tokens in logits_indices."""
+        tokens in logits_indices (head=False: their final hidden states [N, H])."""
         if self.parallel.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
@@ -138,7 +138,11 @@ class LlamaForCausalLM(nn.Module):
         if not self.parallel.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
-        return self.lm_head(hidden[logits_indices]).float()
+        return self.logits(hidden[logits_indices]) if head else hidden[logits_indices]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, H] -> fp32 logits [N, V]."""
+        return self.lm_head(hidden).float()
 
     def weight_keys(self) -> set[str]:
         """Every (module.param, part) that a complete checkpoint fills on this stage/rank."""
