@@ -108,7 +108,7 @@ class DecodeGraphs:
                 b["logits_indices"][:size], hidden, residual)
 
 
-TOKEN_SIZES = [128, 256, 512, 1024, 2048]
+TOKEN_SIZES = [128, 256, 384, 512, 768, 1024, 1536, 2048]
 REQUEST_SIZES = [8, 32, 128, 256]
 
 
