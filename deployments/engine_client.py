@@ -184,8 +184,9 @@ class EngineClient:
         except ray.exceptions.RayActorError:
             raise EngineUnavailable("scheduler unavailable") from None
 
-    async def close(self) -> None:
-        """This replica is going away: tell the scheduler (the last one tears it down)."""
+    async def close(self, final: bool = True) -> None:
+        """This replica is going away: tell the scheduler (the last one tears it down, at
+        once when final: the application is being deleted)."""
         if self._stream_task is not None:
             self._stream_task.cancel()
         actor, self._actor = self._actor, None
@@ -195,7 +196,7 @@ class EngineClient:
             except ValueError:
                 return
         try:
-            await asyncio.wait_for(actor.unregister.remote(self.client_id), timeout=10)
+            await asyncio.wait_for(actor.unregister.remote(self.client_id, final), timeout=10)
         except Exception:  # the scheduler is gone already, or tearing down
             pass
 

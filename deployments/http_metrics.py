@@ -1,13 +1,17 @@
 """Per-request latency metrics of an ingress replica (Prometheus, names as vLLM's, `orca:`).
 
 Measured where the client sees them: from the request's arrival at the replica to each
-piece of text it streams. GET /metrics renders these with the engine's own (scheduler).
+piece of text it streams. Each replica hands a snapshot of its series to the scheduler
+every few seconds; GET /metrics, on whichever replica answers it, sums its own live series
+with the other replicas' latest snapshots (counters and histograms add up across
+processes), then appends the engine's own metrics.
 """
 from __future__ import annotations
 
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 FINISH_REASONS = ("stop", "length", "abort", "deadline")
 FAILURE_REASONS = ("timeout", "client_disconnect", "engine_failure", "engine_unavailable",
@@ -49,6 +53,45 @@ class HTTPMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def snapshot(self) -> Snapshot:
+        """This replica's series as plain data: (name, type, help, [(sample, labels, value)])."""
+        return [(m.name, m.type, m.documentation, [(s.name, s.labels, s.value) for s in m.samples])
+                for m in self.registry.collect()]
+
+
+# one replica's series: [(family name, type, help, [(sample name, labels, value)])]
+Snapshot = list[tuple[str, str, str, list[tuple[str, dict, float]]]]
+
+
+class _Summed:
+    """A collector of several replicas' snapshots, each series summed over the replicas (a
+    `_created` timestamp takes the earliest)."""
+
+    def __init__(self, snapshots: list[Snapshot]):
+        self.snapshots = snapshots
+
+    def collect(self):
+        families: dict[str, tuple[str, str, dict]] = {}
+        for snapshot in self.snapshots:
+            for name, kind, doc, samples in snapshot:
+                values = families.setdefault(name, (kind, doc, {}))[2]
+                for sample, labels, value in samples:
+                    key = (sample, tuple(labels.items()))
+                    old = values.get(key)
+                    values[key] = value if old is None else \
+                        min(old, value) if sample.endswith("_created") else old + value
+        for name, (kind, doc, values) in families.items():
+            family = Metric(name, doc, kind)
+            for (sample, labels), value in values.items():
+                family.add_sample(sample, dict(labels), value)
+            yield family
+
+
+def render_summed(snapshots: list[Snapshot]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Summed(snapshots))
+    return generate_latest(registry)
 
 
 class RequestTimer:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import uuid
 
 import ray
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,6 +27,7 @@ from starlette.routing import Route
 from deployments.auth import APIKeyMiddleware
 from deployments.batch_api import BatchAPI
 from deployments.frontend import Frontend
+from deployments.http_metrics import render_summed
 from deployments.finetune_api import FineTuningAPI
 from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
@@ -36,6 +38,7 @@ logger = logging.getLogger("orca_serve.ingress")
 HEARTBEAT_LIMIT_S = 15.0  # a scheduler loop silent for longer is stuck
 SERVE_CONTROLLER = "SERVE_CONTROLLER_ACTOR"  # Serve's controller, in namespace "serve"
 WATCH_S = 2.0  # how often a replica checks whether its application is being deleted
+METRICS_PUSH_S = 2.0  # how often a replica hands its request metrics to the scheduler
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
@@ -47,6 +50,9 @@ class OpenAIIngress:
         self.frontend.on_ready = self._announce
         self.frontend.on_failure = self._on_start_failure
         self._ending: asyncio.Task | None = None
+        self.replica_id = uuid.uuid4().hex  # keys this replica's request metrics
+        self._pushed: list | None = None  # the snapshot the scheduler has
+        self._deleting = False  # the application is being deleted
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [Route("/health", self.health, methods=["GET"]),
@@ -66,13 +72,18 @@ class OpenAIIngress:
     async def _lifespan(self, app):
         # Bring the engine up in the background: /health answers 503 until it is ready.
         self.frontend.start()
-        watcher = asyncio.get_running_loop().create_task(self._watch_for_deletion())
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(self._watch_for_deletion())
+        pusher = loop.create_task(self._push_metrics())
         yield
         watcher.cancel()
+        pusher.cancel()
+        await self._push_metrics_once()  # its last requests count in the totals
         # only this replica goes (scale-down, replacement, or the end of a deletion): its own
         # requests are aborted when it unregisters; the last replica takes the engine along
+        # (after a grace period for the new replicas of a redeploy, unless it is a deletion)
         self.frontend.is_draining = True
-        await self.frontend.client.close()
+        await self.frontend.client.close(final=self._deleting)
 
     async def _announce(self) -> None:
         logger.warning("orca-serve ready: model %s, OpenAI API at %s/v1", self.cfg.model_name,
@@ -115,6 +126,7 @@ class OpenAIIngress:
             except Exception:
                 continue
             if deleting:
+                self._deleting = True
                 logger.warning("application %s is being deleted: draining", app_name)
                 await self._drain(self.cfg.drain_timeout_s)
                 return
@@ -140,14 +152,35 @@ class OpenAIIngress:
                             status_code=200 if healthy else 503)
 
     async def prometheus(self, request: Request):
-        """This replica's request metrics, and the engine's (when it is up)."""
-        body = self.frontend.metrics.render()
-        if self.frontend.client.is_connected:
+        """The request metrics of every replica, summed (this one's live, the others' as
+        they last handed them over), and the engine's (when it is up)."""
+        client, others, engine = self.frontend.client, [], b""
+        if client.is_connected:
             try:
-                body += await asyncio.wait_for(self.frontend.client.call("metrics_text"), 5.0)
-            except Exception:  # the engine's part is missing while it is unavailable
+                others, engine = await asyncio.wait_for(asyncio.gather(
+                    client.call("other_http_metrics", self.replica_id),
+                    client.call("metrics_text")), 5.0)
+            except Exception:  # only this replica's part while the engine is unavailable
                 pass
+        body = render_summed([self.frontend.metrics.snapshot(), *others]) + engine
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def _push_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_PUSH_S)
+            await self._push_metrics_once()
+
+    async def _push_metrics_once(self) -> None:
+        """Hand this replica's request metrics to the scheduler, if they changed."""
+        snapshot = self.frontend.metrics.snapshot()
+        if snapshot == self._pushed or not self.frontend.client.is_connected:
+            return
+        try:
+            await asyncio.wait_for(self.frontend.client.call(
+                "put_http_metrics", self.replica_id, snapshot), 5.0)
+            self._pushed = snapshot
+        except Exception:  # the engine is unavailable: the next push carries it
+            pass
 
     async def _http_error(self, request: Request, exc: HTTPException):
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

@@ -9,8 +9,10 @@ all its requests.
 
 Lifetime: created on first use by an ingress replica (a named, detached actor, one per
 distinct configuration); it tears itself down, workers and placement group included, when
-its last client unregisters, when the last stream breaks (or none ever opens) and no client
-comes back within ORPHAN_GRACE_S, or when the engine fails in a way it cannot recover from.
+its last client unregisters while the application is being deleted, when the last client
+leaves otherwise (a scale-down, a redeploy), its last stream breaks or none ever opens, and
+no client comes back within ORPHAN_GRACE_S, or when the engine fails in a way it cannot
+recover from.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class SchedulerActor:
         self.cfg = cfg
         self.engine: EngineLoop | None = None
         self.metrics = EngineMetrics(cfg.model_name)
+        self.http_metrics: dict[str, list] = {}  # ingress replica -> its request metrics
         self.adapters = Adapters(cfg, self.metrics.lora_request)  # LoRA adapters
         self.finetuning = FineTuning(cfg, self.adapters, self.metrics) \
             if cfg.enable_finetuning else None
@@ -101,11 +104,13 @@ class SchedulerActor:
             self._deliver(self.engine.scheduler.fail_all(), "the engine was shut down")
         await self._teardown()
 
-    async def unregister(self, client_id: str) -> None:
-        """An ingress replica is shutting down; the last one takes the engine with it."""
+    async def unregister(self, client_id: str, final: bool = True) -> None:
+        """An ingress replica is shutting down. The last one takes the engine with it when
+        the application is being deleted (final); otherwise (a scale-down, or a redeploy
+        whose new replicas have not connected yet) the engine waits ORPHAN_GRACE_S for one."""
         self._drop_client(client_id)
         if not self.outboxes:
-            await self._teardown()
+            await (self._teardown() if final else self._teardown_if_unused())
 
     async def _teardown_if_unused(self) -> None:
         """No client (a replica died, or none connected): wait for one, else go. The time
@@ -232,6 +237,14 @@ class SchedulerActor:
         if self.engine is not None:
             self.engine.update_gauges()
         return self.metrics.render()
+
+    def put_http_metrics(self, replica: str, snapshot: list) -> None:
+        """An ingress replica's request metrics (deployments/http_metrics.py), kept after it
+        stops so that totals never go back."""
+        self.http_metrics[replica] = snapshot
+
+    def other_http_metrics(self, replica: str) -> list:
+        return [s for r, s in self.http_metrics.items() if r != replica]
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; end those still running after timeout_s ("abort")."""

@@ -22,10 +22,15 @@ from engine_actors.messages import NewRequest, StepInput
 from engine_actors.model_runner import ModelRunner
 
 
+def replays(runner: ModelRunner) -> int:
+    return runner.num_graph_replays + runner.num_mixed_replays
+
+
 def time_mixed(runner: ModelRunner, decode_rows: int, context_len: int, prompt_len: int,
-               iters: int) -> float:
-    """Mean ms per step: rows 0..D-1 decode one token each, row D prefills prompt_len tokens
-    (the same prompt again every step, into the same blocks)."""
+               iters: int) -> tuple[float, bool]:
+    """Mean ms per step, and whether the steps replayed a graph: rows 0..D-1 decode one
+    token each, row D prefills prompt_len tokens (the same prompt again every step, into the
+    same blocks)."""
     rows = decode_rows + (1 if prompt_len else 0)
     blocks_each = cdiv(max(context_len, prompt_len) + iters + 16, runner.block_size)
     runner.launch(StepInput(
@@ -45,13 +50,14 @@ def time_mixed(runner: ModelRunner, decode_rows: int, context_len: int, prompt_l
 
     for i in range(3):
         runner.launch(step(i)).wait()
+    before = replays(runner)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     pending = [runner.launch(step(3 + i)) for i in range(iters)]
     stop.record()
     pending[-1].wait()
     stop.synchronize()
-    return start.elapsed_time(stop) / iters
+    return start.elapsed_time(stop) / iters, replays(runner) - before == iters
 
 
 def main(argv=None) -> dict:
@@ -80,10 +86,8 @@ def main(argv=None) -> dict:
             row = {"decode_rows": d, "prompt_len": plen}
             for mode in ["graph", "eager"] if plen else ["graph"]:
                 runner.mixed = mixed_graphs if mode == "graph" else None
-                replays = runner.num_graph_replays + runner.num_mixed_replays
-                row[f"{mode}_ms"] = time_mixed(runner, d, args.context_len, plen, args.iters)
-                row[f"{mode}_replayed"] = \
-                    runner.num_graph_replays + runner.num_mixed_replays > replays
+                row[f"{mode}_ms"], row[f"{mode}_replayed"] = time_mixed(
+                    runner, d, args.context_len, plen, args.iters)
             report["steps"].append(row)
             print(f"decode rows {d:4d}  prompt {plen:5d}  graph {row['graph_ms']:7.2f} ms "
                   f"({'replayed' if row['graph_replayed'] else 'eager'})  eager "

@@ -143,3 +143,33 @@ def test_latency_metrics_of_a_deferred_reader_follow_when_tokens_came(tmp_path):
     assert observed(metrics.itl) == pytest.approx((3, 0.020 + 0.015 + 0.015))
     assert observed(metrics.e2e) == pytest.approx((1, 0.060))
     assert observed(metrics.tpot) == pytest.approx((1, 0.050 / 3))
+
+
+def test_request_metrics_of_several_replicas_add_up():
+    """GET /metrics sums each series over the replicas' snapshots (deployments/http_metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deployments.http_metrics import HTTPMetrics, render_summed
+
+    def parse(text):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+
+    replicas = [HTTPMetrics("m"), HTTPMetrics("m")]
+    for metrics, ttfts in zip(replicas, [[0.003, 0.2], [0.03, 0.03, 7.0]]):
+        for ttft in ttfts:
+            metrics.ttft.observe(ttft)
+            metrics.success("length")
+    replicas[1].failure("timeout")
+    one = parse(replicas[0].render())
+    assert parse(render_summed([replicas[0].snapshot()])) == one
+    summed = parse(render_summed([r.snapshot() for r in replicas]))
+
+    def at(name, **labels):
+        return summed[name, tuple(sorted({"model_name": "m", **labels}.items()))]
+    assert at("orca:time_to_first_token_seconds_count") == 5
+    assert at("orca:time_to_first_token_seconds_sum") == pytest.approx(7.263)
+    assert at("orca:time_to_first_token_seconds_bucket", le="0.04") == 3
+    assert at("orca:time_to_first_token_seconds_bucket", le="+Inf") == 5
+    assert at("orca:request_success_total", finished_reason="length") == 5
+    assert at("orca:request_failure_total", reason="timeout") == 1

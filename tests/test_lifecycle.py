@@ -95,23 +95,46 @@ def test_dead_ingress_replica_loses_its_requests_not_the_engine(app):
     assert wait_healthy(url)["status"] == "ok"
 
 
+def successes(url: str) -> float:
+    """orca:request_success_total{finished_reason="length"} as GET /metrics reports it."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "orca:request_success_total"
+                and s.labels["finished_reason"] == "length")
+
+
 def test_a_replica_leaving_does_not_stop_the_shared_engine(app):
     """Scale 1 -> 2 -> 1 replicas: the replica that stops must not drain the engine the
-    other one still serves from."""
+    other one still serves from. GET /metrics counts the requests of both replicas, on
+    either of them, and still counts the stopped one's afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ray import serve
 
-    from deployments.ingress import OpenAIIngress
+    from deployments.ingress import METRICS_PUSH_S, OpenAIIngress
     url, cfg = app
     engine = EngineConfig.from_args(cfg["args"])
+
+    def complete(_):
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"prompt": "still", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+    before = successes(url)
     for replicas in (2, 1):
         ingress = OpenAIIngress.options(num_replicas=replicas,
                                         graceful_shutdown_timeout_s=engine.drain_timeout_s + 15)
         serve.run(ingress.bind(engine), name=cfg["name"], route_prefix=cfg["route_prefix"])
+        if replicas == 2:  # requests over both replicas, then every answer counts them all
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(complete, range(16)))
+            time.sleep(METRICS_PUSH_S + 1)
+            assert [successes(url) - before for _ in range(6)] == [16] * 6
     time.sleep(3)  # the extra replica has stopped
     assert wait_healthy(url)["status"] == "ok"
-    ok = httpx.post(f"{url}/v1/completions", timeout=60,
-                    json={"prompt": "still", "max_tokens": 3, "ignore_eos": True})
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    complete(0)
+    assert successes(url) - before == 17
 
 
 def test_deleting_the_application_drains_then_tears_the_engine_down(app):
