@@ -81,6 +81,39 @@ def test_greedy_matches_transformers_on_gpu_fp32(checkpoint, budget):
     assert runner.num_graph_replays > 0 and runner.num_mixed_replays > 0
 
 
+class EagerReplay:
+    """A stand-in for a captured mixed-step graph on CPU: replay() reruns the graph's body on
+    its static buffers and writes the same output tensor, as a CUDA graph replay does."""
+
+    def __init__(self, graphs, t, r):
+        self.graphs, self.t, self.r = graphs, t, r
+        self.args = graphs._args(t, r)
+        self.out = graphs._run(t, r, self.args).clone()
+
+    def replay(self):
+        self.out.copy_(self.graphs._run(self.t, self.r, self.args))
+
+
+@pytest.mark.parametrize("budget", [24, 4096])
+def test_mixed_step_graph_padding_matches_transformers(budget):
+    """The mixed-step graphs' path on CPU (graphs replaced by EagerReplay): steps padded to
+    token and request buckets, padding tokens in the scratch block, the LM head after the
+    graph. The budget of 24 chunks prompts inside the smallest token bucket."""
+    from engine_actors.cuda_graphs import MixedGraphs
+    engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=8,
+                             max_num_batched_tokens=budget, max_num_tokens=4096)
+    runner = engine.worker.runner
+    graphs = MixedGraphs(runner.model, runner.kv_caches, runner.block_table[runner.pad_row],
+                         runner.block_size, budget, 8, runner.dtype, block_m=16)
+    for t in graphs.token_sizes[:3]:  # 128, 256, 384: this workload's steps fit in them
+        for r in graphs.request_sizes:
+            replay = EagerReplay(graphs, t, r)
+            graphs.graphs[t, r] = (replay, replay.out)
+    runner.mixed = graphs
+    check_parity(resolve_model_path(DEFAULT_MODEL), engine, ragged_workload(seed=5))
+    assert runner.num_mixed_replays > 0
+
+
 def test_builtin_default_model_matches_transformers():
     engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=6)
     check_parity(resolve_model_path(DEFAULT_MODEL), engine, ragged_workload(seed=7))
