@@ -158,7 +158,9 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
-        """Largest first, into the decode graphs' pool. Collective like DecodeGraphs.capture."""
+        """Largest first, into the decode graphs' pool. Collective like DecodeGraphs.capture.
+        Without the LoRA kernels: steps with adapter tokens run eagerly."""
+        lora_layers.set_batch(None)  # an earlier eager step's batch must not be captured
         for t in sorted(self.token_sizes, reverse=True):
             for r in sorted(self.request_sizes, reverse=True):
                 if r > t:
