@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import tempfile
 import uuid
 
 import ray
@@ -210,6 +211,14 @@ async def end_serve_run(cause: str, delay_s: float = 3.0) -> None:
         if driver is None or driver.is_dead or driver.driver_ip_address != node_ip or \
                 not any(w.endswith("serve") or w == "ray.serve.scripts" for w in words) or \
                 "run" not in words:
+            return
+        # once per `serve run`, whichever replica comes first: a second SIGTERM would cut
+        # Ray's shutdown short and leave its processes (HAProxy) behind
+        marker = os.path.join(tempfile.gettempdir(),
+                              f"orca-serve-stop-{job_id}-{driver.driver_pid}")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
             return
         logger.error("orca-serve: stopping `serve run`: the engine failed to start: %s", cause)
         # Ray forwards the line above to its terminal, and deployments.launch lets go of
