@@ -53,7 +53,10 @@ class OpenAIIngress:
         self._ending: asyncio.Task | None = None
         self.replica_id = uuid.uuid4().hex  # keys this replica's request metrics
         self._pushed: list | None = None  # the snapshot the scheduler has
+        self._seq = 0  # numbers this replica's snapshots
+        self._all_metrics: dict[str, list] = {}  # every replica's, as the scheduler last said
         self._deleting = False  # the application is being deleted
+        self._app_is_deleting = None  # asks Serve's controller, once the watcher has it
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [Route("/health", self.health, methods=["GET"]),
@@ -80,6 +83,9 @@ class OpenAIIngress:
         watcher.cancel()
         pusher.cancel()
         await self._push_metrics_once()  # its last requests count in the totals
+        if not self._deleting and self._app_is_deleting:  # the watcher polls: ask once more
+            with contextlib.suppress(Exception):
+                self._deleting = await asyncio.wait_for(self._app_is_deleting(), 2.0)
         # only this replica goes (scale-down, replacement, or the end of a deletion): its own
         # requests are aborted when it unregisters; the last replica takes the engine along
         # (after a grace period for the new replicas of a redeploy, unless it is a deletion)
@@ -120,6 +126,7 @@ class OpenAIIngress:
             controller = ray.get_actor(SERVE_CONTROLLER, namespace="serve")
         except Exception:  # not in a Serve replica
             return
+        self._app_is_deleting = lambda: _is_deleting(controller, app_name)
         while True:
             await asyncio.sleep(WATCH_S)
             try:
@@ -153,32 +160,38 @@ class OpenAIIngress:
                             status_code=200 if healthy else 503)
 
     async def prometheus(self, request: Request):
-        """The request metrics of every replica, summed (this one's live, the others' as
-        they last handed them over), and the engine's (when it is up)."""
-        client, others, engine = self.frontend.client, [], b""
+        """The request metrics of every replica, summed (each replica's latest snapshot, this
+        one's taken now), and the engine's (when it is up). While the scheduler cannot be
+        reached, the other replicas' figures are the last it gave."""
+        client, engine = self.frontend.client, b""
+        snapshot = self.frontend.metrics.snapshot()
+        self._seq += 1
+        every = {**self._all_metrics, self.replica_id: snapshot}
         if client.is_connected:
-            try:
-                others, engine = await asyncio.wait_for(asyncio.gather(
-                    client.call("other_http_metrics", self.replica_id),
-                    client.call("metrics_text")), 5.0)
-            except Exception:  # only this replica's part while the engine is unavailable
-                pass
-        body = render_summed([self.frontend.metrics.snapshot(), *others]) + engine
+            replies = await asyncio.gather(*[asyncio.wait_for(call, 5.0) for call in (
+                client.call("http_metrics", self.replica_id, self._seq, snapshot),
+                client.call("metrics_text"))], return_exceptions=True)
+            if not isinstance(replies[0], BaseException):
+                every = self._all_metrics = replies[0]
+            if not isinstance(replies[1], BaseException):  # missing while the engine is down
+                engine = replies[1]
+        body = render_summed(list(every.values())) + engine
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def _push_metrics(self) -> None:
         while True:
-            await asyncio.sleep(METRICS_PUSH_S)
             await self._push_metrics_once()
+            await asyncio.sleep(METRICS_PUSH_S)
 
     async def _push_metrics_once(self) -> None:
         """Hand this replica's request metrics to the scheduler, if they changed."""
         snapshot = self.frontend.metrics.snapshot()
         if snapshot == self._pushed or not self.frontend.client.is_connected:
             return
+        self._seq += 1
         try:
-            await asyncio.wait_for(self.frontend.client.call(
-                "put_http_metrics", self.replica_id, snapshot), 5.0)
+            self._all_metrics = await asyncio.wait_for(self.frontend.client.call(
+                "http_metrics", self.replica_id, self._seq, snapshot), 5.0)
             self._pushed = snapshot
         except Exception:  # the engine is unavailable: the next push carries it
             pass
@@ -214,8 +227,8 @@ async def end_serve_run(cause: str, delay_s: float = 3.0) -> None:
             return
         # once per `serve run`, whichever replica comes first: a second SIGTERM would cut
         # Ray's shutdown short and leave its processes (HAProxy) behind
-        marker = os.path.join(tempfile.gettempdir(),
-                              f"orca-serve-stop-{job_id}-{driver.driver_pid}")
+        marker = os.path.join(tempfile.gettempdir(), f"orca-serve-stop-{job_id}-"
+                              f"{driver.driver_pid}-{driver.start_time}")
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
         except FileExistsError:

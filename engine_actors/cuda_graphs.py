@@ -114,9 +114,9 @@ REQUEST_SIZES = [8, 32, 128, 256]
 
 def token_buckets(max_tokens: int) -> list[int]:
     """The mixed-step graphs' token buckets for steps of up to max_tokens tokens: those
-    below it and the first that holds it (steps past 2048 tokens run eagerly)."""
+    below it, then max_tokens itself (steps past 2048 tokens run eagerly)."""
     below = [t for t in TOKEN_SIZES if t < max_tokens]
-    return below + [t for t in TOKEN_SIZES if t >= max_tokens][:1]
+    return below + ([max_tokens] if max_tokens <= TOKEN_SIZES[-1] else [])
 
 
 class MixedGraphs:

@@ -137,8 +137,7 @@ class ModelRunner:
         activations = self._profile_peak_bytes(step_tokens // num_reqs, num_reqs, sampled=True)
         graphs = self._profile_peak_bytes(1, graph_batch) if graph_batch else 0
         if graph_batch and self.parallel.tp_size == self.parallel.pp_size == 1:
-            graphs = max(graphs, self._profile_peak_bytes(
-                min(max(token_buckets(step_tokens)), self.max_model_len), 1))
+            graphs = max(graphs, self._profile_peak_bytes(max(token_buckets(step_tokens)), 1))
         budget = total * memory_fraction - used - activations - graphs
         blocks = int(budget // self.kv_bytes_per_block())
         if blocks < 1:

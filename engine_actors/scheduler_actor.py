@@ -47,7 +47,7 @@ class SchedulerActor:
         self.cfg = cfg
         self.engine: EngineLoop | None = None
         self.metrics = EngineMetrics(cfg.model_name)
-        self.http_metrics: dict[str, list] = {}  # ingress replica -> its request metrics
+        self._http_metrics: dict[str, tuple[int, list]] = {}  # replica -> (seq, snapshot)
         self.adapters = Adapters(cfg, self.metrics.lora_request)  # LoRA adapters
         self.finetuning = FineTuning(cfg, self.adapters, self.metrics) \
             if cfg.enable_finetuning else None
@@ -110,7 +110,10 @@ class SchedulerActor:
         whose new replicas have not connected yet) the engine waits ORPHAN_GRACE_S for one."""
         self._drop_client(client_id)
         if not self.outboxes:
-            await (self._teardown() if final else self._teardown_if_unused())
+            if final:
+                await self._teardown()
+            else:
+                self._spawn(self._teardown_if_unused())
 
     async def _teardown_if_unused(self) -> None:
         """No client (a replica died, or none connected): wait for one, else go. The time
@@ -238,13 +241,13 @@ class SchedulerActor:
             self.engine.update_gauges()
         return self.metrics.render()
 
-    def put_http_metrics(self, replica: str, snapshot: list) -> None:
-        """An ingress replica's request metrics (deployments/http_metrics.py), kept after it
-        stops so that totals never go back."""
-        self.http_metrics[replica] = snapshot
-
-    def other_http_metrics(self, replica: str) -> list:
-        return [s for r, s in self.http_metrics.items() if r != replica]
+    def http_metrics(self, replica: str, seq: int, snapshot: list) -> dict[str, list]:
+        """Keep an ingress replica's request metrics (deployments/http_metrics.py), numbered
+        by seq so that a late older one is dropped, and after it stops, so that totals never
+        go back; returns every replica's latest."""
+        if seq > self._http_metrics.get(replica, (-1, None))[0]:
+            self._http_metrics[replica] = (seq, snapshot)
+        return {r: s for r, (_, s) in self._http_metrics.items()}
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; end those still running after timeout_s ("abort")."""
