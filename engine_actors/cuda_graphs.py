@@ -14,7 +14,7 @@ import torch
 
 from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
-from kernels.attention import work_list
+from kernels.attention import tile_shape, work_list
 from kernels.lora import max_tiles
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
@@ -130,12 +130,14 @@ class MixedGraphs:
     log-probabilities, and steps past the largest bucket, run eagerly."""
 
     def __init__(self, model, kv_caches, pad_block_table_row: torch.Tensor, block_size: int,
-                 max_tokens: int, max_requests: int, dtype: torch.dtype, block_m: int):
+                 max_tokens: int, max_requests: int, dtype: torch.dtype):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.first, self.last = model.parallel.is_first_stage, model.parallel.is_last_stage
         self.token_sizes = token_buckets(max_tokens)
         self.request_sizes = sorted({min(r, max_requests) for r in REQUEST_SIZES})
-        self.block_m = block_m  # query tokens per attention tile at prefill
+        attn = next(iter(model.layers.values())).self_attn
+        # query tokens per attention tile at prefill (the kernel's BLOCK_M)
+        self.block_m = tile_shape(attn.num_heads, attn.num_kv_heads, attn.head_dim, 2)[0]
         t, r, dev = max(self.token_sizes, default=0), max(self.request_sizes), \
             pad_block_table_row.device
         hidden = model.config.hidden_size
@@ -177,9 +179,9 @@ class MixedGraphs:
 
     def replay(self, bucket: tuple[int, int], input_ids, positions, meta: AttentionMetadata,
                logits_indices, hidden=None, residual=None):
-        """Final hidden states [bucket requests, H] whose first len(logits_indices) rows are
-        the sampling tokens', or (hidden, residual) [bucket tokens, H] mid-pipeline. The
-        step's tensors are padded to the bucket (step_tensors.prepare)."""
+        """fp32 logits [N, V] of the N tokens in logits_indices (the LM head runs after the
+        graph), or (hidden, residual) [bucket tokens, H] mid-pipeline. The step's tensors are
+        padded to the bucket (step_tensors.prepare)."""
         b = self.buf
         t, r = bucket
         if self.first:
@@ -197,7 +199,7 @@ class MixedGraphs:
         b["logits_indices"][n:r].zero_()  # stale indices may lie past this bucket's tokens
         graph, out = self.graphs[bucket]
         graph.replay()
-        return out
+        return self.model.logits(out[:n]) if self.last else out
 
     def _args(self, t: int, r: int):
         b = self.buf

@@ -34,7 +34,6 @@ from engine_actors.step_extras import CONTINUE
 from engine_actors.step_tensors import StepTensors, prepare
 from engine_actors.timeline import StepTimeline
 from engine_actors.transfer import PendingStep, Staging
-from kernels.attention import tile_shape
 from kernels.lora import max_tiles
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -217,8 +216,7 @@ class ModelRunner:
                 self.row_lora[r.row] = r.lora_slot
         num_reqs, num_tokens = len(step.rows), len(step.token_ids)
         bucket = self.graphs.bucket_for(num_reqs) if self._is_graphable(step) else 0
-        mixed = self.mixed.bucket_for(num_tokens, num_reqs) \
-            if not bucket and self._is_mixed_graphable(step) else None
+        mixed = None if bucket else self._mixed_bucket(step)
         inputs = prepare(step, bucket or (mixed[1] if mixed else num_reqs), self.pad_row,
                          self.row_lora, self.staging,
                          max_tiles(bucket, self.lora_slots) if bucket and self.lora_slots else 0,
@@ -253,8 +251,6 @@ class ModelRunner:
             self.num_mixed_replays += 1
             out = self.mixed.replay(mixed, input_ids, inputs.positions, meta,
                                     inputs.logits_indices, hidden, residual)
-            if self.parallel.is_last_stage:  # the graph ends before the LM head
-                out = self.model.logits(out[:inputs.logits_indices.shape[0]])
         else:
             if self.row_lora is not None:
                 lora_layers.set_batch(lora_layers.LoRABatch(
@@ -278,9 +274,13 @@ class ModelRunner:
         return self.graphs is not None and max(step.query_lens) == 1 and all(step.sample) \
             and not step.prompt_logprobs
 
-    def _is_mixed_graphable(self, step: StepInput) -> bool:
-        return self.mixed is not None and not step.prompt_logprobs and (
-            self.row_lora is None or bool((self.row_lora[step.rows] < 0).all()))
+    def _mixed_bucket(self, step: StepInput) -> tuple[int, int] | None:
+        """The mixed-step graph that fits the step, if any (none with prompt log-probabilities
+        or LoRA adapters)."""
+        if self.mixed is None or step.prompt_logprobs or (
+                self.row_lora is not None and (self.row_lora[step.rows] >= 0).any()):
+            return None
+        return self.mixed.bucket_for(len(step.token_ids), len(step.rows))
 
     def _slot_mapping(self, token_rows, positions):
         blocks = self.block_table[token_rows, positions // self.block_size]
@@ -292,19 +292,15 @@ class ModelRunner:
         for token buckets up to max_step_tokens (0: none); needs the KV cache."""
         if not self.use_cuda_graphs:
             return
-        pool = torch.cuda.graph_pool_handle()
-        max_reqs = min(max_batch_size, self.max_num_seqs)
+        pool, pad, max_reqs = torch.cuda.graph_pool_handle(), self.block_table[self.pad_row], \
+            min(max_batch_size, self.max_num_seqs)
         # the larger graphs first: the decode graphs reuse their pool. One worker only: with
         # several, the mixed steps' collectives inside graphs have not been run on GPUs yet.
         if max_step_tokens and self.parallel.tp_size == self.parallel.pp_size == 1:
-            attn = next(iter(self.model.layers.values())).self_attn
-            block_m = tile_shape(attn.num_heads, attn.num_kv_heads, attn.head_dim, 2)[0]
-            mixed = MixedGraphs(self.model, self.kv_caches, self.block_table[self.pad_row],
-                                self.block_size, min(max_step_tokens, self.max_model_len),
-                                max_reqs, self.dtype, block_m)
+            mixed = MixedGraphs(self.model, self.kv_caches, pad, self.block_size,
+                                min(max_step_tokens, self.max_model_len), max_reqs, self.dtype)
             mixed.capture(pool)
             self.mixed = mixed if mixed.graphs else None
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_table[self.pad_row],
-                              self.block_size, max_reqs, self.dtype, lora_slots=self.lora_slots)
-        graphs.capture(pool)
-        self.graphs = graphs
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, pad, self.block_size, max_reqs,
+                                   self.dtype, lora_slots=self.lora_slots)
+        self.graphs.capture(pool)

@@ -104,7 +104,7 @@ def test_mixed_step_graph_padding_matches_transformers(budget):
                              max_num_batched_tokens=budget, max_num_tokens=4096)
     runner = engine.worker.runner
     graphs = MixedGraphs(runner.model, runner.kv_caches, runner.block_table[runner.pad_row],
-                         runner.block_size, budget, 8, runner.dtype, block_m=16)
+                         runner.block_size, budget, 8, runner.dtype)
     for t in graphs.token_sizes[:3]:  # 128, 256, 384: this workload's steps fit in them
         for r in graphs.request_sizes:
             replay = EagerReplay(graphs, t, r)
