@@ -59,13 +59,14 @@ class SchedulerActor:
         self._start_error: str | None = None
         self._tasks: set[asyncio.Task] = set()  # background tasks, kept alive
         self._early_aborts = EarlyAborts()
+        self._orphan_check = 0  # number of the newest orphan check: only that one may act
 
     # ---- life cycle -------------------------------------------------------------------
     async def ready(self) -> ModelInfo:
         """Start the engine on first call; returns the model info once workers are ready."""
         if self._started is None:
             self._started = self._spawn(self._start())
-            self._spawn(self._teardown_if_unused())  # nobody may ever connect
+            self._check_orphaned()  # nobody may ever connect
         await asyncio.shield(self._started)
         if self._start_error is not None:
             raise RuntimeError(self._start_error)
@@ -113,15 +114,20 @@ class SchedulerActor:
             if final:
                 await self._teardown()
             else:
-                self._spawn(self._teardown_if_unused())
+                self._check_orphaned()
 
-    async def _teardown_if_unused(self) -> None:
-        """No client (a replica died, or none connected): wait for one, else go. The time
-        the engine takes to start does not count."""
-        if self._started is not None:
+    def _check_orphaned(self) -> None:
+        """No client (a replica died, or none connected): wait ORPHAN_GRACE_S for one, else
+        go. Only the newest check acts: an older one, started at an earlier departure, must
+        not end the engine inside a later redeploy's gap."""
+        self._orphan_check += 1
+        self._spawn(self._teardown_if_unused(self._orphan_check))
+
+    async def _teardown_if_unused(self, check: int) -> None:
+        if self._started is not None:  # the time the engine takes to start does not count
             await asyncio.shield(self._started)
         await asyncio.sleep(ORPHAN_GRACE_S)
-        if not self.outboxes:
+        if check == self._orphan_check and not self.outboxes:
             await self._teardown()
 
     async def _teardown(self) -> None:
@@ -178,6 +184,7 @@ class SchedulerActor:
         """Yields this caller's outputs since the last yield (see Outbox). `owner`: its actor
         handle, watched (Ray does not end this call when the caller dies)."""
         outbox = self.outboxes.setdefault(client_id, Outbox(client_id))
+        self._orphan_check += 1  # a client connected: the pending orphan checks stand down
         try:
             async for batch in outbox.stream(owner, HEARTBEAT_S):
                 yield batch
@@ -185,7 +192,7 @@ class SchedulerActor:
             # the replica is gone (or cancelled its stream): nobody can receive these tokens
             self._drop_client(client_id)
             if not self.outboxes:
-                self._spawn(self._teardown_if_unused())
+                self._check_orphaned()
 
     def _drop_client(self, client_id: str) -> None:
         outbox = self.outboxes.pop(client_id, None)

@@ -107,7 +107,7 @@ def successes(url: str) -> float:
 def test_a_replica_leaving_does_not_stop_the_shared_engine(app):
     """Scale 1 -> 2 -> 1 replicas: the replica that stops must not drain the engine the
     other one still serves from. GET /metrics counts the requests of both replicas, on
-    either of them."""
+    either of them, and still counts the stopped one's afterwards."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ray import serve
@@ -134,6 +134,7 @@ def test_a_replica_leaving_does_not_stop_the_shared_engine(app):
     time.sleep(3)  # the extra replica has stopped
     assert wait_healthy(url)["status"] == "ok"
     complete(0)
+    assert successes(url) - before == 17  # the same engine: nothing restarted it
 
 
 def test_deleting_the_application_drains_then_tears_the_engine_down(app):
