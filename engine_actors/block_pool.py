@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import heapq
 from array import array
 
 
@@ -25,7 +26,10 @@ def block_hash(parent: bytes, tokens: list[int], salt: str = "") -> bytes:
 class BlockPool:
     def __init__(self, num_blocks: int, caching: bool = True):
         self.caching = caching
-        self._free = list(range(num_blocks - 1, -1, -1))  # uncached; a stack: 0 first
+        # uncached blocks, a heap: the lowest ids go first, so the highest stay free for
+        # fine-tuning to borrow (lend)
+        self._free = list(range(num_blocks))
+        self._lent: list[int] = []
         # unreferenced cached blocks, least recently used first: block -> hash
         self._evictable: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._cached: dict[bytes, int] = {}  # hash -> block
@@ -43,7 +47,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             if self._free:
-                block = self._free.pop()
+                block = heapq.heappop(self._free)
             else:
                 block, h = self._evictable.popitem(last=False)
                 del self._cached[h], self._hash[block]
@@ -60,6 +64,27 @@ class BlockPool:
                 break
             blocks.append(block)
         return blocks
+
+    def lend(self, first: int, end: int) -> None:
+        """Blocks first..end-1, all unreferenced (cached ones are evicted), leave the pool
+        until `take_back`."""
+        assert not any(self.refs[first:end]), "lending a block in use"
+        for b in range(first, end):
+            h = self._evictable.pop(b, None)
+            if h is not None:
+                del self._cached[h], self._hash[b]
+        self._free = [b for b in self._free if not first <= b < end]
+        heapq.heapify(self._free)
+        self._lent.extend(range(first, end))
+
+    def take_back(self) -> None:
+        for b in self._lent:
+            heapq.heappush(self._free, b)
+        self._lent = []
+
+    @property
+    def num_lent(self) -> int:
+        return len(self._lent)
 
     def num_evictable(self, blocks: list[int]) -> int:
         """How many of `blocks` are unreferenced (they leave the evictable ones if taken)."""
@@ -79,7 +104,7 @@ class BlockPool:
             if self.refs[b] == 0:
                 h = self._hash.get(b)
                 if h is None:
-                    self._free.append(b)
+                    heapq.heappush(self._free, b)
                 else:
                     self._evictable[b] = h
 

@@ -113,8 +113,10 @@ class EngineLoop:
                 self.deliver(expired, DEADLINE_MISSED)
             if not in_flight and self.finetuning is not None \
                     and self.finetuning.wants_step(self.scheduler, time.monotonic()):
-                await self.finetuning.step(self.executor)  # waiting requests are deferred
-                continue
+                await self.finetuning.step(self.executor, self.scheduler.kv)  # waiting
+                continue  # requests are deferred
+            if self.scheduler.kv.num_lent_blocks:  # what training borrowed: the workers map
+                self.scheduler.kv.take_back()  # it again before their next step
             while len(in_flight) < self.depth:
                 preempted = self.scheduler.num_preemptions
                 batch = self.scheduler.schedule()
@@ -171,6 +173,7 @@ class EngineLoop:
                 "num_requests": s.num_requests, "num_waiting": s.num_waiting,
                 "num_running": s.num_running, "kv_usage": s.kv.usage,
                 "num_free_blocks": s.kv.num_free_blocks, "num_blocks": s.kv.num_blocks,
+                "num_lent_blocks": s.kv.num_lent_blocks,
                 "num_steps": self.num_steps, "num_preemptions": s.num_preemptions,
                 "prefix_cache_hit_rate": s.kv.num_hit_tokens / max(1, s.kv.num_queried_tokens)}
 
@@ -179,6 +182,7 @@ class EngineLoop:
         self.metrics.running.set(s.num_running)
         self.metrics.waiting.set(s.num_waiting)
         self.metrics.kv_usage.set(s.kv.usage)
+        self.metrics.finetune_lent_blocks.set(s.kv.num_lent_blocks)
         self.metrics.prefix_cache(s.kv.num_queried_tokens, s.kv.num_hit_tokens)
 
     async def drain(self, timeout_s: float) -> list[RequestOutput]:

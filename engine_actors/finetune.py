@@ -108,6 +108,10 @@ class Trainer:
         batch's `batch_loss_tokens` trained tokens, so micro-batches add up to the batch
         mean. `last`: the batch's last micro-batch, the optimizer steps."""
         start = time.perf_counter()
+        cuda = self.model.embed_tokens.weight.is_cuda
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         with torch.enable_grad():
             logits, targets = self.forward(sequences, masks)
             loss_sum = F.cross_entropy(logits, targets, reduction="sum")
@@ -116,11 +120,13 @@ class Trainer:
             self.sum_gradients()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        if self.model.embed_tokens.weight.is_cuda:
+        if cuda:
             torch.cuda.synchronize()
         return {"loss_sum": float(loss_sum.detach()), "loss_tokens": int(targets.numel()),
                 "tokens": sum(len(s) for s in sequences),
-                "elapsed_s": time.perf_counter() - start}
+                "elapsed_s": time.perf_counter() - start,
+                # the step's memory beyond what was allocated before it (CUDA only)
+                "peak_bytes": torch.cuda.max_memory_allocated() - base if cuda else None}
 
     def sum_gradients(self) -> None:
         """Tensor parallelism: the whole tensors' partial gradients, summed over the ranks

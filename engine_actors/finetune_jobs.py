@@ -8,6 +8,14 @@ of one fine-tuning step stays within `finetune_deferral_ms` (FineInfer §2.4); o
 inference runs. Step times are measured (an exponential average). The micro-batch runs
 on the worker (`engine_actors/finetune.py`); when the last step is done the adapter is
 saved in PEFT's format and served at once under the job's `fine_tuned_model`.
+
+Memory: a micro-batch needs device memory for its activations, measured per token after
+each step (until then a micro-batch is one example, and an estimate from the model's size
+stands in). When the memory free beside the KV pool is short, the KV manager lends the
+workers free blocks at the end of the pool, whose memory they release for the step
+(kv_memory.py): cached prefix blocks there are evicted; blocks of running requests and
+reserved ones are never taken. The micro-batch shrinks to what is free. The blocks come
+back when inference runs again.
 """
 from __future__ import annotations
 
@@ -25,6 +33,8 @@ from engine_actors.messages import Refusal
 
 logger = logging.getLogger("orca_serve.finetune")
 MAX_FILE_BYTES = 64 * 1024 * 1024
+MEMORY_MARGIN = 1.25  # over the measured peak memory per token
+MEMORY_RETRY_S = 0.1  # when no example fits in the memory free now, ask again this much later
 
 
 def may_defer(waited_s: list[float], step_s: float | None, bound_s: float) -> bool:
@@ -57,7 +67,7 @@ class Job:
     events: list[dict] = field(default_factory=list)
     started: bool = False  # its trainer exists on the worker
     _plan: list[list[int]] = field(default_factory=list)  # batches of example indices
-    _micro: list[list[int]] = field(default_factory=list)  # the current batch's rest
+    _rest: list[int] = field(default_factory=list)  # the current batch's examples not run
     _batch: tuple[int, float] = (0, 0.0)  # its trained tokens, loss sum so far
 
     @property
@@ -82,29 +92,36 @@ class Job:
                             "message": message, "data": data or {},
                             "type": "metrics" if data else "message"})
 
-    def next_micro(self, max_tokens: int) -> tuple[list[int], int, bool]:
-        """The next micro-batch (example indices), its batch's trained tokens, and whether
-        it ends its batch."""
-        if not self._micro:
-            if not self._plan:
-                for epoch in range(self.n_epochs):
-                    order = list(range(len(self.examples)))
-                    random.Random(self.seed + epoch).shuffle(order)
-                    self._plan += [order[i:i + self.batch_size]
-                                   for i in range(0, len(order), self.batch_size)]
-                self._plan = self._plan[self.steps_done:]
-            batch = self._plan.pop(0)
-            micro, size = [[]], 0
-            for i in batch:  # split by tokens; one example always fits (checked at create)
-                n = len(self.examples[i][0])
-                if micro[-1] and size + n > max_tokens:
-                    micro.append([])
-                    size = 0
-                micro[-1].append(i)
-                size += n
-            self._micro = micro
-            self._batch = (sum(sum(self.examples[i][1]) for i in batch), 0.0)
-        return self._micro.pop(0), self._batch[0], not self._micro
+    def next_micro(self, max_tokens: int) -> tuple[list[int], int, bool] | None:
+        """The next micro-batch (example indices, at most max_tokens tokens), its batch's
+        trained tokens, and whether it ends its batch; None when the next example alone is
+        over max_tokens."""
+        self._start_batch()
+        micro, size = [], 0
+        while self._rest and size + len(self.examples[self._rest[0]][0]) <= max_tokens:
+            micro.append(self._rest.pop(0))
+            size += len(self.examples[micro[-1]][0])
+        if not micro:
+            return None
+        return micro, self._batch[0], not self._rest
+
+    def next_length(self) -> int:
+        """Tokens of the next example to train on."""
+        self._start_batch()
+        return len(self.examples[self._rest[0]][0])
+
+    def _start_batch(self) -> None:
+        if self._rest:
+            return
+        if not self._plan:
+            for epoch in range(self.n_epochs):
+                order = list(range(len(self.examples)))
+                random.Random(self.seed + epoch).shuffle(order)
+                self._plan += [order[i:i + self.batch_size]
+                               for i in range(0, len(order), self.batch_size)]
+            self._plan = self._plan[self.steps_done:]
+        self._rest = self._plan.pop(0)
+        self._batch = (sum(sum(self.examples[i][1]) for i in self._rest), 0.0)
 
     def record(self, tokens: int, loss_sum: float, ends_batch: bool) -> float | None:
         """A micro-batch's result; at the end of its batch, the batch's mean loss (a step)."""
@@ -127,6 +144,9 @@ class FineTuning:
         self.queue: list[Job] = []  # queued and running, oldest first
         self.step_s: float | None = None  # measured time of one step, averaged
         self.bound_s = cfg.finetune_deferral_ms / 1e3
+        self.memory: dict | None = None  # the worker's: free bytes, how the KV pool lends
+        self.bytes_per_token: float | None = None  # a micro-batch's peak, measured
+        self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
 
     # ---- files --------------------------------------------------------------------------
     def add_file(self, filename: str, purpose: str, content: bytes) -> dict:
@@ -175,24 +195,50 @@ class FineTuning:
 
     # ---- the engine loop's side ---------------------------------------------------------
     def wants_step(self, scheduler, now: float) -> bool:
-        if not self.queue or scheduler.num_running:
+        if not self.queue or scheduler.num_running or now < self.retry_at:
             return False
         return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_s,
                          self.bound_s)
 
-    async def step(self, executor) -> None:
-        """One micro-batch of the oldest job; its end (saved and served) after the last."""
+    def plan_memory(self, kv, tokens: int) -> tuple[int, int]:
+        """(KV units to lend in all, the token cap of the next micro-batch) for a micro-batch
+        of up to `tokens` tokens."""
+        m = self.memory
+        if m["free_bytes"] is None:  # CPU: not bounded by the device
+            return 0, tokens
+        per_token = MEMORY_MARGIN * (self.bytes_per_token or m["bytes_per_token_guess"])
+        cap = tokens
+        unit_bytes = m["lend_unit_bytes"]
+        units = kv.num_lent_blocks // m["lend_unit_blocks"]  # lent for an earlier step
+        short = per_token * cap - m["free_bytes"] - units * unit_bytes
+        if short > 0 and unit_bytes:
+            units = kv.lend(units + -(-int(short) // unit_bytes), m["lend_unit_blocks"],
+                            m["lendable_units"])
+        return units, min(cap, int((m["free_bytes"] + units * unit_bytes) / per_token))
+
+    async def step(self, executor, kv) -> None:
+        """One micro-batch of the oldest job; its end (saved and served) after the last.
+        `kv`: the scheduler's KV manager, which lends blocks for the step's memory."""
         job = self.queue[0]
         start = time.monotonic()
         try:
             if not job.started:
                 job.started, job.status = True, "running"
                 lora = job.lora
-                await executor.finetune("start", job.id, lora["r"], lora["alpha"],
-                                        lora["target_modules"], job.learning_rate, job.seed)
+                self.memory = await executor.finetune("start", job.id, lora["r"], lora["alpha"],
+                                                      lora["target_modules"], job.learning_rate,
+                                                      job.seed)
                 job.event("Fine-tuning job started")
-            micro, loss_tokens, last = job.next_micro(self.cfg.finetune_max_tokens)
-            out = await executor.finetune("micro_step", job.id,
+            # until its memory per token is measured, a job's micro-batch is one example
+            tokens = self.cfg.finetune_max_tokens if self.bytes_per_token is not None \
+                or self.memory["free_bytes"] is None else job.next_length()
+            units, cap = self.plan_memory(kv, tokens)
+            planned = job.next_micro(cap)
+            if planned is None:  # no example fits in the memory free now
+                self.retry_at = time.monotonic() + MEMORY_RETRY_S
+                return
+            micro, loss_tokens, last = planned
+            out = await executor.finetune("micro_step", job.id, units,
                                           [job.examples[i][0] for i in micro],
                                           [job.examples[i][1] for i in micro], loss_tokens, last)
         except (ray.exceptions.RayError, ValueError) as e:
@@ -201,6 +247,10 @@ class FineTuning:
                 self._fail(job, f"{type(cause).__name__}: {cause}".splitlines()[0])
             await self._drop(job, executor)
             return
+        self.memory = {**self.memory, "free_bytes": out["free_bytes"]}
+        if out["peak_bytes"] is not None:
+            self.bytes_per_token = max(self.bytes_per_token or 0.0,
+                                       out["peak_bytes"] / out["tokens"])
         elapsed = time.monotonic() - start
         self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
         if self.metrics is not None:
@@ -259,4 +309,5 @@ class FineTuning:
         running = self.queue[0].id if self.queue and self.queue[0].started else None
         return {"finetuning": {"running_job": running, "queued_jobs": len(self.queue) - bool(running),
                                "step_ms_estimate": None if self.step_s is None
-                               else round(self.step_s * 1e3, 1)}}
+                               else round(self.step_s * 1e3, 1),
+                               "bytes_per_token": self.bytes_per_token}}

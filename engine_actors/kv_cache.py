@@ -166,6 +166,36 @@ class KVCacheManager:
             req.row = -1
 
 
+    # ---- fine-tuning borrows memory -------------------------------------------------------
+    def lend(self, units: int, unit_blocks: int, lendable_units: int) -> int:
+        """Lend fine-tuning the last of `lendable_units` units of `unit_blocks` blocks (the
+        workers free their memory, kv_memory.py): up to `units` in all, as many as are
+        unreferenced from the end down and not promised to a reservation. Running
+        requests keep every block they hold. Returns the units lent in all."""
+        have = self.pool.num_lent // unit_blocks
+        spare = self.num_unreserved_blocks
+        want = have
+        while want < min(units, lendable_units):
+            first = (lendable_units - want - 1) * unit_blocks
+            if any(self.pool.refs[first:first + unit_blocks]) or spare < unit_blocks:
+                break
+            want += 1
+            spare -= unit_blocks
+        if want > have:
+            self.pool.lend((lendable_units - want) * unit_blocks,
+                           (lendable_units - have) * unit_blocks)
+        return want
+
+    def take_back(self) -> None:
+        """The lent blocks are free again (the workers map their memory before their next
+        step)."""
+        self.pool.take_back()
+
+    @property
+    def num_lent_blocks(self) -> int:
+        return self.pool.num_lent
+
+
 def context_len(model_len: int, explicit: int | None, kv_capacity: int) -> int:
     """The longest prompt + completion: a context longer than the KV pool could never be
     used, so it is capped (an explicit max_model_len over it is refused, as vLLM refuses to

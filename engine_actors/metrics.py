@@ -69,6 +69,9 @@ class EngineMetrics:
         self.finetune_step_time = Histogram(
             "orca:finetune_step_seconds", "Wall time of one fine-tuning micro-batch",
             labelnames=labels, buckets=QUEUE_BUCKETS, registry=r).labels(**labels)
+        self.finetune_lent_blocks = Gauge(
+            "orca:finetune_lent_kv_blocks", "KV blocks whose memory a fine-tuning step holds",
+            labelnames=labels, registry=r).labels(**labels)
         self._labels = labels
         for reason in ("stop", "length", "abort", "deadline"):  # every series from the start
             self._finished.labels(**labels, finished_reason=reason)

@@ -19,6 +19,7 @@ import torch
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors, load_hf_config
 from engine_actors.cuda_graphs import DecodeGraphs, MixedGraphs, token_buckets
 from engine_actors.kv_cache import cdiv
+from engine_actors.kv_memory import KVMemory
 from engine_actors.grammar import Grammars
 from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
@@ -66,6 +67,7 @@ class ModelRunner:
         attn = next(iter(self.model.layers.values())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # on this rank
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_memory: KVMemory | None = None  # the pool's memory (blocks lent to training)
         # Row r holds the block ids of the request admitted at row r, in position order.
         # The extra last row is the padding row of CUDA-graph batches: every entry points
         # at a scratch block, so padding tokens write their keys/values there.
@@ -149,7 +151,7 @@ class ModelRunner:
         """Peak memory of one eager step of num_requests prompts of tokens_per_request
         (sampled: with the costliest sampling settings, not greedy)."""
         blocks_each = cdiv(tokens_per_request, self.block_size)
-        self.allocate_kv_cache(blocks_each * num_requests)
+        self.allocate_kv_cache(blocks_each * num_requests, lendable=False)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -166,16 +168,19 @@ class ModelRunner:
         self.execute(step)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        self.kv_caches = []
+        self.kv_caches, self.kv_memory = [], None
         torch.cuda.empty_cache()
         return peak
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """num_blocks usable blocks plus one scratch block (id num_blocks) for padding."""
+    def allocate_kv_cache(self, num_blocks: int, lendable: bool = True) -> None:
+        """num_blocks usable blocks plus one scratch block (id num_blocks) for padding;
+        `lendable`: fine-tuning may borrow the memory of free blocks."""
+        if self.kv_memory is not None:
+            self.kv_memory.free()
         shape = ((num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(len(self.model.layers))]
+        self.kv_memory = KVMemory(len(self.model.layers), shape, self.block_size, self.dtype,
+                                  self.device, lendable)
+        self.kv_caches = self.kv_memory.tensors
         self.block_table[self.pad_row] = num_blocks
         self.graphs = self.mixed = None
 
@@ -184,6 +189,8 @@ class ModelRunner:
     def launch(self, step: StepInput) -> PendingStep:
         """Enqueue one iteration. On the last stage the PendingStep yields one token per row
         with sample=True; on other stages it only marks the step's end."""
+        if self.kv_memory is not None:
+            self.kv_memory.take_back()  # what a training step borrowed (kv_memory.py)
         if self.timeline is not None:
             self.timeline.begin()
         logits, inputs = self.forward(step)

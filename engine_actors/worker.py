@@ -122,7 +122,12 @@ class Worker:
     def _finetune(self, method: str, job_id: str, *args):
         if method == "start":
             self.trainers[job_id] = Trainer(self.runner.model, *args)
-        elif method == "drop":
+            return self._training_memory()
+        if method == "micro_step":  # args: the KV units to lend first, then the batch
+            self.runner.kv_memory.lend(args[0])
+            out = self.trainers[job_id].micro_step(*args[1:])
+            return {**out, **self._training_memory()}
+        if method == "drop":
             self.trainers.pop(job_id, None)
             if self.device == "cuda":
                 torch.cuda.empty_cache()
@@ -130,6 +135,20 @@ class Worker:
             return {j: t.state_bytes() for j, t in self.trainers.items()}
         else:
             return getattr(self.trainers[job_id], method)(*args)
+
+    def _training_memory(self) -> dict:
+        """What a training step may use: device memory free beside the KV pool (None on
+        CPU: not bounded here) and how the pool lends blocks (kv_memory.py)."""
+        unit_blocks, units, unit_bytes = self.runner.kv_memory.lendable()
+        free = None
+        if self.device == "cuda":
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            free = torch.cuda.mem_get_info()[0] + cached - self.runner.kv_memory.lent_bytes
+        hf = self.runner.model.config  # activations kept for the backward pass, roughly
+        guess = self.runner.model.embed_tokens.weight.element_size() * hf.num_hidden_layers \
+            * (16 * hf.hidden_size + 6 * hf.intermediate_size)
+        return {"free_bytes": free, "lend_unit_blocks": unit_blocks, "lendable_units": units,
+                "lend_unit_bytes": unit_bytes, "bytes_per_token_guess": guess}
 
     def step_trace(self) -> list[tuple]:
         return list(self.trace)

@@ -79,8 +79,18 @@ def dedicated_tokens_per_s(model: str, device: str, lines: list[dict], seconds: 
     return rate
 
 
+def ttft_totals(text: str) -> tuple[float, float]:
+    """orca:time_to_first_token_seconds' sum and count in a /metrics answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.name.startswith("orca:time_to_first_token_seconds_")}
+    return got.get("orca:time_to_first_token_seconds_sum", 0.0), \
+        got.get("orca:time_to_first_token_seconds_count", 0.0)
+
+
 class Sampler(threading.Thread):
-    """Every `period` s: (t, job steps, trained tokens, running, waiting)."""
+    """Every `period` s: (t, job steps, trained tokens, running, waiting, KV blocks lent to
+    training, TTFT sum and count so far)."""
 
     def __init__(self, url: str, period: float):
         super().__init__(daemon=True)
@@ -97,7 +107,9 @@ class Sampler(threading.Thread):
                     if self.job_id else {}
                 self.rows.append((round(time.monotonic() - self.t0, 2),
                                   job.get("steps_done", 0), job.get("trained_tokens", 0),
-                                  health.get("num_running", 0), health.get("num_waiting", 0)))
+                                  health.get("num_running", 0), health.get("num_waiting", 0),
+                                  health.get("num_lent_blocks", 0),
+                                  *ttft_totals(client.get("/metrics").text)))
 
 
 def job_tokens(url: str, job_id: str) -> tuple[float, int]:
@@ -132,6 +144,9 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--finetune-max-tokens", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the server's share of the GPU (what is not the KV pool is the "
+                   "memory training has without borrowing KV blocks)")
     p.add_argument("--sample-s", type=float, default=0.5)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--plot")
@@ -144,7 +159,8 @@ def main(argv=None) -> dict:
         args.model, args.device, lines, args.idle_s, args.finetune_max_tokens)
     print(f"dedicated: {report['dedicated_tokens_s']:.0f} trained tokens/s", flush=True)
     engine_args = {"model": args.model, "device": args.device, "enable_finetuning": True,
-                   "finetune_max_tokens": args.finetune_max_tokens}
+                   "finetune_max_tokens": args.finetune_max_tokens,
+                   "gpu_memory_utilization": args.gpu_memory_utilization}
     url = f"http://127.0.0.1:{args.port}"
     with launched(engine_args, 1, args.port) as server:
         wait_healthy(url, server)
@@ -176,7 +192,8 @@ def main(argv=None) -> dict:
         sampler.stop.set()
         report.update(loaded_tokens_s=(n1 - n0) / (t1 - t0), idle_tokens_s=(n2 - n1) / (t2 - t1),
                       phases_s=phases, timeline=sampler.rows, timeline_columns=[
-                          "t_s", "steps_done", "trained_tokens", "num_running", "num_waiting"])
+                          "t_s", "steps_done", "trained_tokens", "num_running", "num_waiting",
+                          "num_lent_blocks", "ttft_sum_s", "ttft_count"])
     print(table(report))
     if args.out:
         with open(args.out, "w") as f:
@@ -208,23 +225,29 @@ def plot(r: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     rows = r["timeline"]
     t = [row[0] for row in rows]
-    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(8, 7))
-    steps = [0.0] + [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(rows, rows[1:])]
-    axes[0].plot(t, steps)
+    fig, axes = plt.subplots(5, 1, sharex=True, figsize=(8, 11))
+    pairs = list(zip(rows, rows[1:]))
+    axes[0].plot(t, [0.0] + [(b[1] - a[1]) / (b[0] - a[0]) for a, b in pairs])
     axes[0].set_ylabel("fine-tuning steps/s")
-    axes[1].plot(t, [row[3] for row in rows], label="running")
-    axes[1].plot(t, [row[4] for row in rows], label="waiting")
-    axes[1].set_ylabel("requests")
-    axes[1].legend()
-    tokens = [0.0] + [(b[2] - a[2]) / (b[0] - a[0]) for a, b in zip(rows, rows[1:])]
-    axes[2].plot(t, tokens)
-    axes[2].set_ylabel("trained tokens/s")
-    axes[2].set_xlabel("time, s")
+    axes[1].plot(t, [0.0] + [(b[2] - a[2]) / (b[0] - a[0]) for a, b in pairs])
+    axes[1].set_ylabel("trained tokens/s")
+    axes[2].plot(t, [row[5] for row in rows])
+    axes[2].set_ylabel("KV blocks lent")
+    axes[3].plot(t, [row[3] for row in rows], label="running")
+    axes[3].plot(t, [row[4] for row in rows], label="waiting")
+    axes[3].set_ylabel("requests")
+    axes[3].legend()
+    ttft = [(b[6] - a[6]) / (b[7] - a[7]) * 1e3 if b[7] > a[7] else float("nan")
+            for a, b in pairs]
+    axes[4].plot(t, [float("nan")] + ttft)
+    axes[4].set_ylabel("mean TTFT, ms")
+    axes[4].set_xlabel("time, s")
     for name, (start, end) in r["phases_s"].items():  # where the load ran, and the idle part
         for ax in axes:
             ax.axvspan(start, end, alpha=0.08, color="C1" if name != "idle" else "C2")
         axes[0].text(start, 0, name, fontsize=8)
-    fig.suptitle(f"fine-tuning beside serving at {r['args']['rate']} req/s")
+    fig.suptitle(f"fine-tuning beside serving; offered load {r['args']['rate']} req/s in "
+                 "the shaded phases")
     fig.savefig(path, dpi=100)
 
 

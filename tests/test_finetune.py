@@ -222,3 +222,45 @@ def test_training_file_masks_completions_and_assistant_turns():
         parse_training_file(b'{"prompt": "a", "completion": "b"}\n{oops', tok, 512)
     with pytest.raises(APIError, match="line 1: .* over the limit of 4"):
         parse_training_file(json.dumps({"prompt": "abcdef", "completion": "g"}).encode(), tok, 4)
+
+
+def test_micro_batch_shrinks_to_the_memory_the_kv_pool_can_lend():
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+    from engine_actors.kv_cache import KVCacheManager
+    from engine_actors.request import Request, SamplingParams
+    ft = FineTuning(EngineConfig(finetune_max_tokens=1000), adapters=None)
+    kv = KVCacheManager(num_blocks=64, block_size=1, max_num_seqs=4)
+    ft.bytes_per_token = 8.0  # 10 bytes a token with the margin
+    # 2,000 bytes free beside the pool; units of 8 blocks that free 500 bytes each
+    ft.memory = {"free_bytes": 2000, "lend_unit_blocks": 8, "lendable_units": 8,
+                 "lend_unit_bytes": 500, "bytes_per_token_guess": 8.0}
+    assert ft.plan_memory(kv, 1000) == (8, 600)  # wants 10,000 bytes: the whole pool gives 4,000
+    assert kv.num_lent_blocks == 64
+    kv.take_back()
+    held = Request("held", list(range(40)), SamplingParams(max_tokens=1), 0.0)
+    kv.admit(held, held.max_num_tokens)  # 41 blocks promised
+    kv.grow(held, 40)
+    assert ft.plan_memory(kv, 1000) == (2, 300)  # 23 blocks unpromised: two units
+    kv.take_back()
+    kv.free(held)
+    ft.memory["free_bytes"] = 20000  # enough beside the pool: nothing lent
+    ft.memory["bytes_per_token_guess"] = 40.0
+    assert ft.plan_memory(kv, 1000) == (0, 1000) and kv.num_lent_blocks == 0
+    ft.bytes_per_token = None  # not measured yet: the estimate from the model's size
+    assert ft.plan_memory(kv, 500) == (8, 480)  # 50 bytes a token: 20,000 + 8 units
+    kv.take_back()
+    ft.memory["free_bytes"] = None  # CPU: not bounded
+    assert ft.plan_memory(kv, 700) == (0, 700) and kv.num_lent_blocks == 0
+
+
+def test_a_micro_batch_takes_the_examples_that_fit_in_order():
+    from engine_actors.finetune_jobs import Job
+    examples = [([1] * n, [True] * n) for n in (300, 200, 500)]
+    job = Job("j", "m", "f", examples, n_epochs=1, batch_size=3, learning_rate=1e-3,
+              lora={}, suffix=None, seed=0)
+    job._plan = [[0, 1, 2]]
+    assert job.next_micro(250) is None  # the next example alone is over the cap
+    assert job.next_micro(600) == ([0, 1], 1000, False)
+    assert job.next_micro(400) is None
+    assert job.next_micro(500) == ([2], 1000, True)

@@ -80,3 +80,48 @@ def test_random_workload_keeps_blocks_disjoint_and_accounted():
         assert len(owned) + kv.num_free_blocks == 64
         assert kv.num_reserved_blocks == sum(r.num_reserved_blocks for r in live)
         assert kv.num_free_blocks >= kv.num_reserved_blocks
+
+
+def test_lending_takes_unreferenced_blocks_from_the_end_only():
+    kv = KVCacheManager(num_blocks=16, block_size=4, max_num_seqs=4)
+    a = make_req("a", 8, 1)  # reserves 3 blocks
+    kv.admit(a, a.max_num_tokens)
+    kv.grow(a, 8)
+    assert a.blocks == [0, 1]  # the lowest ids go first: the end of the pool stays free
+    # units of 4 blocks, 3 lendable units (blocks 0..11; 12..15 stay out of reach)
+    assert kv.lend(2, unit_blocks=4, lendable_units=3) == 2
+    assert kv.num_lent_blocks == 8 and kv.num_free_blocks == 16 - 2 - 8
+    b = make_req("b", 16, 1)
+    kv.admit(b, b.max_num_tokens)
+    kv.grow(b, 16)
+    assert b.blocks == [2, 3, 12, 13]  # nobody gets a lent block
+    kv.free(b)
+    kv.take_back()
+    assert kv.num_lent_blocks == 0 and kv.num_free_blocks == 14
+    # a unit with a block in use stops the run: running requests keep their blocks
+    c = make_req("c", 44, 1)
+    kv.admit(c, c.max_num_tokens)
+    kv.grow(c, 44)  # blocks 2..12: unit 2 (blocks 8..11) is in use
+    assert kv.lend(3, unit_blocks=4, lendable_units=3) == 0
+    kv.free(c)
+    assert kv.lend(3, unit_blocks=4, lendable_units=3) == 2  # unit 0 holds a's blocks
+    assert kv.lend(1, unit_blocks=4, lendable_units=3) == 2  # what is lent stays lent
+
+
+def test_lending_respects_reservations_and_evicts_cached_blocks():
+    kv = KVCacheManager(num_blocks=12, block_size=2, max_num_seqs=4)
+    r = make_req("r", 2, 14)  # reserves 8 blocks, holds 1 once grown
+    kv.admit(r, r.max_num_tokens)
+    kv.grow(r, 2)
+    assert kv.num_unreserved_blocks == 4
+    assert kv.lend(3, unit_blocks=2, lendable_units=6) == 2  # 4 unreserved blocks: 2 units
+    kv.take_back()
+    kv.free(r)
+    p = make_req("p", 22, 1)  # 11 full blocks, all cached once it ends
+    kv.admit(p, p.max_num_tokens)
+    kv.grow(p, 22)
+    kv.cache_blocks(p, 22)
+    kv.free(p)
+    assert len(kv.cached_prefix(make_req("q", 24, 1))) == 11
+    assert kv.lend(1, unit_blocks=2, lendable_units=6) == 1  # blocks 10, 11: 10 evicted
+    assert len(kv.cached_prefix(make_req("q", 24, 1))) == 10
