@@ -106,7 +106,7 @@ class KVMemory:
         elem = torch.tensor([], dtype=dtype).element_size()
         block_bytes = math.prod(shape[1:]) * block_size * elem
         self.driver = None
-        if device == "cuda" and lendable:
+        if torch.device(device).type == "cuda" and lendable:
             try:
                 self._build_virtual(num_layers, shape, block_bytes, dtype)
                 return
