@@ -44,7 +44,7 @@ def training_lines(n: int, seed: int = 0) -> list[dict]:
 
 
 def dedicated_tokens_per_s(model: str, device: str, lines: list[dict], seconds: float,
-                           max_tokens: int) -> float:
+                           max_tokens: int, profile: bool = False) -> float:
     """A Trainer alone on the device, the server's micro-batching: trained tokens/s."""
     import torch
 
@@ -73,6 +73,16 @@ def dedicated_tokens_per_s(model: str, device: str, lines: list[dict], seconds: 
             continue
         tokens += out["tokens"]
     rate = tokens / (time.perf_counter() - start)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                micro, loss_tokens, last = job.next_micro(max_tokens)
+                trainer.micro_step([examples[i][0] for i in micro],
+                                   [examples[i][1] for i in micro], loss_tokens, last)
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
     del trainer, runner
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -144,6 +154,12 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--finetune-max-tokens", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the engine's token budget per iteration (load_sweep.sh's default)")
+    p.add_argument("--server-log", help="a file for the server's output")
+    p.add_argument("--profile", action="store_true",
+                   help="print the dedicated run's costliest device ops (torch profiler)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="the server's share of the GPU (what is not the KV pool is the "
                    "memory training has without borrowing KV blocks)")
@@ -156,13 +172,15 @@ def main(argv=None) -> dict:
     report = {"args": vars(args), "hyperparameters": HYPER,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     report["dedicated_tokens_s"] = dedicated_tokens_per_s(
-        args.model, args.device, lines, args.idle_s, args.finetune_max_tokens)
+        args.model, args.device, lines, args.idle_s, args.finetune_max_tokens, args.profile)
     print(f"dedicated: {report['dedicated_tokens_s']:.0f} trained tokens/s", flush=True)
     engine_args = {"model": args.model, "device": args.device, "enable_finetuning": True,
                    "finetune_max_tokens": args.finetune_max_tokens,
-                   "gpu_memory_utilization": args.gpu_memory_utilization}
+                   "gpu_memory_utilization": args.gpu_memory_utilization,
+                   "max_batch_size": args.max_batch_size,
+                   "max_num_batched_tokens": args.max_num_batched_tokens}
     url = f"http://127.0.0.1:{args.port}"
-    with launched(engine_args, 1, args.port) as server:
+    with launched(engine_args, 1, args.port, log=args.server_log) as server:
         wait_healthy(url, server)
         sampler = Sampler(url, args.sample_s)
         sampler.start()

@@ -55,21 +55,24 @@ def write_config(engine_args: dict, replicas: int, port: int) -> str:
 
 @contextlib.contextmanager
 def launched(engine_args: dict, replicas: int = 1, port: int = 8000,
-             server_env: dict | None = None):
+             server_env: dict | None = None, log: str | None = None):
     """The application of serve_config.yaml with these engine args, started as `make serve`
     starts it (`deployments.launch`, so it drains and stops cleanly); yields the process.
-    The caller waits until /health answers."""
+    The caller waits until /health answers. `log`: a file for the server's output."""
     config = write_config(engine_args, replicas, port)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            **(server_env or {})}
+    out = open(log, "w") if log else subprocess.DEVNULL
     server = subprocess.Popen([sys.executable, "-m", "deployments.launch", config], cwd=ROOT,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              env=env, stdout=out, stderr=subprocess.STDOUT if log else out)
     try:
         yield server
     finally:
         server.terminate()  # drains, then stops serve run and its Ray cluster
         server.wait(timeout=120)
         os.unlink(config)
+        if log:
+            out.close()
 
 
 async def _wait_healthy(session, url: str, timeout_s: float = 600.0) -> None:

@@ -47,8 +47,11 @@ for part in $BENCH; do
     lora-offline) python3 -m load_tests.bench_offline --model llama-8b --systems orca --adapters 0 8 --out "$OUT/lora-offline-8b.json" > "$OUT/lora-offline-8b.log" 2>&1; tail -5 "$OUT/lora-offline-8b.log" ;;
     prefix-8b) python3 -m load_tests.bench_prefix --model llama-8b --duration "${DURATION:-30}" --out "$OUT/prefix-8b.json" > "$OUT/prefix-8b.log" 2>&1; tail -14 "$OUT/prefix-8b.log" ;;
     finetune) python3 -m load_tests.bench_finetune --model llama-8b --rate "${RATE:-64}" --duration "${DURATION:-60}" \
-        --idle-s 30 --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$OUT/finetune-8b${LABEL:-}.json" \
-        --plot "$OUT/finetune-8b${LABEL:-}.png" > "$OUT/finetune-8b${LABEL:-}.log" 2>&1; tail -14 "$OUT/finetune-8b${LABEL:-}.log" ;;
+        --idle-s 30 --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$OUT/finetune-8b${LABEL:-}.json" ${FT_ARGS:-} \
+        --plot "$OUT/finetune-8b${LABEL:-}.png" --server-log "/tmp/finetune-server.log" > "$OUT/finetune-8b${LABEL:-}.log" 2>&1
+      tail -16 "$OUT/finetune-8b${LABEL:-}.log"; tail -300 /tmp/finetune-server.log | grep -v "GET /health\|GET /v1/fine_tuning" > "$OUT/finetune-server${LABEL:-}.log"
+      for f in $(grep -l "Traceback\|Error" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -4); do
+        echo "## $f"; tail -60 "$f"; done > "$OUT/finetune-ray-errors${LABEL:-}.txt" ;;
     dist-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tee "$OUT/dist-tests.log" | tail -5 ;;
     dist-ar) for v in ${AR_VARIANTS:-own}; do timeout 240 python3 -m load_tests.bench_allreduce --world 2 --visible ${v%%:*} --env ${v#*:} --out "$OUT/allreduce-${v%%:*}.json" > "$OUT/allreduce-${v%%:*}.log" 2>&1; echo "-- $v"; tail -10 "$OUT/allreduce-${v%%:*}.log"; done ;;
     dist-decode) for v in "1" "2 --disable-custom-all-reduce" "2"; do tp=${v%% *}; n=tp$tp${v#$tp}; n=${n// /}
