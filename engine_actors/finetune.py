@@ -26,11 +26,17 @@ import time
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine_actors.layers.lora import MODULES
 from kernels.rmsnorm import rmsnorm_ref
 from kernels.rotary import rotary_ref
 from kernels.silu_mul import silu_mul_ref
+
+# cuDNN's attention builds a plan for every new sequence length (about 1 ms of host time
+# per call in the backward pass); training sequences come in every length
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                      SDPBackend.MATH]
 
 
 class _CopyToRanks(torch.autograd.Function):
@@ -186,12 +192,15 @@ class Trainer:
         q, k = rotary_ref(q.reshape(-1, attn.num_heads, d), k.reshape(-1, attn.num_kv_heads, d),
                           attn.rotary.cos[positions], attn.rotary.sin[positions])
         v = v.reshape(-1, attn.num_kv_heads, d)
+        group = attn.num_heads // attn.num_kv_heads  # KV heads repeated for each query head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         outs, start = [], 0
-        for n in lens:  # per sequence, causal: [1, H, n, D]
-            qs, ks, vs = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
-                                                       enable_gqa=True)[0].transpose(0, 1))
-            start += n
+        with sdpa_kernel(ATTENTION_BACKENDS):  # not cuDNN: it plans each new length anew
+            for n in lens:  # per sequence, causal: [1, H, n, D]
+                qs, ks, vs = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
+                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0]
+                            .transpose(0, 1))
+                start += n
         return self._linear(layer_id, attn.o_proj, torch.cat(outs).flatten(1))
 
     def _linear(self, layer_id: str, module, x):

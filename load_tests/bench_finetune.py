@@ -31,7 +31,7 @@ from load_tests.bench_prefix import wait_healthy
 from load_tests.load_client import LoadConfig, sweep
 from load_tests.traces import orca_trace
 
-HYPER = {"n_epochs": 1000, "batch_size": 4, "learning_rate": 1e-4}
+HYPER = {"n_epochs": 1000, "batch_size": 16, "learning_rate": 1e-4}
 
 
 def training_lines(n: int, seed: int = 0) -> list[dict]:

