@@ -6,6 +6,7 @@ starts it, with `enable_finetuning: true`).
 Training data: --examples prompt/completion lines of random letters, their lengths drawn as
 ORCA's trace draws prompts and outputs. Runs, in order:
   dedicated  the same training in this process, a Trainer alone on the device: tokens/s
+  warm-up    --warmup-s s of the same load, not timed
   serve      ORCA's trace online at --rate (Poisson) for --duration s, no job: TTFT p99 and
              median normalized latency
   serve+ft   the same load while a job trains: the same metrics, and the job's tokens/s
@@ -153,6 +154,8 @@ def main(argv=None) -> dict:
     p.add_argument("--num-requests", type=int, default=4096, help="trace length (cut by time)")
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--warmup-s", type=float, default=20.0,
+                   help="seconds of load at --rate before the timed phases")
     p.add_argument("--finetune-max-tokens", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -186,6 +189,9 @@ def main(argv=None) -> dict:
         sampler.start()
         phases = {}
         mark = sampler.t0
+        if args.warmup_s:  # the first seconds of load after start-up are slower: not timed
+            run_load(url, argparse.Namespace(**{**vars(args), "duration": args.warmup_s}),
+                     "warm-up")
         phases["serve"] = [time.monotonic() - mark]
         report["serve"] = run_load(url, args, "serve")
         phases["serve"].append(time.monotonic() - mark)
