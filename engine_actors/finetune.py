@@ -149,7 +149,15 @@ class Trainer:
         ids = torch.tensor([t for s in sequences for t in s], device=dev)
         lens = [len(s) for s in sequences]
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        # one attention call over the micro-batch: each token sees its own sequence's tokens
+        # up to itself (a block-diagonal causal mask; None: one sequence, plain causal)
+        mask = None
+        if len(lens) > 1:
+            seq = torch.repeat_interleave(torch.arange(len(lens), device=dev),
+                                          torch.tensor(lens, device=dev))
+            mask = (seq[:, None] == seq[None, :]) & (positions[:, None] >= positions[None, :])
         hidden, residual = model.embed_tokens(ids), None
+        self._cast_lora(hidden.dtype)
         for layer_id, layer in model.layers.items():
             if residual is None:
                 residual, x = hidden, rmsnorm_ref(hidden, layer.input_layernorm.weight,
@@ -157,13 +165,14 @@ class Trainer:
             else:
                 x, residual = rmsnorm_ref(hidden, layer.input_layernorm.weight,
                                           layer.input_layernorm.eps, residual)
-            hidden = self._attention(layer_id, layer.self_attn, x, positions, lens)
+            hidden = self._attention(layer_id, layer.self_attn, x, positions, mask)
             norm = layer.post_attention_layernorm
             x, residual = rmsnorm_ref(hidden, norm.weight, norm.eps, residual)
             mlp = layer.mlp
             hidden = self._linear(layer_id, mlp.down_proj, silu_mul_ref(
                 self._linear(layer_id, mlp.gate_up_proj, x)))
         hidden, _ = rmsnorm_ref(hidden, model.norm.weight, model.norm.eps, residual)
+        self._low = None
         # position t predicts token t + 1 of the same sequence
         flat_masks = [m for mask in masks for m in list(mask[1:]) + [False]]
         where = torch.tensor(flat_masks, device=dev)
@@ -183,7 +192,7 @@ class Trainer:
         parts[self.parallel.tp_rank] = local
         return torch.cat(parts, dim=-1)[:, :self.model.config.vocab_size]
 
-    def _attention(self, layer_id, attn, x, positions, lens):
+    def _attention(self, layer_id, attn, x, positions, mask):
         q, k, v = self._linear(layer_id, attn.qkv_proj, x).split(attn.qkv_proj.part_sizes, -1)
         d = attn.head_dim
         if attn.qk_norm:
@@ -193,15 +202,23 @@ class Trainer:
                           attn.rotary.cos[positions], attn.rotary.sin[positions])
         v = v.reshape(-1, attn.num_kv_heads, d)
         group = attn.num_heads // attn.num_kv_heads  # KV heads repeated for each query head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        outs, start = [], 0
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, dim=1),
+                                                     v.repeat_interleave(group, dim=1)))
         with sdpa_kernel(ATTENTION_BACKENDS):  # not cuDNN: it plans each new length anew
-            for n in lens:  # per sequence, causal: [1, H, n, D]
-                qs, ks, vs = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
-                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0]
-                            .transpose(0, 1))
-                start += n
-        return self._linear(layer_id, attn.o_proj, torch.cat(outs).flatten(1))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self._linear(layer_id, attn.o_proj, out[0].transpose(0, 1).flatten(1))
+
+    def _cast_lora(self, dtype: torch.dtype) -> None:
+        """The LoRA weights in the model's dtype for this forward pass, B already scaled:
+        one cast for all A and one for all B (differentiable back to the fp32 masters),
+        instead of two casts and a scaling per projection."""
+        keys = list(self.params)
+        a_all = torch.cat([self.params[k][0].flatten() for k in keys]).to(dtype)
+        b_all = (torch.cat([self.params[k][1].flatten() for k in keys]) * self.scale).to(dtype)
+        a_parts = a_all.split([self.params[k][0].numel() for k in keys])
+        b_parts = b_all.split([self.params[k][1].numel() for k in keys])
+        self._low = {k: (a.view(self.params[k][0].shape), b.view(self.params[k][1].shape))
+                     for k, a, b in zip(keys, a_parts, b_parts)}
 
     def _linear(self, layer_id: str, module, x):
         """The frozen projection plus this job's low-rank updates of its trained parts
@@ -217,8 +234,8 @@ class Trainer:
                 if target is None:
                     deltas.append(out.new_zeros(x.shape[0], size))
                     continue
-                a, b = self.params[layer_id, target]
-                deltas.append((x @ a.to(x.dtype).T) @ (b * self.scale).to(x.dtype).T)
+                a, b = self._low[layer_id, target]
+                deltas.append((x @ a.T) @ b.T)
             out = out + torch.cat(deltas, -1)
         if tp and row:
             out = _SumOverRanks.apply(out, self.parallel)
