@@ -149,13 +149,6 @@ class Trainer:
         ids = torch.tensor([t for s in sequences for t in s], device=dev)
         lens = [len(s) for s in sequences]
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        # one attention call over the micro-batch: each token sees its own sequence's tokens
-        # up to itself (a block-diagonal causal mask; None: one sequence, plain causal)
-        mask = None
-        if len(lens) > 1:
-            seq = torch.repeat_interleave(torch.arange(len(lens), device=dev),
-                                          torch.tensor(lens, device=dev))
-            mask = (seq[:, None] == seq[None, :]) & (positions[:, None] >= positions[None, :])
         hidden, residual = model.embed_tokens(ids), None
         self._cast_lora(hidden.dtype)
         for layer_id, layer in model.layers.items():
@@ -165,7 +158,7 @@ class Trainer:
             else:
                 x, residual = rmsnorm_ref(hidden, layer.input_layernorm.weight,
                                           layer.input_layernorm.eps, residual)
-            hidden = self._attention(layer_id, layer.self_attn, x, positions, mask)
+            hidden = self._attention(layer_id, layer.self_attn, x, positions, lens)
             norm = layer.post_attention_layernorm
             x, residual = rmsnorm_ref(hidden, norm.weight, norm.eps, residual)
             mlp = layer.mlp
@@ -192,7 +185,7 @@ class Trainer:
         parts[self.parallel.tp_rank] = local
         return torch.cat(parts, dim=-1)[:, :self.model.config.vocab_size]
 
-    def _attention(self, layer_id, attn, x, positions, mask):
+    def _attention(self, layer_id, attn, x, positions, lens):
         q, k, v = self._linear(layer_id, attn.qkv_proj, x).split(attn.qkv_proj.part_sizes, -1)
         d = attn.head_dim
         if attn.qk_norm:
@@ -202,11 +195,15 @@ class Trainer:
                           attn.rotary.cos[positions], attn.rotary.sin[positions])
         v = v.reshape(-1, attn.num_kv_heads, d)
         group = attn.num_heads // attn.num_kv_heads  # KV heads repeated for each query head
-        q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, dim=1),
-                                                     v.repeat_interleave(group, dim=1)))
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        outs, start = [], 0
         with sdpa_kernel(ATTENTION_BACKENDS):  # not cuDNN: it plans each new length anew
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        return self._linear(layer_id, attn.o_proj, out[0].transpose(0, 1).flatten(1))
+            for n in lens:  # per sequence, causal: [1, H, n, D]
+                qs, ks, vs = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
+                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0]
+                            .transpose(0, 1))
+                start += n
+        return self._linear(layer_id, attn.o_proj, torch.cat(outs).flatten(1))
 
     def _cast_lora(self, dtype: torch.dtype) -> None:
         """The LoRA weights in the model's dtype for this forward pass, B already scaled:
