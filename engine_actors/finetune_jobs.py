@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import ray
 
+from engine_actors.finetune_job import Job
 from engine_actors.messages import Refusal
 
 logger = logging.getLogger("orca_serve.finetune")
@@ -43,94 +42,6 @@ def may_defer(waited_s: list[float], step_s: float | None, bound_s: float) -> bo
     if not waited_s:
         return True
     return step_s is not None and max(waited_s) + step_s <= bound_s
-
-
-@dataclass
-class Job:
-    id: str
-    model: str
-    training_file: str
-    examples: list[tuple[list[int], list[bool]]]  # tokens, trained-on mask
-    n_epochs: int
-    batch_size: int
-    learning_rate: float
-    lora: dict  # r, alpha, target_modules
-    suffix: str | None
-    seed: int
-    created_at: int = field(default_factory=lambda: int(time.time()))
-    status: str = "queued"
-    finished_at: int | None = None
-    fine_tuned_model: str | None = None
-    error: dict | None = None
-    trained_tokens: int = 0
-    steps_done: int = 0
-    events: list[dict] = field(default_factory=list)
-    started: bool = False  # its trainer exists on the worker
-    _plan: list[list[int]] = field(default_factory=list)  # batches of example indices
-    _rest: list[int] = field(default_factory=list)  # the current batch's examples not run
-    _batch: tuple[int, float] = (0, 0.0)  # its trained tokens, loss sum so far
-
-    @property
-    def total_steps(self) -> int:
-        return self.n_epochs * -(-len(self.examples) // self.batch_size)
-
-    def to_dict(self) -> dict:
-        return {"object": "fine_tuning.job", "id": self.id, "model": self.model,
-                "created_at": self.created_at, "finished_at": self.finished_at,
-                "fine_tuned_model": self.fine_tuned_model, "status": self.status,
-                "training_file": self.training_file, "validation_file": None,
-                "hyperparameters": {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
-                                    "learning_rate": self.learning_rate},
-                "method": {"type": "supervised"}, "lora": self.lora, "suffix": self.suffix,
-                "seed": self.seed, "trained_tokens": self.trained_tokens,
-                "steps_done": self.steps_done, "total_steps": self.total_steps,
-                "error": self.error, "result_files": [], "organization_id": "orca-serve"}
-
-    def event(self, message: str, data: dict | None = None, level: str = "info") -> None:
-        self.events.append({"object": "fine_tuning.job.event", "id": f"ftevent-{uuid.uuid4().hex[:24]}",
-                            "created_at": int(time.time()), "level": level,
-                            "message": message, "data": data or {},
-                            "type": "metrics" if data else "message"})
-
-    def next_micro(self, max_tokens: int) -> tuple[list[int], int, bool] | None:
-        """The next micro-batch (example indices, at most max_tokens tokens), its batch's
-        trained tokens, and whether it ends its batch; None when the next example alone is
-        over max_tokens."""
-        self._start_batch()
-        micro, size = [], 0
-        while self._rest and size + len(self.examples[self._rest[0]][0]) <= max_tokens:
-            micro.append(self._rest.pop(0))
-            size += len(self.examples[micro[-1]][0])
-        if not micro:
-            return None
-        return micro, self._batch[0], not self._rest
-
-    def next_length(self) -> int:
-        """Tokens of the next example to train on."""
-        self._start_batch()
-        return len(self.examples[self._rest[0]][0])
-
-    def _start_batch(self) -> None:
-        if self._rest:
-            return
-        if not self._plan:
-            for epoch in range(self.n_epochs):
-                order = list(range(len(self.examples)))
-                random.Random(self.seed + epoch).shuffle(order)
-                self._plan += [order[i:i + self.batch_size]
-                               for i in range(0, len(order), self.batch_size)]
-            self._plan = self._plan[self.steps_done:]
-        self._rest = self._plan.pop(0)
-        self._batch = (sum(sum(self.examples[i][1]) for i in self._rest), 0.0)
-
-    def record(self, tokens: int, loss_sum: float, ends_batch: bool) -> float | None:
-        """A micro-batch's result; at the end of its batch, the batch's mean loss (a step)."""
-        self.trained_tokens += tokens
-        self._batch = (self._batch[0], self._batch[1] + loss_sum)
-        if not ends_batch:
-            return None
-        self.steps_done += 1
-        return self._batch[1] / max(1, self._batch[0])
 
 
 class FineTuning:

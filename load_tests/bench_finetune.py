@@ -52,7 +52,7 @@ def dedicated_tokens_per_s(model: str, device: str, lines: list[dict], seconds: 
     from deployments.training_data import parse_training_file
     from engine_actors.checkpoint import load_tokenizer, resolve_model_path
     from engine_actors.finetune import Trainer
-    from engine_actors.finetune_jobs import Job
+    from engine_actors.finetune_job import Job
     from engine_actors.model_runner import ModelRunner
     path = resolve_model_path(model)
     data = "\n".join(json.dumps(line) for line in lines).encode()

@@ -180,7 +180,7 @@ def test_fineinfer_deferral_rule():
 
 
 def test_micro_batches_cover_each_epoch_once_within_the_token_cap():
-    from engine_actors.finetune_jobs import Job
+    from engine_actors.finetune_job import Job
     lens = [5, 3, 7, 2, 6]
     examples = [([1] * n, [False] + [True] * (n - 1)) for n in lens]
     job = Job("j", "m", "f", examples, n_epochs=2, batch_size=2, learning_rate=1e-3,
@@ -255,7 +255,7 @@ def test_micro_batch_shrinks_to_the_memory_the_kv_pool_can_lend():
 
 
 def test_a_micro_batch_takes_the_examples_that_fit_in_order():
-    from engine_actors.finetune_jobs import Job
+    from engine_actors.finetune_job import Job
     examples = [([1] * n, [True] * n) for n in (300, 200, 500)]
     job = Job("j", "m", "f", examples, n_epochs=1, batch_size=3, learning_rate=1e-3,
               lora={}, suffix=None, seed=0)
