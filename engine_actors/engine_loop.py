@@ -115,8 +115,13 @@ class EngineLoop:
                     and self.finetuning.wants_step(self.scheduler, time.monotonic()):
                 await self.finetuning.step(self.executor, self.scheduler.kv)  # waiting
                 continue  # requests are deferred
-            if self.scheduler.kv.num_lent_blocks:  # what training borrowed: the workers map
-                self.scheduler.kv.take_back()  # it again before their next step
+            kv = self.scheduler.kv
+            if kv.num_lent_blocks and not await self.finetuning.take_back(self.executor, kv):
+                # what training borrowed cannot be mapped again: new workers, a whole pool
+                self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
+                await self._restart_workers()
+                kv.take_back()
+                continue
             while len(in_flight) < self.depth:
                 preempted = self.scheduler.num_preemptions
                 batch = self.scheduler.schedule()
@@ -128,8 +133,12 @@ class EngineLoop:
                 self.num_steps += 1
             if not in_flight:
                 self._wake.clear()
-                try:  # wake up for new work, or to expire deadlines of waiting requests
-                    await asyncio.wait_for(self._wake.wait(), IDLE_WAKE_S)
+                wait_s = IDLE_WAKE_S  # wake up for new work, to expire deadlines of waiting
+                retry_s = self.finetuning and self.finetuning.wake_in(time.monotonic())
+                if retry_s:  # requests, or for a job that waits for memory
+                    wait_s = min(wait_s, retry_s)
+                try:
+                    await asyncio.wait_for(self._wake.wait(), wait_s)
                 except asyncio.TimeoutError:
                     pass
                 continue

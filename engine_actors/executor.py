@@ -106,9 +106,13 @@ class Executor:
 
     async def finetune(self, method: str, *args):
         """A fine-tuning call on every worker (its ranks train together: see
-        engine_actors/finetune.py); the first worker's answer."""
+        engine_actors/finetune.py); the first worker's answer, with the least free memory
+        of any worker (a step needs its memory on each)."""
         results = await asyncio.gather(*[w.finetune.remote(method, *args) for w in self.workers])
-        return results[0]
+        out = results[0]
+        if isinstance(out, dict) and out.get("free_bytes") is not None:
+            out = {**out, "free_bytes": min(r["free_bytes"] for r in results)}
+        return out
 
     async def all_alive(self, timeout_s: float = 5.0) -> bool:
         try:

@@ -105,6 +105,23 @@ class Trainer:
                 self.whole.append(b if row else a)
         self.optimizer = torch.optim.AdamW([p for ab in self.params.values() for p in ab],
                                            lr=lr, weight_decay=0.0)
+        self._create_state()
+
+    def _create_state(self) -> None:
+        """The gradients and AdamW's moments, allocated now rather than at the first step:
+        a step then allocates nothing that outlives it, so memory lent to it by the KV pool
+        is all free again afterwards. (AdamW builds its state in a step: one with learning
+        rate 0 and zero gradients changes no parameter and leaves zero moments; its step
+        count is reset.)"""
+        for ab in self.params.values():
+            for p in ab:
+                p.grad = torch.zeros_like(p)
+        group = self.optimizer.param_groups[0]
+        lr, group["lr"] = group["lr"], 0.0
+        self.optimizer.step()
+        group["lr"] = lr
+        for state in self.optimizer.state.values():
+            state["step"].zero_()
 
     # ---- one micro-batch ----------------------------------------------------------------
     def micro_step(self, sequences: list[list[int]], masks: list[list[bool]],
@@ -125,7 +142,7 @@ class Trainer:
         if last:
             self.sum_gradients()
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=False)  # kept: see _create_state
         if cuda:
             torch.cuda.synchronize()
         return {"loss_sum": float(loss_sum.detach()), "loss_tokens": int(targets.numel()),

@@ -30,6 +30,7 @@ class Job:
     steps_done: int = 0
     events: list[dict] = field(default_factory=list)
     started: bool = False  # its trainer exists on the worker
+    bytes_per_token: float | None = None  # a micro-batch's peak memory, measured
     _plan: list[list[int]] = field(default_factory=list)  # batches of example indices
     _rest: list[int] = field(default_factory=list)  # the current batch's examples not run
     _batch: tuple[int, float] = (0, 0.0)  # its trained tokens, loss sum so far
@@ -57,17 +58,29 @@ class Job:
                             "type": "metrics" if data else "message"})
 
     def next_micro(self, max_tokens: int) -> tuple[list[int], int, bool] | None:
-        """The next micro-batch (example indices, at most max_tokens tokens), its batch's
-        trained tokens, and whether it ends its batch; None when the next example alone is
-        over max_tokens."""
+        """The next micro-batch, taken (`peek_micro`, then `take_micro`); None when the next
+        example alone is over max_tokens."""
+        micro = self.peek_micro(max_tokens)
+        return (micro, *self.take_micro(micro)) if micro else None
+
+    def peek_micro(self, max_tokens: int) -> list[int]:
+        """The example indices of the next micro-batch of at most max_tokens tokens, in
+        order (empty when the next example alone is over it); not taken yet."""
         self._start_batch()
         micro, size = [], 0
-        while self._rest and size + len(self.examples[self._rest[0]][0]) <= max_tokens:
-            micro.append(self._rest.pop(0))
-            size += len(self.examples[micro[-1]][0])
-        if not micro:
-            return None
-        return micro, self._batch[0], not self._rest
+        for i in self._rest:
+            size += len(self.examples[i][0])
+            if size > max_tokens:
+                break
+            micro.append(i)
+        return micro
+
+    def take_micro(self, micro: list[int]) -> tuple[int, bool]:
+        """Take the micro-batch `peek_micro` returned: its batch's trained tokens, and
+        whether it ends its batch."""
+        assert micro and self._rest[:len(micro)] == micro
+        del self._rest[:len(micro)]
+        return self._batch[0], not self._rest
 
     def next_length(self) -> int:
         """Tokens of the next example to train on."""

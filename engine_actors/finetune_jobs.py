@@ -14,8 +14,11 @@ each step (until then a micro-batch is one example, and an estimate from the mod
 stands in). When the memory free beside the KV pool is short, the KV manager lends the
 workers free blocks at the end of the pool, whose memory they release for the step
 (kv_memory.py): cached prefix blocks there are evicted; blocks of running requests and
-reserved ones are never taken. The micro-batch shrinks to what is free. The blocks come
-back when inference runs again.
+reserved ones are never taken. The micro-batch shrinks to what is free, and blocks are
+lent only once it is known to fit (otherwise the job waits, evicting nothing); an example
+that could not fit even in the whole pool fails its job. Before inference runs again the
+workers map the blocks back; if the memory is not there, the job fails and its trainer
+is freed, so serving never loses its KV pool to training.
 """
 from __future__ import annotations
 
@@ -56,7 +59,6 @@ class FineTuning:
         self.step_s: float | None = None  # measured time of one step, averaged
         self.bound_s = cfg.finetune_deferral_ms / 1e3
         self.memory: dict | None = None  # the worker's: free bytes, how the KV pool lends
-        self.bytes_per_token: float | None = None  # a micro-batch's peak, measured
         self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
 
     # ---- files --------------------------------------------------------------------------
@@ -111,21 +113,39 @@ class FineTuning:
         return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_s,
                          self.bound_s)
 
-    def plan_memory(self, kv, tokens: int) -> tuple[int, int]:
-        """(KV units to lend in all, the token cap of the next micro-batch) for a micro-batch
-        of up to `tokens` tokens."""
+    def wake_in(self, now: float) -> float | None:
+        """Seconds until a job waiting for memory may try again (None: none waits)."""
+        return self.retry_at - now if self.queue and self.retry_at > now else None
+
+    def plan(self, job: Job, kv) -> tuple[int, list[int]] | None:
+        """The next micro-batch of `job` (example indices) and the KV units lent for it in
+        all; None when it does not fit in the memory that can be freed now. Raises
+        ValueError when its next example could never fit."""
         m = self.memory
         if m["free_bytes"] is None:  # CPU: not bounded by the device
-            return 0, tokens
-        per_token = MEMORY_MARGIN * (self.bytes_per_token or m["bytes_per_token_guess"])
-        cap = tokens
-        unit_bytes = m["lend_unit_bytes"]
-        units = kv.num_lent_blocks // m["lend_unit_blocks"]  # lent for an earlier step
-        short = per_token * cap - m["free_bytes"] - units * unit_bytes
-        if short > 0 and unit_bytes:
-            units = kv.lend(units + -(-int(short) // unit_bytes), m["lend_unit_blocks"],
-                            m["lendable_units"])
-        return units, min(cap, int((m["free_bytes"] + units * unit_bytes) / per_token))
+            return 0, job.peek_micro(self.cfg.finetune_max_tokens)  # examples fit the cap
+        per_token = MEMORY_MARGIN * (job.bytes_per_token or m["bytes_per_token_guess"])
+        unit_bytes, unit_blocks, lendable = (m["lend_unit_bytes"], m["lend_unit_blocks"],
+                                             m["lendable_units"])
+        first = job.next_length()
+        most = m["free_bytes"] + lendable * unit_bytes  # with every lendable block lent
+        if per_token * first > most:
+            raise ValueError(f"a training example of {first} tokens needs about "
+                             f"{per_token * first / 2**30:.2f} GiB for a step; at most "
+                             f"{most / 2**30:.2f} GiB can be freed for training")
+        # until its memory per token is measured, a job's micro-batch is one example
+        tokens = first if job.bytes_per_token is None else self.cfg.finetune_max_tokens
+        possible = kv.can_lend(lendable, unit_blocks, lendable)
+        micro = job.peek_micro(min(tokens, int((m["free_bytes"] + possible * unit_bytes)
+                                               / per_token)))
+        if not micro:  # running requests or reservations hold the memory it needs
+            return None
+        have = kv.num_lent_blocks // unit_blocks  # lent for an earlier step
+        short = per_token * sum(len(job.examples[i][0]) for i in micro) \
+            - m["free_bytes"] - have * unit_bytes
+        if short <= 0 or not unit_bytes:
+            return have, micro
+        return kv.lend(have + -(-int(short) // unit_bytes), unit_blocks, lendable), micro
 
     async def step(self, executor, kv) -> None:
         """One micro-batch of the oldest job; its end (saved and served) after the last.
@@ -140,28 +160,27 @@ class FineTuning:
                                                       lora["target_modules"], job.learning_rate,
                                                       job.seed)
                 job.event("Fine-tuning job started")
-            # until its memory per token is measured, a job's micro-batch is one example
-            tokens = self.cfg.finetune_max_tokens if self.bytes_per_token is not None \
-                or self.memory["free_bytes"] is None else job.next_length()
-            units, cap = self.plan_memory(kv, tokens)
-            planned = job.next_micro(cap)
-            if planned is None:  # no example fits in the memory free now
+            planned = self.plan(job, kv)
+            if planned is None:
                 self.retry_at = time.monotonic() + MEMORY_RETRY_S
                 return
-            micro, loss_tokens, last = planned
+            units, micro = planned
+            loss_tokens, last = job.take_micro(micro)
             out = await executor.finetune("micro_step", job.id, units,
                                           [job.examples[i][0] for i in micro],
                                           [job.examples[i][1] for i in micro], loss_tokens, last)
         except (ray.exceptions.RayError, ValueError) as e:
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e
+            message = str(cause) if isinstance(cause, ValueError) \
+                else f"{type(cause).__name__}: {cause}"
             if job.status == "running":  # not cancelled meanwhile
-                self._fail(job, f"{type(cause).__name__}: {cause}".splitlines()[0])
+                self._fail(job, message.splitlines()[0])
             await self._drop(job, executor)
             return
         self.memory = {**self.memory, "free_bytes": out["free_bytes"]}
         if out["peak_bytes"] is not None:
-            self.bytes_per_token = max(self.bytes_per_token or 0.0,
-                                       out["peak_bytes"] / out["tokens"])
+            job.bytes_per_token = max(job.bytes_per_token or 0.0,
+                                      out["peak_bytes"] / out["tokens"])
         elapsed = time.monotonic() - start
         self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
         if self.metrics is not None:
@@ -177,6 +196,28 @@ class FineTuning:
                        "train_loss": loss, "trained_tokens": job.trained_tokens})
             if job.steps_done == job.total_steps:
                 await self._finish(job, executor)
+
+    async def take_back(self, executor, kv) -> bool:
+        """Before inference runs again: the workers map the lent KV blocks again, and the
+        pool has them back. A worker that cannot (its device's memory is held elsewhere)
+        fails the running job, whose trainer is freed, and tries once more. False: the
+        workers still cannot (or are gone) and must be replaced."""
+        for attempt in range(2):
+            try:
+                await executor.finetune("take_back", "")
+            except ray.exceptions.RayError as e:
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                logger.error("mapping the KV blocks lent to fine-tuning again failed: %s", reason)
+                job = self.queue[0] if self.queue and self.queue[0].started else None
+                if attempt or job is None:
+                    return False
+                self._fail(job, "the memory lent to training could not be returned to the "
+                           f"KV cache: {reason}")
+                await self._drop(job, executor)
+                continue
+            kv.take_back()
+            return True
+        return False
 
     async def _finish(self, job: Job, executor) -> None:
         name = f"ft:{self.cfg.model_name}:{job.suffix or 'orca'}:{job.id[len('ftjob-'):][:8]}"
@@ -221,4 +262,5 @@ class FineTuning:
         return {"finetuning": {"running_job": running, "queued_jobs": len(self.queue) - bool(running),
                                "step_ms_estimate": None if self.step_s is None
                                else round(self.step_s * 1e3, 1),
-                               "bytes_per_token": self.bytes_per_token}}
+                               "bytes_per_token": self.queue[0].bytes_per_token
+                               if running else None}}

@@ -60,7 +60,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_available / self.num_blocks
+        """The share of blocks requests hold (lent and free ones are not in use)."""
+        return 1.0 - (self.pool.num_available + self.pool.num_lent) / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -167,11 +168,10 @@ class KVCacheManager:
 
 
     # ---- fine-tuning borrows memory -------------------------------------------------------
-    def lend(self, units: int, unit_blocks: int, lendable_units: int) -> int:
-        """Lend fine-tuning the last of `lendable_units` units of `unit_blocks` blocks (the
-        workers free their memory, kv_memory.py): up to `units` in all, as many as are
-        unreferenced from the end down and not promised to a reservation. Running
-        requests keep every block they hold. Returns the units lent in all."""
+    def can_lend(self, units: int, unit_blocks: int, lendable_units: int) -> int:
+        """How many of the last `lendable_units` units of `unit_blocks` blocks could be lent
+        now, up to `units` in all (those lent already included): unreferenced from the end
+        down and not promised to a reservation. Running requests keep every block."""
         have = self.pool.num_lent // unit_blocks
         spare = self.num_unreserved_blocks
         want = have
@@ -181,6 +181,14 @@ class KVCacheManager:
                 break
             want += 1
             spare -= unit_blocks
+        return want
+
+    def lend(self, units: int, unit_blocks: int, lendable_units: int) -> int:
+        """Lend fine-tuning as many as `can_lend` of those units (the workers free their
+        memory, kv_memory.py; cached blocks among them are evicted). Returns the units
+        lent in all."""
+        have = self.pool.num_lent // unit_blocks
+        want = self.can_lend(units, unit_blocks, lendable_units)
         if want > have:
             self.pool.lend((lendable_units - want) * unit_blocks,
                            (lendable_units - have) * unit_blocks)

@@ -124,20 +124,24 @@ class KVMemory:
         self.ranges, self.handles = [], []
         self.driver = _Driver(torch.cuda.current_device())
         torch.cuda.synchronize()  # the primary context is current on this thread
-        base = math.lcm(self.driver.granularity(), block_bytes)
+        granularity = self.driver.granularity()
+        base = math.lcm(granularity, block_bytes)
         size = (self.num_blocks + 1) * block_bytes
         self.chunk = base * max(1, round(size / CHUNKS_PER_TENSOR / base))
         num_chunks = -(-size // self.chunk)
         self.unit_blocks = self.chunk // block_bytes
         self.lendable_units = self.num_blocks * block_bytes // self.chunk  # below the scratch
         self.unit_bytes = self.chunk * 2 * num_layers
+        # the last chunk (never lent: it holds the scratch block) only as large as needed
+        tail = size - (num_chunks - 1) * self.chunk
+        self.sizes = [self.chunk] * (num_chunks - 1) + [-(-tail // granularity) * granularity]
         views = []
         for _ in range(2 * num_layers):
             ptr = self.driver.reserve(num_chunks * self.chunk)
             self.ranges.append((ptr, num_chunks * self.chunk))
             self.handles.append([])
-            for i in range(num_chunks):
-                self.handles[-1].append(self.driver.map(ptr + i * self.chunk, self.chunk))
+            for i, n in enumerate(self.sizes):
+                self.handles[-1].append(self.driver.map(ptr + i * self.chunk, n))
             flat = torch.as_tensor(_Array(ptr, size), device="cuda")
             views.append(flat.view(dtype).view(shape).zero_())
         self.tensors = list(zip(views[0::2], views[1::2]))
@@ -152,31 +156,35 @@ class KVMemory:
 
     def lend(self, units: int) -> None:
         """Free the memory of the last `units` lendable units (the scheduler uses none of
-        their blocks until `take_back`); units lent already stay lent."""
+        their blocks until `take_back`); units lent already stay lent. Unit by unit from
+        the end: if the driver fails midway, what was unmapped counts as lent."""
         if self.driver is not None and units > self.num_lent:
             torch.cuda.synchronize()  # nothing in flight may still touch them
-            for (ptr, _), handles in zip(self.ranges, self.handles):
-                for i in range(self.lendable_units - units, self.lendable_units - self.num_lent):
-                    self.driver.unmap(ptr + i * self.chunk, self.chunk, handles[i])
-                    handles[i] = None
+            for i in reversed(range(self.lendable_units - units,
+                                    self.lendable_units - self.num_lent)):
+                self.num_lent = self.lendable_units - i
+                for (ptr, _), handles in zip(self.ranges, self.handles):
+                    if handles[i] is not None:
+                        self.driver.unmap(ptr + i * self.chunk, self.chunk, handles[i])
+                        handles[i] = None
         self.num_lent = max(self.num_lent, units)
 
     def take_back(self) -> None:
-        """Map the lent units again, zeroed, after the allocator's cache is emptied (what
-        the training step left there). Raises when the device has no memory for them."""
+        """Map every unmapped unit again, zeroed, after the allocator's cache is emptied
+        (what the training step left there). Raises when the device has no memory for
+        them; the units mapped by then stay mapped, and a later call maps the rest."""
         if self.num_lent == 0:
             return
-        first, end = self.lendable_units - self.num_lent, self.lendable_units
         if self.driver is not None:
             torch.cuda.empty_cache()
-            for (ptr, _), handles in zip(self.ranges, self.handles):
-                for i in range(first, end):
+            for i in range(self.lendable_units - self.num_lent, self.lendable_units):
+                for (ptr, _), handles in zip(self.ranges, self.handles):
                     if handles[i] is None:
                         handles[i] = self.driver.map(ptr + i * self.chunk, self.chunk)
-            lo, hi = (n * self.unit_blocks * self.block_size for n in (first, end))
-            for k, v in self.tensors:
-                k[lo:hi].zero_()
-                v[lo:hi].zero_()
+                lo, hi = (n * self.unit_blocks * self.block_size for n in (i, i + 1))
+                for k, v in self.tensors:
+                    k[lo:hi].zero_()
+                    v[lo:hi].zero_()
         self.num_lent = 0
 
     def free(self) -> None:
@@ -192,6 +200,6 @@ class KVMemory:
         for (ptr, size), handles in zip(self.ranges, self.handles):
             for i, h in enumerate(handles):
                 if h is not None:
-                    self.driver.unmap(ptr + i * self.chunk, self.chunk, h)
+                    self.driver.unmap(ptr + i * self.chunk, self.sizes[i], h)
             self.driver.free(ptr, size)
         self.ranges, self.handles, self.driver = [], [], None

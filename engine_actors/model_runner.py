@@ -189,8 +189,6 @@ class ModelRunner:
     def launch(self, step: StepInput) -> PendingStep:
         """Enqueue one iteration. On the last stage the PendingStep yields one token per row
         with sample=True; on other stages it only marks the step's end."""
-        if self.kv_memory is not None:
-            self.kv_memory.take_back()  # what a training step borrowed (kv_memory.py)
         if self.timeline is not None:
             self.timeline.begin()
         logits, inputs = self.forward(step)

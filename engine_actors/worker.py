@@ -43,6 +43,7 @@ class Worker:
         # wall-clock (arrived, launched, enqueued, done) of the latest steps, for diagnosis
         self.trace: collections.deque = collections.deque(maxlen=256)
         self.trainers: dict[str, Trainer] = {}  # fine-tuning jobs' LoRA training state
+        self._held = 0  # bytes the caching allocator holds and cannot give back (CUDA)
 
     def address(self) -> str:
         """host:port for the process group's rendezvous (asked of rank 0)."""
@@ -122,12 +123,17 @@ class Worker:
     def _finetune(self, method: str, job_id: str, *args):
         if method == "start":
             self.trainers[job_id] = Trainer(self.runner.model, *args)
+            if self.device == "cuda":  # what the allocator holds and cannot give back
+                torch.cuda.empty_cache()  # (the graphs' pools): not free for training
+                self._held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
             return self._training_memory()
         if method == "micro_step":  # args: the KV units to lend first, then the batch
             self.runner.kv_memory.lend(args[0])
             out = self.trainers[job_id].micro_step(*args[1:])
             return {**out, **self._training_memory()}
-        if method == "drop":
+        if method == "take_back":  # the lent KV blocks, mapped again before inference
+            self.runner.kv_memory.take_back()
+        elif method == "drop":
             self.trainers.pop(job_id, None)
             if self.device == "cuda":
                 torch.cuda.empty_cache()
@@ -142,8 +148,9 @@ class Worker:
         unit_blocks, units, unit_bytes = self.runner.kv_memory.lendable()
         free = None
         if self.device == "cuda":
-            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-            free = torch.cuda.mem_get_info()[0] + cached - self.runner.kv_memory.lent_bytes
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - self._held
+            free = torch.cuda.mem_get_info()[0] + max(0, cached) \
+                - self.runner.kv_memory.lent_bytes
         hf = self.runner.model.config  # activations kept for the backward pass, roughly
         guess = self.runner.model.embed_tokens.weight.element_size() * hf.num_hidden_layers \
             * (16 * hf.hidden_size + 6 * hf.intermediate_size)

@@ -224,34 +224,105 @@ def test_training_file_masks_completions_and_assistant_turns():
         parse_training_file(json.dumps({"prompt": "abcdef", "completion": "g"}).encode(), tok, 4)
 
 
-def test_micro_batch_shrinks_to_the_memory_the_kv_pool_can_lend():
+def test_training_state_exists_before_a_step_and_steps_as_a_fresh_adamw(base):
+    """A step allocates no lasting state (what the KV pool lent it is all free after), and
+    the optimizer's first step equals that of an AdamW whose state starts with it."""
+    engine = InProcessEngine("cpu", model=base, dtype="float32")
+    trainer = Trainer(engine.worker.runner.model, 4, 8, ["q_proj", "down_proj"], lr=1e-2)
+    held = trainer.state_bytes()
+    params = [p for ab in trainer.params.values() for p in ab]
+    with torch.no_grad():
+        for p in params:
+            p.normal_()  # B starts at zero: random, so both A and B get gradients
+    trainer.micro_step(SEQS, MASKS, 7, last=False)
+    assert trainer.state_bytes() == held
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, p in zip(copies, params):
+        c.grad = p.grad.clone()
+    reference = torch.optim.AdamW(copies, lr=1e-2, weight_decay=0.0)
+    reference.step()
+    trainer.optimizer.step()
+    for c, p in zip(copies, params):
+        torch.testing.assert_close(p.detach(), c.detach(), rtol=0, atol=0)
+    trainer.micro_step(SEQS, MASKS, 7, last=True)
+    assert trainer.state_bytes() == held
+
+
+def _planner(free_bytes, guess=8.0, max_tokens=1000):
+    """FineTuning with a worker's memory report: `free_bytes` beside a pool of 64 one-token
+    blocks, lent in 8 units of 8 blocks that free 500 bytes each."""
     from engine_actors.config import EngineConfig
     from engine_actors.finetune_jobs import FineTuning
     from engine_actors.kv_cache import KVCacheManager
+    ft = FineTuning(EngineConfig(finetune_max_tokens=max_tokens), adapters=None)
+    ft.memory = {"free_bytes": free_bytes, "lend_unit_blocks": 8, "lendable_units": 8,
+                 "lend_unit_bytes": 500, "bytes_per_token_guess": guess}
+    return ft, KVCacheManager(num_blocks=64, block_size=1, max_num_seqs=4)
+
+
+def _job(lengths, batch_size=None):
+    from engine_actors.finetune_job import Job
+    examples = [([1] * n, [True] * n) for n in lengths]
+    return Job("j", "m", "f", examples, n_epochs=1, batch_size=batch_size or len(lengths),
+               learning_rate=1e-3, lora={}, suffix=None, seed=0, _plan=[list(range(len(lengths)))])
+
+
+def test_micro_batch_shrinks_to_the_memory_the_kv_pool_can_lend():
     from engine_actors.request import Request, SamplingParams
-    ft = FineTuning(EngineConfig(finetune_max_tokens=1000), adapters=None)
-    kv = KVCacheManager(num_blocks=64, block_size=1, max_num_seqs=4)
-    ft.bytes_per_token = 8.0  # 10 bytes a token with the margin
-    # 2,000 bytes free beside the pool; units of 8 blocks that free 500 bytes each
-    ft.memory = {"free_bytes": 2000, "lend_unit_blocks": 8, "lendable_units": 8,
-                 "lend_unit_bytes": 500, "bytes_per_token_guess": 8.0}
-    assert ft.plan_memory(kv, 1000) == (8, 600)  # wants 10,000 bytes: the whole pool gives 4,000
+    ft, kv = _planner(free_bytes=2000)
+    job = _job([100] * 10)
+    job.bytes_per_token = 8.0  # 10 bytes a token with the margin
+    # wants 10,000 bytes for 1,000 tokens: the whole pool gives 4,000 more, 600 tokens
+    assert ft.plan(job, kv) == (8, [0, 1, 2, 3, 4, 5])
     assert kv.num_lent_blocks == 64
     kv.take_back()
     held = Request("held", list(range(40)), SamplingParams(max_tokens=1), 0.0)
     kv.admit(held, held.max_num_tokens)  # 41 blocks promised
     kv.grow(held, 40)
-    assert ft.plan_memory(kv, 1000) == (2, 300)  # 23 blocks unpromised: two units
+    assert ft.plan(job, kv) == (2, [0, 1, 2])  # 23 blocks unpromised: two units
     kv.take_back()
     kv.free(held)
     ft.memory["free_bytes"] = 20000  # enough beside the pool: nothing lent
-    ft.memory["bytes_per_token_guess"] = 40.0
-    assert ft.plan_memory(kv, 1000) == (0, 1000) and kv.num_lent_blocks == 0
-    ft.bytes_per_token = None  # not measured yet: the estimate from the model's size
-    assert ft.plan_memory(kv, 500) == (8, 480)  # 50 bytes a token: 20,000 + 8 units
-    kv.take_back()
+    assert ft.plan(job, kv) == (0, list(range(10))) and kv.num_lent_blocks == 0
     ft.memory["free_bytes"] = None  # CPU: not bounded
-    assert ft.plan_memory(kv, 700) == (0, 700) and kv.num_lent_blocks == 0
+    assert ft.plan(job, kv) == (0, list(range(10))) and kv.num_lent_blocks == 0
+
+
+def test_until_measured_a_micro_batch_is_one_example_and_lends_only_what_it_needs():
+    ft, kv = _planner(free_bytes=1000, guess=40.0)  # 50 bytes a token with the margin
+    job = _job([30, 30, 30])
+    assert ft.plan(job, kv) == (1, [0])  # 1,500 bytes: 500 short, one unit, not the cap's
+    assert kv.num_lent_blocks == 8
+    job.take_micro([0])
+    job.bytes_per_token = 40.0  # measured: now as many examples as fit
+    # 3,000 bytes: 1,000 free and the unit lent already leave 1,500: 3 units more
+    assert ft.plan(job, kv) == (4, [1, 2])
+    assert kv.num_lent_blocks == 32
+
+
+def test_an_example_that_cannot_fit_now_waits_without_evicting_cached_blocks():
+    from engine_actors.request import Request, SamplingParams
+    ft, kv = _planner(free_bytes=0, guess=8.0)  # 10 bytes a token; the pool can give 4,000
+    job = _job([300])
+    running = Request("r", list(range(64)), SamplingParams(max_tokens=1), 0.0)
+    kv.admit(running, 64)
+    kv.grow(running, 64)  # every block held: none can be lent now
+    evictable = kv.pool.num_available
+    assert ft.plan(job, kv) is None
+    assert kv.num_lent_blocks == 0 and kv.pool.num_available == evictable
+
+
+def test_an_example_that_could_never_fit_fails_its_job_with_the_sizes():
+    ft, kv = _planner(free_bytes=1000, guess=8.0)  # 10 bytes a token; at most 5,000 bytes
+    with pytest.raises(ValueError, match="example of 600 tokens needs .* at most"):
+        ft.plan(_job([600]), kv)
+    assert kv.num_lent_blocks == 0
+
+
+def test_lent_blocks_are_not_counted_as_kv_usage():
+    ft, kv = _planner(free_bytes=0)
+    assert kv.lend(2, 8, 8) == 2
+    assert kv.usage == 0.0 and kv.num_lent_blocks == 16
 
 
 def test_a_micro_batch_takes_the_examples_that_fit_in_order():
@@ -264,3 +335,44 @@ def test_a_micro_batch_takes_the_examples_that_fit_in_order():
     assert job.next_micro(600) == ([0, 1], 1000, False)
     assert job.next_micro(400) is None
     assert job.next_micro(500) == ([2], 1000, True)
+
+
+class _Executor:
+    """The workers' side of take_back: fails `failures` times, then maps."""
+
+    def __init__(self, failures):
+        import ray
+        self.failures, self.calls, self.error = failures, [], ray.exceptions.RayError
+
+    async def finetune(self, method, job_id, *args):
+        self.calls.append(method)
+        if method == "take_back" and self.failures:
+            self.failures -= 1
+            raise self.error("cuMemCreate failed with error 2")
+
+
+@pytest.mark.parametrize("failures,ok", [(0, True), (1, True), (2, False)])
+def test_lent_blocks_that_cannot_be_mapped_again_fail_the_job_not_serving(failures, ok):
+    import asyncio
+    ft, kv = _planner(free_bytes=0)
+    job = _job([10])
+    job.started, job.status = True, "running"
+    ft.jobs[job.id], ft.queue = job, [job]
+    kv.lend(2, 8, 8)
+    executor = _Executor(failures)
+    assert asyncio.run(ft.take_back(executor, kv)) is ok
+    assert kv.num_lent_blocks == (0 if ok else 16)  # the pool has them back once mapped
+    if failures:  # the running job's trainer held the memory: the job fails, it is freed
+        assert job.status == "failed" and "could not be returned" in job.error["message"]
+        assert executor.calls[:3] == ["take_back", "drop", "take_back"]
+    else:
+        assert job.status == "running" and executor.calls == ["take_back"]
+
+
+def test_a_job_waiting_for_memory_wakes_the_loop_when_it_may_try_again():
+    ft, kv = _planner(free_bytes=0)
+    assert ft.wake_in(100.0) is None
+    ft.queue = [_job([10])]
+    ft.retry_at = 100.1
+    assert ft.wake_in(100.0) == pytest.approx(0.1)
+    assert ft.wake_in(100.2) is None

@@ -94,6 +94,7 @@ def test_training_borrows_kv_blocks_and_serving_resumes_exactly(tmp_path):
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     freed = torch.cuda.mem_get_info()[0] + cached - free_before
     assert freed >= 2 * memory["lend_unit_bytes"] * 0.9
+    worker._finetune("take_back", "")  # as the engine loop does before inference resumes
     kv.take_back()
     replays = worker.runner.num_graph_replays
     hits = kv.num_hit_tokens
@@ -104,3 +105,47 @@ def test_training_borrows_kv_blocks_and_serving_resumes_exactly(tmp_path):
     assert kv.num_hit_tokens > hits  # the cached prefix outlived the lending
     assert max(b for s in engine.steps for b in s.table_blocks) >= 256
     assert worker.runner.num_graph_replays > replays
+
+
+class _FlakyDriver:
+    """Virtual memory calls that fail at the n-th unmap or map (counted from 1)."""
+
+    def __init__(self, fail_unmap=0, fail_map=0):
+        self.fail_unmap, self.fail_map, self.unmaps, self.maps = fail_unmap, fail_map, 0, 0
+
+    def unmap(self, ptr, size, handle):
+        self.unmaps += 1
+        if self.unmaps == self.fail_unmap:
+            raise RuntimeError("cuMemUnmap failed")
+
+    def map(self, ptr, size):
+        self.maps += 1
+        if self.maps == self.fail_map:
+            raise RuntimeError("cuMemCreate failed with error 2")
+        return 1
+
+
+def test_a_driver_failure_midway_leaves_nothing_unmapped_for_good(monkeypatch):
+    """Lending or mapping back that fails partway: what was unmapped counts as lent, and a
+    later take_back maps (and zeroes) every unit still unmapped."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    mem = KVMemory(2, SHAPE, 16, torch.float32, "cpu")  # 4 tensors, 64 units of 16 blocks
+    mem.driver, mem.chunk = _FlakyDriver(fail_unmap=6), 1 << 20
+    mem.ranges, mem.handles = [(0, 0)] * 4, [[1] * 65 for _ in range(4)]
+    for k, v in mem.tensors:
+        k.fill_(1.0)
+        v.fill_(1.0)
+    with pytest.raises(RuntimeError, match="cuMemUnmap"):
+        mem.lend(3)  # the second unit fails at its second tensor
+    assert mem.num_lent == 2  # the half-unmapped unit included
+    assert [h[62] for h in mem.handles] == [None, 1, 1, 1]
+    mem.driver.fail_map = 3
+    with pytest.raises(RuntimeError, match="cuMemCreate"):
+        mem.take_back()
+    assert mem.num_lent == 2
+    mem.take_back()
+    assert mem.num_lent == 0 and all(h is not None for hs in mem.handles for h in hs)
+    units = slice(62 * 16 * 16, 64 * 16 * 16)  # the two units' rows, zeroed
+    assert all(bool((t[units] == 0).all()) for kv in mem.tensors for t in kv)
+    assert bool((mem.tensors[0][0][:62 * 16 * 16] == 1.0).all())
