@@ -82,8 +82,9 @@ class EngineConfig:
     max_lora_rank: PositiveInt = 16
     # Fine-tuning jobs (POST /v1/fine_tuning/jobs) train LoRA adapters when serving leaves
     # the GPU idle (implies LoRA serving: a finished job's adapter is served at once). A
-    # waiting request is deferred for a training step only while its wait plus the step's
-    # measured time stays within finetune_deferral_ms; a micro-batch holds at most
+    # new request is deferred (not added to the running batch, which drains, so a training
+    # step can run) only while its wait plus the step's measured time stays within
+    # finetune_deferral_ms (FineInfer's deferred continuous batching); a micro-batch holds at most
     # finetune_max_tokens tokens; adapters are saved under finetune_dir (default: a temp dir).
     enable_finetuning: bool = False
     finetune_deferral_ms: PositiveFloat = 200.0

@@ -122,9 +122,10 @@ class EngineLoop:
                 await self._restart_workers()
                 kv.take_back()
                 continue
+            hold_from = self.finetuning and self.finetuning.hold_from(time.monotonic())
             while len(in_flight) < self.depth:
                 preempted = self.scheduler.num_preemptions
-                batch = self.scheduler.schedule()
+                batch = self.scheduler.schedule(hold_from)
                 self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
                 if batch is None:
                     break

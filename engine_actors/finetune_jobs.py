@@ -1,11 +1,13 @@
 """Fine-tuning jobs in the GPU's idle time: FineInfer's deferred continuous batching.
 
 The scheduler actor keeps the uploaded training files and the jobs (OpenAI's shapes), one
-job training at a time, the others queued. Between inference iterations the engine loop
-asks `wants_step`: a fine-tuning micro-batch runs when no request is running and every
-waiting request can still be deferred, i.e. its time in the queue plus the estimated time
-of one fine-tuning step stays within `finetune_deferral_ms` (FineInfer §2.4); otherwise
-inference runs. Step times are measured (an exponential average). The micro-batch runs
+job training at a time, the others queued. FineInfer's rule (§2.4): while a job could
+step, a new request joins the running batch only once its time in the queue plus the
+estimated time of one fine-tuning step is over `finetune_deferral_ms` (`hold_from`);
+until then it is deferred, so the batch drains. Between inference iterations the engine
+loop asks `wants_step`: a fine-tuning micro-batch runs when no request is running and
+every waiting request can still be deferred; otherwise inference runs. Step times are
+measured (an exponential average). The micro-batch runs
 on the worker (`engine_actors/finetune.py`); when the last step is done the adapter is
 saved in PEFT's format and served at once under the job's `fine_tuned_model`.
 
@@ -112,6 +114,17 @@ class FineTuning:
             return False
         return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_s,
                          self.bound_s)
+
+    def hold_from(self, now: float) -> float | None:
+        """FineInfer's deferral of new requests: while a job could step, a request that
+        arrived at or after the returned time is not added to the running batch (its wait
+        plus one step stays within the bound), so the batch drains and the step runs when
+        it is empty. None: nothing is held (no job, a job waiting for memory, the step's
+        time unknown or over the bound)."""
+        if not self.queue or now < self.retry_at or self.step_s is None \
+                or self.step_s > self.bound_s:
+            return None
+        return now - (self.bound_s - self.step_s)
 
     def wake_in(self, now: float) -> float | None:
         """Seconds until a job waiting for memory may try again (None: none waits)."""

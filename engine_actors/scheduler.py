@@ -142,9 +142,14 @@ class Scheduler:
                 late.append(self._finish(req, FinishReason.DEADLINE))
         return late
 
-    def schedule(self) -> Batch | None:
+    def schedule(self, hold_from: float | None = None) -> Batch | None:
+        """The next step's batch, or None. `hold_from`: requests that arrived at or after
+        this time and have not started stay waiting (FineInfer's deferral: the running
+        batch drains so that a fine-tuning step can run; finetune_jobs.py)."""
         ready = [r for r in self.admitted.values() if self.is_ready(r)]
-        selection = self.policy.select(ready, self.waiting, list(self.admitted.values()),
+        waiting = self.waiting if hold_from is None else [
+            r for r in self.waiting if r.arrival_time < hold_from or r.num_iterations]
+        selection = self.policy.select(ready, waiting, list(self.admitted.values()),
                                        self.kv, self.budget, self.loras)
         for victim in selection.preempt:
             self._preempt(victim)

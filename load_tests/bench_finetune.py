@@ -130,8 +130,10 @@ def job_tokens(url: str, job_id: str) -> tuple[float, int]:
     return time.monotonic(), job["trained_tokens"]
 
 
-def run_load(url: str, args, label: str) -> dict:
-    trace = orca_trace(args.num_requests, args.vocab_size, seed=3)
+def run_load(url: str, args, label: str, seed: int) -> dict:
+    """One phase of load; each phase its own prompts (`seed`), so that none hits the
+    prefix cache that an earlier phase filled."""
+    trace = orca_trace(args.num_requests, args.vocab_size, seed=seed)
     cfg = LoadConfig(url, num_warmup=args.warmup, duration_s=args.duration,
                      show_progress=False, drain_timeout_s=1800)
     [res] = asyncio.run(sweep(cfg, trace, [args.rate]))
@@ -139,7 +141,8 @@ def run_load(url: str, args, label: str) -> dict:
         raise RuntimeError(f"{label}: {res['failed']} failed: {res['errors']}")
     print(f"{label}: TTFT p99 {res['ttft_ms']['p99']:.1f} ms, normalized latency p50 "
           f"{res['normalized_latency_ms']['median']:.2f} ms/token, "
-          f"{res['completed']} requests", flush=True)
+          f"{res['completed']} requests, {res['cached_prompt_fraction']:.2f} of prompt tokens "
+          "cached", flush=True)
     return res
 
 
@@ -157,6 +160,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup-s", type=float, default=20.0,
                    help="seconds of load at --rate before the timed phases")
     p.add_argument("--finetune-max-tokens", type=int, default=2048)
+    p.add_argument("--finetune-deferral-ms", type=float, default=200.0,
+                   help="FineInfer's deferral bound (the engine's default: 200)")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the engine's token budget per iteration (load_sweep.sh's default)")
@@ -179,6 +184,7 @@ def main(argv=None) -> dict:
     print(f"dedicated: {report['dedicated_tokens_s']:.0f} trained tokens/s", flush=True)
     engine_args = {"model": args.model, "device": args.device, "enable_finetuning": True,
                    "finetune_max_tokens": args.finetune_max_tokens,
+                   "finetune_deferral_ms": args.finetune_deferral_ms,
                    "gpu_memory_utilization": args.gpu_memory_utilization,
                    "max_batch_size": args.max_batch_size,
                    "max_num_batched_tokens": args.max_num_batched_tokens}
@@ -191,9 +197,9 @@ def main(argv=None) -> dict:
         mark = sampler.t0
         if args.warmup_s:  # the first seconds of load after start-up are slower: not timed
             run_load(url, argparse.Namespace(**{**vars(args), "duration": args.warmup_s}),
-                     "warm-up")
+                     "warm-up", seed=1)
         phases["serve"] = [time.monotonic() - mark]
-        report["serve"] = run_load(url, args, "serve")
+        report["serve"] = run_load(url, args, "serve", seed=2)
         phases["serve"].append(time.monotonic() - mark)
         with httpx.Client(base_url=url, timeout=120) as client:
             data = "\n".join(json.dumps(line) for line in lines).encode()
@@ -206,7 +212,7 @@ def main(argv=None) -> dict:
         while job_tokens(url, job_id)[1] == 0:
             time.sleep(0.2)
         t0, n0 = job_tokens(url, job_id)
-        report["serve+ft"] = run_load(url, args, "serve+ft")
+        report["serve+ft"] = run_load(url, args, "serve+ft", seed=3)
         t1, n1 = job_tokens(url, job_id)
         phases["serve+ft"] = [t0 - mark, t1 - mark]
         time.sleep(args.idle_s)

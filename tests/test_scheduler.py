@@ -233,3 +233,20 @@ def test_random_workload_fcfs_property_and_no_deadlock():
     for rid, toks in expected.items():
         assert outs[rid] == toks
     assert sched.kv.num_free_blocks == 40
+
+
+def test_held_new_requests_wait_while_the_running_batch_drains():
+    """FineInfer's deferral: a request that arrived at or after `hold_from` is not added
+    to the batch; one that arrived before is, and so is a started one that was preempted."""
+    sched, runner = make_scheduler(), FakeRunner(4)
+    sched.add(make_req("old", [1, 2, 3], max_tokens=3, t=1.0))
+    sched.add(make_req("new", [4, 5, 6], max_tokens=3, t=2.0))
+    batch = sched.schedule(hold_from=2.0)
+    assert [s.request.request_id for s in batch.scheduled] == ["old"]
+    sched.process(batch, runner.execute(batch.step))
+    assert sched.num_waiting == 1
+    sched._preempt(sched.pool["old"])  # started: never held again
+    batch = sched.schedule(hold_from=0.5)
+    assert [s.request.request_id for s in batch.scheduled] == ["old"]
+    batch2 = sched.schedule()  # nothing held: the new request joins
+    assert "new" in [s.request.request_id for s in batch2.scheduled]
