@@ -49,6 +49,8 @@ class EngineLoop:
         self.metrics, self.deliver = metrics, deliver
         self.depth = cfg.max_steps_in_flight
         self.num_steps = 0
+        self.iteration_s: float | None = None  # one step's time, averaged
+        self._last_done = 0.0  # when the latest step ended
         self.last_tick = time.monotonic()  # the loop's heartbeat
         self.is_recovering = False
         self.finetuning = None  # FineTuning: jobs that run in idle time (finetune_jobs.py)
@@ -105,7 +107,8 @@ class EngineLoop:
             raise
 
     async def _iterate(self) -> None:
-        in_flight: collections.deque[tuple[Batch, asyncio.Future]] = collections.deque()
+        # steps launched and not yet processed, with their launch times
+        in_flight: collections.deque[tuple[Batch, asyncio.Future, float]] = collections.deque()
         while True:
             self.last_tick = time.monotonic()
             expired = self.scheduler.expire(time.monotonic())
@@ -122,7 +125,9 @@ class EngineLoop:
                 await self._restart_workers()
                 kv.take_back()
                 continue
-            hold_from = self.finetuning and self.finetuning.hold_from(time.monotonic())
+            hold_from = None  # FineInfer's deferral of new requests (finetune_jobs.py)
+            if self.finetuning is not None and self.finetuning.queue:
+                hold_from = self.finetuning.hold_from(time.monotonic(), self._drain_s())
             while len(in_flight) < self.depth:
                 preempted = self.scheduler.num_preemptions
                 batch = self.scheduler.schedule(hold_from)
@@ -130,7 +135,8 @@ class EngineLoop:
                 if batch is None:
                     break
                 self._observe(batch)
-                in_flight.append((batch, asyncio.ensure_future(self.executor.execute(batch.step))))
+                in_flight.append((batch, asyncio.ensure_future(self.executor.execute(batch.step)),
+                                  time.monotonic()))
                 self.num_steps += 1
             if not in_flight:
                 self._wake.clear()
@@ -143,18 +149,30 @@ class EngineLoop:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            batch, step = in_flight.popleft()
+            batch, step, launched = in_flight.popleft()
             try:
                 sampled = await step
             except ray.exceptions.RayError:
                 logger.exception("worker failed")
-                for _, other in in_flight:
+                for _, other, _ in in_flight:
                     other.cancel()
                 in_flight.clear()
                 self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
                 await self._restart_workers()
                 continue
+            done = time.monotonic()  # the step ran from its launch or its predecessor's end
+            took = done - max(launched, self._last_done)
+            self.iteration_s = took if self.iteration_s is None \
+                else 0.9 * self.iteration_s + 0.1 * took
+            self._last_done = done
             self.deliver(self.scheduler.process(batch, sampled), None)
+
+    def _drain_s(self) -> float:
+        """Estimated time until the running batch is empty: its longest remaining decode
+        (max_tokens, as EOS may not come) at the measured iteration time."""
+        longest = max((r.sampling.max_tokens - r.num_output_tokens
+                       for r in self.scheduler.admitted.values()), default=0)
+        return longest * (self.iteration_s or 0.0)
 
     def _observe(self, batch: Batch) -> None:
         now = time.monotonic()

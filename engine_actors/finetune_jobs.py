@@ -4,7 +4,9 @@ The scheduler actor keeps the uploaded training files and the jobs (OpenAI's sha
 job training at a time, the others queued. FineInfer's rule (§2.4): while a job could
 step, a new request joins the running batch only once its time in the queue plus the
 estimated time of one fine-tuning step is over `finetune_deferral_ms` (`hold_from`);
-until then it is deferred, so the batch drains. Between inference iterations the engine
+until then it is deferred, so the batch drains (only while the batch can drain in time:
+an addition to FineInfer, which holds requests even when no step could run within their
+bound). Between inference iterations the engine
 loop asks `wants_step`: a fine-tuning micro-batch runs when no request is running and
 every waiting request can still be deferred; otherwise inference runs. Step times are
 measured (an exponential average). The micro-batch runs
@@ -115,16 +117,18 @@ class FineTuning:
         return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_s,
                          self.bound_s)
 
-    def hold_from(self, now: float) -> float | None:
+    def hold_from(self, now: float, drain_s: float) -> float | None:
         """FineInfer's deferral of new requests: while a job could step, a request that
         arrived at or after the returned time is not added to the running batch (its wait
         plus one step stays within the bound), so the batch drains and the step runs when
-        it is empty. None: nothing is held (no job, a job waiting for memory, the step's
-        time unknown or over the bound)."""
+        it is empty. Only when the batch can drain in time (`drain_s`: the running
+        requests' longest remaining decode, estimated), so holding never delays a request
+        for a step that could not run within its bound. None: nothing is held (no job, a
+        job waiting for memory, the step's time unknown, or no time for it)."""
         if not self.queue or now < self.retry_at or self.step_s is None \
-                or self.step_s > self.bound_s:
+                or drain_s + self.step_s > self.bound_s:
             return None
-        return now - (self.bound_s - self.step_s)
+        return now - (self.bound_s - self.step_s - drain_s)
 
     def wake_in(self, now: float) -> float | None:
         """Seconds until a job waiting for memory may try again (None: none waits)."""

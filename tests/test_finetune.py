@@ -382,12 +382,15 @@ def test_new_requests_are_held_only_while_a_step_fits_in_their_deferral_bound():
     from engine_actors.config import EngineConfig
     from engine_actors.finetune_jobs import FineTuning
     ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
-    assert ft.hold_from(10.0) is None  # no job
+    assert ft.hold_from(10.0, 0.0) is None  # no job
     ft.queue = [_job([10])]
-    assert ft.hold_from(10.0) is None  # its step time not measured yet
+    assert ft.hold_from(10.0, 0.0) is None  # its step time not measured yet
     ft.step_s = 0.05
-    assert ft.hold_from(10.0) == pytest.approx(9.85)  # held while wait + 50 ms <= 200 ms
+    assert ft.hold_from(10.0, 0.0) == pytest.approx(9.85)  # held while wait + 50 ms <= 200
+    # the running batch needs 100 ms to drain: a request may wait 50 ms more at most
+    assert ft.hold_from(10.0, 0.1) == pytest.approx(9.95)
+    assert ft.hold_from(10.0, 0.2) is None  # it could not drain in time: nothing held
     ft.retry_at = 10.5  # waiting for memory: no step could run
-    assert ft.hold_from(10.0) is None
+    assert ft.hold_from(10.0, 0.0) is None
     ft.retry_at, ft.step_s = 0.0, 0.3  # a step longer than the bound: never deferred
-    assert ft.hold_from(10.0) is None
+    assert ft.hold_from(10.0, 0.0) is None
