@@ -18,6 +18,9 @@ gathered for the loss. Pipeline stages are not supported for training.
 """
 from __future__ import annotations
 
+import functools
+import itertools
+import inspect
 import json
 import math
 import os
@@ -37,6 +40,24 @@ from kernels.silu_mul import silu_mul_ref
 # per call in the backward pass); training sequences come in every length
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                       SDPBackend.MATH]
+
+
+def _varlen_causal():
+    """torch's variable-length flash attention (torch.nn.attention.varlen, 2.9 and later),
+    causal: one call for all sequences of a micro-batch; None where torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:  # 2.11 and later
+        return functools.partial(varlen_attn, window_size=(-1, 0))
+    if "is_causal" in params:
+        return functools.partial(varlen_attn, is_causal=True)
+    return None
+
+
+VARLEN_ATTENTION = _varlen_causal()
 
 
 class _CopyToRanks(torch.autograd.Function):
@@ -81,6 +102,9 @@ class Trainer:
                              f"the model's {model.config.num_key_value_heads} KV heads (which "
                              "then replicate) is not supported")
         self.model, self.rank, self.alpha, self.targets = model, rank, alpha, list(targets)
+        # one flash call per layer for all sequences (CUDA, half precision): far fewer host
+        # ops than a call per sequence, the step being host-bound
+        self.varlen = VARLEN_ATTENTION is not None
         self.parallel, self.scale = parallel, alpha / rank
         gen = torch.Generator().manual_seed(seed)  # the same draws on every rank
         self.params: dict[tuple[str, str], tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
@@ -168,6 +192,10 @@ class Trainer:
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         hidden, residual = model.embed_tokens(ids), None
         self._cast_lora(hidden.dtype)
+        cu = None  # sequence starts, for varlen attention
+        if self.varlen and ids.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16):
+            cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32,
+                              device=dev)
         for layer_id, layer in model.layers.items():
             if residual is None:
                 residual, x = hidden, rmsnorm_ref(hidden, layer.input_layernorm.weight,
@@ -175,7 +203,7 @@ class Trainer:
             else:
                 x, residual = rmsnorm_ref(hidden, layer.input_layernorm.weight,
                                           layer.input_layernorm.eps, residual)
-            hidden = self._attention(layer_id, layer.self_attn, x, positions, lens)
+            hidden = self._attention(layer_id, layer.self_attn, x, positions, lens, cu)
             norm = layer.post_attention_layernorm
             x, residual = rmsnorm_ref(hidden, norm.weight, norm.eps, residual)
             mlp = layer.mlp
@@ -202,7 +230,7 @@ class Trainer:
         parts[self.parallel.tp_rank] = local
         return torch.cat(parts, dim=-1)[:, :self.model.config.vocab_size]
 
-    def _attention(self, layer_id, attn, x, positions, lens):
+    def _attention(self, layer_id, attn, x, positions, lens, cu=None):
         q, k, v = self._linear(layer_id, attn.qkv_proj, x).split(attn.qkv_proj.part_sizes, -1)
         d = attn.head_dim
         if attn.qk_norm:
@@ -213,6 +241,10 @@ class Trainer:
         v = v.reshape(-1, attn.num_kv_heads, d)
         group = attn.num_heads // attn.num_kv_heads  # KV heads repeated for each query head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if cu is not None:  # [T, H, D], all sequences in one call
+            out = VARLEN_ATTENTION(q.contiguous(), k.contiguous(), v, cu, cu, max(lens),
+                                   max(lens))
+            return self._linear(layer_id, attn.o_proj, out.flatten(1))
         outs, start = [], 0
         with sdpa_kernel(ATTENTION_BACKENDS):  # not cuDNN: it plans each new length anew
             for n in lens:  # per sequence, causal: [1, H, n, D]

@@ -224,6 +224,31 @@ def test_training_file_masks_completions_and_assistant_turns():
         parse_training_file(json.dumps({"prompt": "abcdef", "completion": "g"}).encode(), tok, 4)
 
 
+@pytest.mark.gpu
+def test_varlen_attention_gives_the_per_sequence_gradients(base):
+    """bf16 on CUDA: one variable-length flash call per layer trains as the call per
+    sequence does (same loss and LoRA gradients, within bf16 rounding)."""
+    from engine_actors.finetune import VARLEN_ATTENTION
+    if not torch.cuda.is_available() or VARLEN_ATTENTION is None:
+        pytest.skip("needs a GPU and torch.nn.attention.varlen")
+    engine = InProcessEngine("cuda", model=base, dtype="bfloat16", max_num_tokens=4096)
+    results = []
+    for varlen in (False, True):
+        trainer = Trainer(engine.worker.runner.model, 4, 8, TARGETS, lr=1e-3)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for _, b in trainer.params.values():
+                b.normal_()  # so that A gets gradients too
+        trainer.varlen = varlen
+        out = trainer.micro_step(SEQS, MASKS, 7, last=False)
+        results.append((out["loss_sum"], [p.grad.clone() for ab in trainer.params.values()
+                                          for p in ab]))
+    (loss, grads), (varlen_loss, varlen_grads) = results
+    assert varlen_loss == pytest.approx(loss, rel=1e-2)
+    for g, h in zip(grads, varlen_grads):
+        assert float((h - g).norm() / g.norm()) < 3e-2
+
+
 def test_training_state_exists_before_a_step_and_steps_as_a_fresh_adamw(base):
     """A step allocates no lasting state (what the KV pool lent it is all free after), and
     the optimizer's first step equals that of an AdamW whose state starts with it."""
