@@ -1,0 +1,139 @@
+"""FineInfer's deferred continuous batching through the engine loop, with stand-in workers:
+new requests are held out of a draining batch so that a fine-tuning step runs when it is
+empty, only while the batch can drain within the deferral bound; and lent KV blocks that
+cannot be mapped back fail the job, not serving."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+
+from engine_actors.checkpoint import ModelInfo
+from engine_actors.config import EngineConfig
+from engine_actors.engine_loop import EngineLoop
+from engine_actors.finetune_job import Job
+from engine_actors.finetune_jobs import FineTuning
+from engine_actors.metrics import EngineMetrics
+from engine_actors.request import SamplingParams
+from engine_actors.messages import EngineRequest
+from engine_actors.scheduler import Scheduler
+from tests.fake_runner import FakeRunner
+
+ITERATION_S = 0.02
+STEP_S = 0.05
+
+
+class Workers:
+    """The executor's interface: steps take ITERATION_S, fine-tuning steps STEP_S; every
+    call is logged in order."""
+
+    def __init__(self, block_size: int, take_back_failures: int = 0):
+        self.runner, self.log = FakeRunner(block_size), []
+        self.take_back_failures = take_back_failures
+        self.device = asyncio.Lock()  # steps run one after the other, as on a GPU
+
+    async def execute(self, step):
+        async with self.device:
+            await asyncio.sleep(ITERATION_S)
+        by_row = {r.row: r.request_id for r in self.scheduler.admitted.values()}
+        self.log += [("step", by_row[r.row]) for r in step.new_requests]  # a request's first
+        return self.runner.execute(step)
+
+    async def finetune(self, method, job_id, *args):
+        self.log.append((method, job_id))
+        if method == "take_back" and self.take_back_failures:
+            self.take_back_failures -= 1
+            raise ray.exceptions.RayError("cuMemCreate failed with error 2")
+        if method == "micro_step":
+            await asyncio.sleep(STEP_S)
+            return {"loss_sum": 1.0, "tokens": sum(map(len, args[1])), "peak_bytes": None,
+                    "free_bytes": None}
+        if method == "start":
+            return {"free_bytes": None, "lend_unit_blocks": 8, "lendable_units": 8,
+                    "lend_unit_bytes": 0, "bytes_per_token_guess": 1.0}
+        return None
+
+
+def engine(bound_ms: float, workers: Workers) -> tuple[EngineLoop, list]:
+    cfg = EngineConfig(enable_finetuning=True, finetune_deferral_ms=bound_ms, block_size=4,
+                       max_num_tokens=256, max_batch_size=8)
+    scheduler = Scheduler.from_config(cfg, 64, 512, (0,))
+    info = ModelInfo("m", "", 512, (0,), 256)
+    finished = []
+
+    def deliver(outputs, error):
+        finished.extend(o.request_id for o in outputs if o.finish_reason is not None)
+        for o in outputs:
+            if o.finish_reason is not None:
+                workers.log.append(("finished", o.request_id))
+
+    loop = EngineLoop(cfg, info, workers, scheduler, EngineMetrics("m"), deliver)
+    workers.scheduler = scheduler
+    loop.finetuning = FineTuning(cfg, adapters=None)
+    job = Job("ftjob-1", "m", "f", [([1] * 20, [True] * 20)] * 64, n_epochs=100, batch_size=2,
+              learning_rate=1e-3, lora={"r": 8, "alpha": 16, "target_modules": []},
+              suffix=None, seed=0)
+    loop.finetuning.jobs[job.id] = job
+    loop.finetuning.queue.append(job)
+    return loop, finished
+
+
+def request(rid: str, tokens: int) -> EngineRequest:
+    return EngineRequest(rid, list(range(1, 9)), SamplingParams(max_tokens=tokens,
+                                                                temperature=0.0, ignore_eos=True))
+
+
+async def _scenario(bound_ms: float, workers: Workers) -> list:
+    loop, finished = engine(bound_ms, workers)
+    task = asyncio.create_task(loop.run())
+    try:
+        loop.add(request("a", 20), None, None)  # no step time measured yet: a runs
+        while ("step", "a") not in workers.log:
+            await asyncio.sleep(0.005)
+        loop.finetuning.step_s = STEP_S  # as if measured now
+        await asyncio.sleep(3 * ITERATION_S)
+        loop.add(request("b", 2), None, None)
+        while "b" not in finished:
+            await asyncio.sleep(0.005)
+    finally:
+        task.cancel()
+    return workers.log
+
+
+def test_a_new_request_is_held_while_the_batch_drains_then_a_step_runs_first():
+    # a's ~16 iterations left (~0.3 s) plus a step (0.05 s) fit in the 1-s bound: b waits
+    log = asyncio.run(_scenario(1000.0, Workers(4)))
+    events = [e for e in log if e[0] in ("step", "micro_step", "finished")]
+    a_end, b_start = events.index(("finished", "a")), events.index(("step", "b"))
+    assert a_end < b_start
+    assert ("micro_step", "ftjob-1") in events[a_end:b_start]
+
+
+def test_nothing_is_held_when_the_batch_cannot_drain_within_the_bound():
+    # the same load with a 250-ms bound: a step would fit, a's drain would not; b joins
+    log = asyncio.run(_scenario(250.0, Workers(4)))
+    b_start = log.index(("step", "b"))
+    assert ("finished", "a") not in log[:b_start]
+    assert ("micro_step", "ftjob-1") not in log[log.index(("step", "a")):b_start]
+
+
+def test_lent_blocks_that_cannot_come_back_fail_the_job_and_serving_goes_on():
+    workers = Workers(4, take_back_failures=1)
+    loop, finished = engine(1000.0, workers)
+    loop.scheduler.kv.lend(2, 8, 8)  # as after a training step
+    job = loop.finetuning.jobs["ftjob-1"]
+    job.started, job.status = True, "running"
+    loop.finetuning.retry_at = time.monotonic() + 100  # no further step: serving resumes
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        loop.add(request("a", 3), None, None)
+        while "a" not in finished:
+            await asyncio.sleep(0.005)
+        task.cancel()
+
+    asyncio.run(run())
+    assert workers.log[:3] == [("take_back", ""), ("drop", "ftjob-1"), ("take_back", "")]
+    assert job.status == "failed" and "could not be returned" in job.error["message"]
+    assert loop.scheduler.kv.num_lent_blocks == 0
