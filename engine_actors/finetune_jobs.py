@@ -61,6 +61,8 @@ class FineTuning:
         self.jobs: dict[str, Job] = {}
         self.queue: list[Job] = []  # queued and running, oldest first
         self.step_s: float | None = None  # measured time of one step, averaged
+        self.train_s: float | None = None  # of which the trainer's, on the worker
+        self.micro_tokens = 0.0  # tokens of a micro-batch, averaged
         self.bound_s = cfg.finetune_deferral_ms / 1e3
         self.memory: dict | None = None  # the worker's: free bytes, how the KV pool lends
         self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
@@ -194,12 +196,17 @@ class FineTuning:
                 self._fail(job, message.splitlines()[0])
             await self._drop(job, executor)
             return
-        self.memory = {**self.memory, "free_bytes": out["free_bytes"]}
+        self.memory = {**self.memory, "free_bytes": out["free_bytes"],
+                       "alloc_retries": out.get("alloc_retries", 0)}
         if out["peak_bytes"] is not None:
             job.bytes_per_token = max(job.bytes_per_token or 0.0,
                                       out["peak_bytes"] / out["tokens"])
         elapsed = time.monotonic() - start
         self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
+        # of which the trainer's own time on the worker (the rest: calls, planning, lending)
+        self.train_s = out["elapsed_s"] if self.train_s is None \
+            else 0.8 * self.train_s + 0.2 * out["elapsed_s"]
+        self.micro_tokens = 0.8 * self.micro_tokens + 0.2 * out["tokens"]
         if self.metrics is not None:
             self.metrics.finetune_steps.inc()
             self.metrics.finetune_tokens.inc(out["tokens"])
@@ -279,5 +286,9 @@ class FineTuning:
         return {"finetuning": {"running_job": running, "queued_jobs": len(self.queue) - bool(running),
                                "step_ms_estimate": None if self.step_s is None
                                else round(self.step_s * 1e3, 1),
+                               "trainer_ms": None if self.train_s is None
+                               else round(self.train_s * 1e3, 1),
+                               "micro_batch_tokens": round(self.micro_tokens),
                                "bytes_per_token": self.queue[0].bytes_per_token
-                               if running else None}}
+                               if running else None,
+                               "alloc_retries": (self.memory or {}).get("alloc_retries", 0)}}

@@ -155,7 +155,10 @@ class Worker:
         guess = self.runner.model.embed_tokens.weight.element_size() * hf.num_hidden_layers \
             * (16 * hf.hidden_size + 6 * hf.intermediate_size)
         return {"free_bytes": free, "lend_unit_blocks": unit_blocks, "lendable_units": units,
-                "lend_unit_bytes": unit_bytes, "bytes_per_token_guess": guess}
+                "lend_unit_bytes": unit_bytes, "bytes_per_token_guess": guess,
+                # the allocator freed its cache and retried (slow): memory ran short
+                "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)
+                if self.device == "cuda" else 0}
 
     def step_trace(self) -> list[tuple]:
         return list(self.trace)

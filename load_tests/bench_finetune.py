@@ -64,7 +64,7 @@ def dedicated_tokens_per_s(model: str, device: str, lines: list[dict], seconds: 
                       HYPER["learning_rate"])
     job = Job("dedicated", model, "", examples, HYPER["n_epochs"], HYPER["batch_size"],
               HYPER["learning_rate"], {}, None, 0)
-    tokens, start = 0, None
+    tokens, start, elapsed = 0, None, []
     while start is None or time.perf_counter() - start < seconds:
         micro, loss_tokens, last = job.next_micro(max_tokens)
         out = trainer.micro_step([examples[i][0] for i in micro],
@@ -73,7 +73,10 @@ def dedicated_tokens_per_s(model: str, device: str, lines: list[dict], seconds: 
             start = time.perf_counter()
             continue
         tokens += out["tokens"]
+        elapsed.append(out["elapsed_s"])
     rate = tokens / (time.perf_counter() - start)
+    print(f"dedicated: {len(elapsed)} micro-batches of {tokens / len(elapsed):.0f} tokens, "
+          f"{sum(elapsed) / len(elapsed) * 1e3:.1f} ms each", flush=True)
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
@@ -218,6 +221,9 @@ def main(argv=None) -> dict:
         time.sleep(args.idle_s)
         t2, n2 = job_tokens(url, job_id)
         phases["idle"] = [t1 - mark, t2 - mark]
+        report["finetuning_health"] = httpx.get(f"{url}/health", timeout=30).json().get(
+            "finetuning")
+        print("server's fine-tuning state:", report["finetuning_health"], flush=True)
         httpx.post(f"{url}/v1/fine_tuning/jobs/{job_id}/cancel", timeout=30)
         sampler.stop.set()
         report.update(loaded_tokens_s=(n1 - n0) / (t1 - t0), idle_tokens_s=(n2 - n1) / (t2 - t1),

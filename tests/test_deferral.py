@@ -48,6 +48,7 @@ class Workers:
         if method == "micro_step":
             await asyncio.sleep(STEP_S)
             return {"loss_sum": 1.0, "tokens": sum(map(len, args[1])), "peak_bytes": None,
+                    "elapsed_s": STEP_S,
                     "free_bytes": None}
         if method == "start":
             return {"free_bytes": None, "lend_unit_blocks": 8, "lendable_units": 8,
