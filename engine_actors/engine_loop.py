@@ -116,8 +116,10 @@ class EngineLoop:
                 self.deliver(expired, DEADLINE_MISSED)
             if not in_flight and self.finetuning is not None \
                     and self.finetuning.wants_step(self.scheduler, time.monotonic()):
-                await self.finetuning.step(self.executor, self.scheduler.kv)  # waiting
-                continue  # requests are deferred
+                if await self.finetuning.step(self.executor, self.scheduler.kv):  # waiting
+                    await self._restart_workers()  # requests are deferred; a worker died
+                    self.scheduler.kv.take_back()
+                continue
             kv = self.scheduler.kv
             if kv.num_lent_blocks and not await self.finetuning.take_back(self.executor, kv):
                 # what training borrowed cannot be mapped again: new workers, a whole pool
@@ -172,6 +174,8 @@ class EngineLoop:
         (max_tokens, as EOS may not come) at the measured iteration time."""
         longest = max((r.sampling.max_tokens - r.num_output_tokens
                        for r in self.scheduler.admitted.values()), default=0)
+        if longest and self.iteration_s is None:
+            return float("inf")  # no iteration measured yet
         return longest * (self.iteration_s or 0.0)
 
     def _observe(self, batch: Batch) -> None:
@@ -194,6 +198,8 @@ class EngineLoop:
             await self.executor.start(num_blocks=self.scheduler.kv.num_blocks)
         finally:
             self.is_recovering = False
+            if self.finetuning is not None:
+                self.finetuning.workers_replaced()
 
     def stats(self) -> dict:
         s = self.scheduler

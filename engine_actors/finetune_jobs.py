@@ -166,23 +166,29 @@ class FineTuning:
             return have, micro
         return kv.lend(have + -(-int(short) // unit_bytes), unit_blocks, lendable), micro
 
-    async def step(self, executor, kv) -> None:
+    async def step(self, executor, kv) -> bool:
         """One micro-batch of the oldest job; its end (saved and served) after the last.
-        `kv`: the scheduler's KV manager, which lends blocks for the step's memory."""
+        `kv`: the scheduler's KV manager, which lends blocks for the step's memory. True:
+        a worker is gone (the job failed), the workers must be replaced."""
         job = self.queue[0]
         start = time.monotonic()
         try:
             if not job.started:
+                # a new trainer's state must not sit in memory lent by an earlier job
+                if kv.num_lent_blocks and not await self.take_back(executor, kv):
+                    return True
                 job.started, job.status = True, "running"
                 lora = job.lora
                 self.memory = await executor.finetune("start", job.id, lora["r"], lora["alpha"],
                                                       lora["target_modules"], job.learning_rate,
                                                       job.seed)
+                if job.status != "running":  # cancelled meanwhile (and dropped)
+                    return False
                 job.event("Fine-tuning job started")
             planned = self.plan(job, kv)
             if planned is None:
                 self.retry_at = time.monotonic() + MEMORY_RETRY_S
-                return
+                return False
             units, micro = planned
             loss_tokens, last = job.take_micro(micro)
             out = await executor.finetune("micro_step", job.id, units,
@@ -194,8 +200,11 @@ class FineTuning:
                 else f"{type(cause).__name__}: {cause}"
             if job.status == "running":  # not cancelled meanwhile
                 self._fail(job, message.splitlines()[0])
+            if isinstance(e, ray.exceptions.RayActorError):  # a worker died: its memory too
+                job.started = False
+                return True
             await self._drop(job, executor)
-            return
+            return False
         self.memory = {**self.memory, "free_bytes": out["free_bytes"],
                        "alloc_retries": out.get("alloc_retries", 0)}
         if out["peak_bytes"] is not None:
@@ -212,7 +221,7 @@ class FineTuning:
             self.metrics.finetune_tokens.inc(out["tokens"])
             self.metrics.finetune_step_time.observe(elapsed)
         if job.status != "running":
-            return  # cancelled while the step ran
+            return False  # cancelled while the step ran
         loss = job.record(out["tokens"], out["loss_sum"], last)
         if loss is not None:
             job.event(f"Step {job.steps_done}/{job.total_steps}: training loss={loss:.4f}",
@@ -220,6 +229,15 @@ class FineTuning:
                        "train_loss": loss, "trained_tokens": job.trained_tokens})
             if job.steps_done == job.total_steps:
                 await self._finish(job, executor)
+        return False
+
+    def workers_replaced(self) -> None:
+        """The workers were restarted after a failure: a running job's trainer is gone."""
+        job = self.queue[0] if self.queue and self.queue[0].started else None
+        if job is not None:
+            job.started = False
+            self._fail(job, "the workers were restarted after a failure; the job's training "
+                       "state was lost")
 
     async def take_back(self, executor, kv) -> bool:
         """Before inference runs again: the workers map the lent KV blocks again, and the

@@ -75,8 +75,9 @@ def dedicated_tokens_per_s(model: str, device: str, lines: list[dict], seconds: 
         tokens += out["tokens"]
         elapsed.append(out["elapsed_s"])
     rate = tokens / (time.perf_counter() - start)
-    print(f"dedicated: {len(elapsed)} micro-batches of {tokens / len(elapsed):.0f} tokens, "
-          f"{sum(elapsed) / len(elapsed) * 1e3:.1f} ms each", flush=True)
+    if elapsed:
+        print(f"dedicated: {len(elapsed)} micro-batches of {tokens / len(elapsed):.0f} tokens, "
+              f"{sum(elapsed) / len(elapsed) * 1e3:.1f} ms each", flush=True)
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler

@@ -80,6 +80,14 @@ def engine(bound_ms: float, workers: Workers) -> tuple[EngineLoop, list]:
     return loop, finished
 
 
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Wait for condition() (a regression fails the test instead of hanging it)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
 def request(rid: str, tokens: int) -> EngineRequest:
     return EngineRequest(rid, list(range(1, 9)), SamplingParams(max_tokens=tokens,
                                                                 temperature=0.0, ignore_eos=True))
@@ -90,13 +98,11 @@ async def _scenario(bound_ms: float, workers: Workers) -> list:
     task = asyncio.create_task(loop.run())
     try:
         loop.add(request("a", 20), None, None)  # no step time measured yet: a runs
-        while ("step", "a") not in workers.log:
-            await asyncio.sleep(0.005)
+        await until(lambda: ("step", "a") in workers.log)
         loop.finetuning.step_s = STEP_S  # as if measured now
         await asyncio.sleep(3 * ITERATION_S)
         loop.add(request("b", 2), None, None)
-        while "b" not in finished:
-            await asyncio.sleep(0.005)
+        await until(lambda: "b" in finished)
     finally:
         task.cancel()
     return workers.log
@@ -130,11 +136,58 @@ def test_lent_blocks_that_cannot_come_back_fail_the_job_and_serving_goes_on():
     async def run():
         task = asyncio.create_task(loop.run())
         loop.add(request("a", 3), None, None)
-        while "a" not in finished:
-            await asyncio.sleep(0.005)
-        task.cancel()
+        try:
+            await until(lambda: "a" in finished)
+        finally:
+            task.cancel()
 
     asyncio.run(run())
     assert workers.log[:3] == [("take_back", ""), ("drop", "ftjob-1"), ("take_back", "")]
     assert job.status == "failed" and "could not be returned" in job.error["message"]
     assert loop.scheduler.kv.num_lent_blocks == 0
+
+
+def test_a_worker_lost_in_a_training_step_fails_that_job_and_restarts_the_workers():
+    workers = Workers(4)
+    loop, finished = engine(1000.0, workers)
+    second = Job("ftjob-2", "m", "f", [([1] * 20, [True] * 20)] * 4, n_epochs=1, batch_size=2,
+                 learning_rate=1e-3, lora={"r": 8, "alpha": 16, "target_modules": []},
+                 suffix=None, seed=0)
+    loop.finetuning.jobs[second.id] = second
+    loop.finetuning.queue.append(second)
+    restarts = []
+
+    async def restart():  # what has happened when the workers are replaced
+        restarts.append((loop.finetuning.queue[0].id, ("start", "ftjob-2") in workers.log))
+
+    loop._restart_workers = restart
+    original = workers.finetune
+
+    async def dies_once(method, job_id, *args):
+        if method == "micro_step" and job_id == "ftjob-1":
+            raise ray.exceptions.RayActorError()
+        return await original(method, job_id, *args)
+
+    workers.finetune = dies_once
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: restarts)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    first = loop.finetuning.jobs["ftjob-1"]
+    assert first.status == "failed" and "RayActorError" in first.error["message"]
+    assert restarts == [("ftjob-2", False)]  # replaced before the next job started
+    assert second.status != "failed"
+
+
+def test_replaced_workers_fail_the_running_job_with_the_reason():
+    loop, _ = engine(1000.0, Workers(4))
+    job = loop.finetuning.queue[0]
+    job.started, job.status = True, "running"
+    loop.finetuning.workers_replaced()
+    assert job.status == "failed" and "restarted" in job.error["message"]
+    assert not loop.finetuning.queue
