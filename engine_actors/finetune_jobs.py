@@ -267,8 +267,11 @@ class FineTuning:
         try:
             await executor.finetune("save", job.id, path, self.cfg.model)
         except ray.exceptions.RayError as e:
-            self._fail(job, f"saving the adapter failed: {e}".splitlines()[0])
+            if job.status == "running":
+                self._fail(job, f"saving the adapter failed: {e}".splitlines()[0])
         else:
+            if job.status != "running":  # cancelled while it was saved (and dropped)
+                return
             refusal = self.adapters.load(name, path)
             if refusal is not None:
                 self._fail(job, refusal.message)

@@ -191,3 +191,21 @@ def test_replaced_workers_fail_the_running_job_with_the_reason():
     loop.finetuning.workers_replaced()
     assert job.status == "failed" and "restarted" in job.error["message"]
     assert not loop.finetuning.queue
+
+
+def test_a_job_cancelled_while_its_adapter_is_saved_stays_cancelled():
+    workers = Workers(4)
+    loop, _ = engine(1000.0, workers)
+    ft = loop.finetuning
+    job = ft.queue[0]
+    job.started, job.status = True, "running"
+    original = workers.finetune
+
+    async def slow_save(method, job_id, *args):
+        if method == "save":
+            await ft.cancel(job_id, workers)  # the user cancels meanwhile
+        return await original(method, job_id, *args)
+
+    workers.finetune = slow_save
+    asyncio.run(ft._finish(job, workers))
+    assert job.status == "cancelled" and job.fine_tuned_model is None
