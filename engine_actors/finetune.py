@@ -18,10 +18,8 @@ gathered for the loss. Pipeline stages are not supported for training.
 """
 from __future__ import annotations
 
-import functools
-import itertools
-import inspect
 import json
+import itertools
 import math
 import os
 import time
@@ -29,66 +27,13 @@ import time
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine_actors.layers.lora import MODULES
+from engine_actors.training_ops import (VARLEN_ATTENTION, CopyToRanks, SumOverRanks,
+                                        causal_attention, row_parallel)
 from kernels.rmsnorm import rmsnorm_ref
 from kernels.rotary import rotary_ref
 from kernels.silu_mul import silu_mul_ref
-
-# cuDNN's attention builds a plan for every new sequence length (about 1 ms of host time
-# per call in the backward pass); training sequences come in every length
-ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                      SDPBackend.MATH]
-
-
-def _varlen_causal():
-    """torch's variable-length flash attention (torch.nn.attention.varlen, 2.9 and later),
-    causal: one call for all sequences of a micro-batch; None where torch lacks it."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:  # 2.11 and later
-        return functools.partial(varlen_attn, window_size=(-1, 0))
-    if "is_causal" in params:
-        return functools.partial(varlen_attn, is_causal=True)
-    return None
-
-
-VARLEN_ATTENTION = _varlen_causal()
-
-
-class _CopyToRanks(torch.autograd.Function):
-    """Identity; the backward pass sums the gradient over the ranks (a replicated input of
-    a projection whose outputs are sharded)."""
-
-    @staticmethod
-    def forward(ctx, x, parallel):
-        ctx.parallel = parallel
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.parallel.all_reduce(grad.clone()), None
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Sum of partial results over the ranks; the gradient (replicated) passes as it is."""
-
-    @staticmethod
-    def forward(ctx, x, parallel):
-        return parallel.all_reduce(x.clone())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _row_parallel(module) -> bool:
-    return hasattr(module, "local_columns")
-
 
 class Trainer:
     def __init__(self, model, rank: int, alpha: float, targets: list[str], lr: float,
@@ -117,7 +62,7 @@ class Trainer:
                 parts = self.trained.setdefault(id(module),
                                                 [None] * len(getattr(module, "parts", [0])))
                 parts[part] = target
-                row = _row_parallel(module)
+                row = row_parallel(module)
                 out = module.weight.shape[0] if row else module.part_sizes[part]
                 in_features = module.weight.shape[1] * (parallel.tp_size if row else 1)
                 a = torch.empty(rank, in_features)
@@ -224,7 +169,7 @@ class Trainer:
         if self.parallel.tp_size == 1:
             return F.linear(hidden, self.model.lm_head.weight)
         # vocabulary-sharded outputs of a replicated input: its gradient sums over ranks
-        local = F.linear(_CopyToRanks.apply(hidden, self.parallel), self.model.lm_head.weight)
+        local = F.linear(CopyToRanks.apply(hidden, self.parallel), self.model.lm_head.weight)
         parts = list(self.parallel.all_gather_last_dim(local.detach()).chunk(
             self.parallel.tp_size, dim=-1))
         parts[self.parallel.tp_rank] = local
@@ -241,18 +186,8 @@ class Trainer:
         v = v.reshape(-1, attn.num_kv_heads, d)
         group = attn.num_heads // attn.num_kv_heads  # KV heads repeated for each query head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if cu is not None:  # [T, H, D], all sequences in one call
-            out = VARLEN_ATTENTION(q.contiguous(), k.contiguous(), v, cu, cu, max(lens),
-                                   max(lens))
-            return self._linear(layer_id, attn.o_proj, out.flatten(1))
-        outs, start = [], 0
-        with sdpa_kernel(ATTENTION_BACKENDS):  # not cuDNN: it plans each new length anew
-            for n in lens:  # per sequence, causal: [1, H, n, D]
-                qs, ks, vs = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
-                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0]
-                            .transpose(0, 1))
-                start += n
-        return self._linear(layer_id, attn.o_proj, torch.cat(outs).flatten(1))
+        out = causal_attention(q, k, v, lens, cu)
+        return self._linear(layer_id, attn.o_proj, out.flatten(1))
 
     def _cast_lora(self, dtype: torch.dtype) -> None:
         """The LoRA weights in the model's dtype for this forward pass, B already scaled:
@@ -269,9 +204,9 @@ class Trainer:
     def _linear(self, layer_id: str, module, x):
         """The frozen projection plus this job's low-rank updates of its trained parts
         (this rank's shard of the output, or the full output of a row-parallel one)."""
-        row, tp = _row_parallel(module), self.parallel.tp_size > 1
+        row, tp = row_parallel(module), self.parallel.tp_size > 1
         if tp and not row:
-            x = _CopyToRanks.apply(x, self.parallel)
+            x = CopyToRanks.apply(x, self.parallel)
         out = F.linear(x, module.weight)
         targets = self.trained.get(id(module))
         if targets is not None:
@@ -284,7 +219,7 @@ class Trainer:
                 deltas.append((x @ a.T) @ b.T)
             out = out + torch.cat(deltas, -1)
         if tp and row:
-            out = _SumOverRanks.apply(out, self.parallel)
+            out = SumOverRanks.apply(out, self.parallel)
         return out if module.bias is None else out + module.bias
 
     def state_bytes(self) -> int:
@@ -305,7 +240,7 @@ class Trainer:
             key = f"base_model.model.model.layers.{layer_id}.{block}.{target}"
             module = self.model.layers[layer_id].get_submodule(MODULES[target][0])
             a, b = a.detach().float(), b.detach().float()
-            if _row_parallel(module):  # A's input columns were sharded
+            if row_parallel(module):  # A's input columns were sharded
                 a = self.parallel.all_gather_last_dim(a)
             else:  # B's output rows (this part's heads) were sharded
                 b = self.parallel.all_gather_last_dim(b.T.contiguous()).T

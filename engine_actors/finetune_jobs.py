@@ -35,11 +35,11 @@ import uuid
 import ray
 
 from engine_actors.finetune_job import Job
+from engine_actors.finetune_memory import plan_micro_batch
 from engine_actors.messages import Refusal
 
 logger = logging.getLogger("orca_serve.finetune")
 MAX_FILE_BYTES = 64 * 1024 * 1024
-MEMORY_MARGIN = 1.25  # over the measured peak memory per token
 MEMORY_RETRY_S = 0.1  # when no example fits in the memory free now, ask again this much later
 
 
@@ -137,34 +137,8 @@ class FineTuning:
         return self.retry_at - now if self.queue and self.retry_at > now else None
 
     def plan(self, job: Job, kv) -> tuple[int, list[int]] | None:
-        """The next micro-batch of `job` (example indices) and the KV units lent for it in
-        all; None when it does not fit in the memory that can be freed now. Raises
-        ValueError when its next example could never fit."""
-        m = self.memory
-        if m["free_bytes"] is None:  # CPU: not bounded by the device
-            return 0, job.peek_micro(self.cfg.finetune_max_tokens)  # examples fit the cap
-        per_token = MEMORY_MARGIN * (job.bytes_per_token or m["bytes_per_token_guess"])
-        unit_bytes, unit_blocks, lendable = (m["lend_unit_bytes"], m["lend_unit_blocks"],
-                                             m["lendable_units"])
-        first = job.next_length()
-        most = m["free_bytes"] + lendable * unit_bytes  # with every lendable block lent
-        if per_token * first > most:
-            raise ValueError(f"a training example of {first} tokens needs about "
-                             f"{per_token * first / 2**30:.2f} GiB for a step; at most "
-                             f"{most / 2**30:.2f} GiB can be freed for training")
-        # until its memory per token is measured, a job's micro-batch is one example
-        tokens = first if job.bytes_per_token is None else self.cfg.finetune_max_tokens
-        possible = kv.can_lend(lendable, unit_blocks, lendable)
-        micro = job.peek_micro(min(tokens, int((m["free_bytes"] + possible * unit_bytes)
-                                               / per_token)))
-        if not micro:  # running requests or reservations hold the memory it needs
-            return None
-        have = kv.num_lent_blocks // unit_blocks  # lent for an earlier step
-        short = per_token * sum(len(job.examples[i][0]) for i in micro) \
-            - m["free_bytes"] - have * unit_bytes
-        if short <= 0 or not unit_bytes:
-            return have, micro
-        return kv.lend(have + -(-int(short) // unit_bytes), unit_blocks, lendable), micro
+        """The next micro-batch of `job` and the KV units lent for it (finetune_memory.py)."""
+        return plan_micro_batch(job, kv, self.memory, self.cfg.finetune_max_tokens)
 
     async def step(self, executor, kv) -> bool:
         """One micro-batch of the oldest job; its end (saved and served) after the last.
