@@ -20,12 +20,15 @@ from engine_actors.messages import StepResult
 
 
 class Grammars:
-    def __init__(self, model_path: str, vocab_size: int, threads: int | str = "auto"):
+    def __init__(self, model_path: str, vocab_size: int, threads: int | str = 1):
         self.model_path, self.vocab_size = model_path, vocab_size
-        self.threads = threads  # of xgrammar's mask filling ("auto": half the CPU threads)
+        # of xgrammar's mask filling ("auto": half the CPU threads). One is fastest where
+        # measured: 32 grammar rows of a 128k vocabulary on the H200 machine, 1.48 ms per
+        # step on one thread, 2.42 on two, 3.78 on eight (BENCHMARKS.md).
+        self.threads = threads
         self.matchers: dict[int, object] = {}  # row -> xgrammar GrammarMatcher
         self._compiler = None
-        self._batch = None  # xgrammar's BatchGrammarMatcher (fills rows on several threads)
+        self._batch = None  # xgrammar's BatchGrammarMatcher
 
     def _compile(self, spec: tuple[str, str]):
         import xgrammar as xgr
@@ -53,8 +56,7 @@ class Grammars:
         return [self.matchers.get(r) for r in rows]
 
     def bitmask(self, matchers: list[object | None]) -> torch.Tensor:
-        """[N, V/32] int32 on the CPU: allowed tokens of each grammar row (others: all),
-        filled by xgrammar's thread pool."""
+        """[N, V/32] int32 on the CPU: allowed tokens of each grammar row (others: all)."""
         import xgrammar as xgr
         mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         # a terminated one ended its request: a step already in flight samples a token the

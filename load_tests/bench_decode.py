@@ -167,8 +167,12 @@ def _bench_worker_class():
                 variants[key] = seconds / max(calls, 1) * 1e3
             for threads in self.grammar_threads:  # the same with a set number of fill threads
                 runner.head.grammars.threads, runner.head.grammars._batch = threads, None
+                for key in spent:
+                    spent[key][:] = [0.0, 0]
                 variants[f"json_half_t{threads}"] = time_decode(runner, batch, context_len,
                                                                 iters, "json_half")
+                seconds, calls = spent["json_fill_host_ms"]
+                variants[f"json_fill_host_ms_t{threads}"] = seconds / max(calls, 1) * 1e3
             return {"eager_ms": eager, "graph_ms": graph, "weight_bytes": weight_bytes(runner.model),
                     "kv_bytes": kv, "variants_ms": variants}
 
@@ -244,6 +248,8 @@ def main(argv=None) -> dict:
     variants = dict(r.get("variants_ms", {}))
     for key in ("json_rows_active", "json_mask_host_ms", "json_fill_host_ms"):
         report[key] = variants.pop(key, None)  # rows active at the end; host ms per step
+    for key in [k for k in variants if k.startswith("json_fill_host_ms_t")]:
+        report[key] = variants.pop(key)
     for variant, ms in variants.items():  # every request (json_half: every other) asking
         report[f"{variant}_ms"] = ms
         report[f"{variant}_over_plain"] = ms / r["graph_ms"]
