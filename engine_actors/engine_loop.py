@@ -26,6 +26,10 @@ from engine_actors.scheduler import Batch, RequestRejected, Scheduler
 
 logger = logging.getLogger("orca_serve.scheduler")
 IDLE_WAKE_S = 2.0  # an idle loop still wakes this often, to expire deadlines
+# after this long with no request arriving, fine-tuning keeps its next micro-batch queued on
+# the workers (finetune_jobs.py: its call hidden); a request that comes then waits for up to
+# two steps instead of one
+QUIET_S = 1.0
 WORKER_FAILURE = "the engine's workers failed; the request was aborted (see the server log)"
 DEADLINE_MISSED = "the request's deadline passed before it could start"
 
@@ -53,6 +57,7 @@ class EngineLoop:
         self._last_done = 0.0  # when the latest step ended
         self.last_tick = time.monotonic()  # the loop's heartbeat
         self.is_recovering = False
+        self.last_arrival = 0.0  # of a request
         self.finetuning = None  # FineTuning: jobs that run in idle time (finetune_jobs.py)
         self._wake = asyncio.Event()
 
@@ -90,6 +95,7 @@ class EngineLoop:
                                        priority=r.priority, deadline=deadline, lora=lora))
         except RequestRejected as e:
             return Refusal("too_long", str(e))
+        self.last_arrival = now
         self.wake()
         return None
 
@@ -114,9 +120,13 @@ class EngineLoop:
             expired = self.scheduler.expire(time.monotonic())
             if expired:
                 self.deliver(expired, DEADLINE_MISSED)
-            if not in_flight and self.finetuning is not None \
-                    and self.finetuning.wants_step(self.scheduler, time.monotonic()):
-                if await self.finetuning.step(self.executor, self.scheduler.kv):  # waiting
+            now = time.monotonic()
+            ft = self.finetuning
+            # (a micro-batch sent ahead is always taken before inference runs)
+            if not in_flight and ft is not None and (ft.ahead or ft.wants_step(self.scheduler,
+                                                                                now)):
+                quiet = not self.scheduler.pool and now - self.last_arrival >= QUIET_S
+                if await ft.step(self.executor, self.scheduler.kv, pipeline=quiet):
                     await self._restart_workers()  # requests are deferred; a worker died
                     self.scheduler.kv.take_back()
                 continue

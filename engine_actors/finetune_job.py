@@ -30,10 +30,12 @@ class Job:
     steps_done: int = 0
     events: list[dict] = field(default_factory=list)
     started: bool = False  # its trainer exists on the worker
-    bytes_per_token: float | None = None  # a micro-batch's peak memory, measured
+    bytes_per_token: float | None = None  # a micro-batch's peak memory per token, measured
+    measured_tokens: int = 0  # the size of the micro-batch that figure comes from
     _plan: list[list[int]] = field(default_factory=list)  # batches of example indices
     _rest: list[int] = field(default_factory=list)  # the current batch's examples not run
-    _batch: tuple[int, float] = (0, 0.0)  # its trained tokens, loss sum so far
+    _batch_tokens: int = 0  # the current batch's trained tokens
+    _loss_sum: float = 0.0  # of the micro-batches recorded since the last batch ended
 
     @property
     def total_steps(self) -> int:
@@ -80,7 +82,19 @@ class Job:
         whether it ends its batch."""
         assert micro and self._rest[:len(micro)] == micro
         del self._rest[:len(micro)]
-        return self._batch[0], not self._rest
+        return self._batch_tokens, not self._rest
+
+    def has_next(self) -> bool:
+        """A micro-batch is left after those taken."""
+        return bool(self._rest or self._plan)
+
+    def measure_memory(self, peak_bytes: int, tokens: int) -> None:
+        """A micro-batch's peak memory. The figure per token is the largest micro-batch's
+        (the worst of equal ones): a small one's fixed costs (the LoRA weights cast for the
+        pass) weigh more per token, and would shrink every later micro-batch."""
+        if tokens > self.measured_tokens or tokens == self.measured_tokens \
+                and peak_bytes / tokens > (self.bytes_per_token or 0.0):
+            self.bytes_per_token, self.measured_tokens = peak_bytes / tokens, tokens
 
     def next_length(self) -> int:
         """Tokens of the next example to train on."""
@@ -98,13 +112,17 @@ class Job:
                                for i in range(0, len(order), self.batch_size)]
             self._plan = self._plan[self.steps_done:]
         self._rest = self._plan.pop(0)
-        self._batch = (sum(sum(self.examples[i][1]) for i in self._rest), 0.0)
+        self._batch_tokens = sum(sum(self.examples[i][1]) for i in self._rest)
 
-    def record(self, tokens: int, loss_sum: float, ends_batch: bool) -> float | None:
-        """A micro-batch's result; at the end of its batch, the batch's mean loss (a step)."""
+    def record(self, tokens: int, loss_sum: float, batch_loss_tokens: int,
+               ends_batch: bool) -> float | None:
+        """A micro-batch's result, in the order they were taken (the next one may have been
+        taken before, even from the next batch); at the end of its batch, the batch's mean
+        loss over its `batch_loss_tokens` (a step)."""
         self.trained_tokens += tokens
-        self._batch = (self._batch[0], self._batch[1] + loss_sum)
+        self._loss_sum += loss_sum
         if not ends_batch:
             return None
         self.steps_done += 1
-        return self._batch[1] / max(1, self._batch[0])
+        loss, self._loss_sum = self._loss_sum / max(1, batch_loss_tokens), 0.0
+        return loss

@@ -35,12 +35,11 @@ import uuid
 import ray
 
 from engine_actors.finetune_job import Job
-from engine_actors.finetune_memory import plan_micro_batch
+from engine_actors.finetune_steps import TrainingSteps
 from engine_actors.messages import Refusal
 
 logger = logging.getLogger("orca_serve.finetune")
 MAX_FILE_BYTES = 64 * 1024 * 1024
-MEMORY_RETRY_S = 0.1  # when no example fits in the memory free now, ask again this much later
 
 
 def may_defer(waited_s: list[float], step_s: float | None, bound_s: float) -> bool:
@@ -51,21 +50,17 @@ def may_defer(waited_s: list[float], step_s: float | None, bound_s: float) -> bo
     return step_s is not None and max(waited_s) + step_s <= bound_s
 
 
-class FineTuning:
-    """The scheduler actor's files and jobs, and the steps it runs for them."""
+class FineTuning(TrainingSteps):
+    """The scheduler actor's files and jobs, and when their steps run (the steps
+    themselves: finetune_steps.py)."""
 
     def __init__(self, cfg, adapters, metrics=None):
-        self.cfg, self.adapters, self.metrics = cfg, adapters, metrics
+        super().__init__(cfg, metrics)
+        self.adapters = adapters
         self.dir = cfg.finetune_dir or tempfile.mkdtemp(prefix="orca-finetune-")
         self.files: dict[str, tuple[dict, bytes]] = {}
         self.jobs: dict[str, Job] = {}
-        self.queue: list[Job] = []  # queued and running, oldest first
-        self.step_s: float | None = None  # measured time of one step, averaged
-        self.train_s: float | None = None  # of which the trainer's, on the worker
-        self.micro_tokens = 0.0  # tokens of a micro-batch, averaged
         self.bound_s = cfg.finetune_deferral_ms / 1e3
-        self.memory: dict | None = None  # the worker's: free bytes, how the KV pool lends
-        self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
 
     # ---- files --------------------------------------------------------------------------
     def add_file(self, filename: str, purpose: str, content: bytes) -> dict:
@@ -116,8 +111,16 @@ class FineTuning:
     def wants_step(self, scheduler, now: float) -> bool:
         if not self.queue or scheduler.num_running or now < self.retry_at:
             return False
-        return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_s,
+        return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_cost_s,
                          self.bound_s)
+
+    @property
+    def step_cost_s(self) -> float | None:
+        """What one more step delays inference by: the step, and mapping the lent memory
+        back afterwards (both measured; None until a step is)."""
+        if self.step_s is None:
+            return None
+        return self.step_s + (self.take_back_s or 0.0)
 
     def hold_from(self, now: float, drain_s: float) -> float | None:
         """FineInfer's deferral of new requests: while a job could step, a request that
@@ -127,113 +130,15 @@ class FineTuning:
         requests' longest remaining decode, estimated), so holding never delays a request
         for a step that could not run within its bound. None: nothing is held (no job, a
         job waiting for memory, the step's time unknown, or no time for it)."""
-        if not self.queue or now < self.retry_at or self.step_s is None \
-                or drain_s + self.step_s > self.bound_s:
+        step_s = self.step_cost_s
+        if not self.queue or now < self.retry_at or step_s is None \
+                or drain_s + step_s > self.bound_s:
             return None
-        return now - (self.bound_s - self.step_s - drain_s)
+        return now - (self.bound_s - step_s - drain_s)
 
     def wake_in(self, now: float) -> float | None:
         """Seconds until a job waiting for memory may try again (None: none waits)."""
         return self.retry_at - now if self.queue and self.retry_at > now else None
-
-    def plan(self, job: Job, kv) -> tuple[int, list[int]] | None:
-        """The next micro-batch of `job` and the KV units lent for it (finetune_memory.py)."""
-        return plan_micro_batch(job, kv, self.memory, self.cfg.finetune_max_tokens)
-
-    async def step(self, executor, kv) -> bool:
-        """One micro-batch of the oldest job; its end (saved and served) after the last.
-        `kv`: the scheduler's KV manager, which lends blocks for the step's memory. True:
-        a worker is gone (the job failed), the workers must be replaced."""
-        job = self.queue[0]
-        start = time.monotonic()
-        try:
-            if not job.started:
-                # a new trainer's state must not sit in memory lent by an earlier job
-                if kv.num_lent_blocks and not await self.take_back(executor, kv):
-                    return True
-                job.started, job.status = True, "running"
-                lora = job.lora
-                self.memory = await executor.finetune("start", job.id, lora["r"], lora["alpha"],
-                                                      lora["target_modules"], job.learning_rate,
-                                                      job.seed)
-                if job.status != "running":  # cancelled meanwhile (and dropped)
-                    return False
-                job.event("Fine-tuning job started")
-            planned = self.plan(job, kv)
-            if planned is None:
-                self.retry_at = time.monotonic() + MEMORY_RETRY_S
-                return False
-            units, micro = planned
-            loss_tokens, last = job.take_micro(micro)
-            out = await executor.finetune("micro_step", job.id, units,
-                                          [job.examples[i][0] for i in micro],
-                                          [job.examples[i][1] for i in micro], loss_tokens, last)
-        except (ray.exceptions.RayError, ValueError) as e:
-            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e
-            message = str(cause) if isinstance(cause, ValueError) \
-                else f"{type(cause).__name__}: {cause}"
-            if job.status == "running":  # not cancelled meanwhile
-                self._fail(job, message.splitlines()[0])
-            if isinstance(e, ray.exceptions.RayActorError):  # a worker died: its memory too
-                job.started = False
-                return True
-            await self._drop(job, executor)
-            return False
-        self.memory = {**self.memory, "free_bytes": out["free_bytes"],
-                       "alloc_retries": out.get("alloc_retries", 0)}
-        if out["peak_bytes"] is not None:
-            job.bytes_per_token = max(job.bytes_per_token or 0.0,
-                                      out["peak_bytes"] / out["tokens"])
-        elapsed = time.monotonic() - start
-        self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
-        # of which the trainer's own time on the worker (the rest: calls, planning, lending)
-        self.train_s = out["elapsed_s"] if self.train_s is None \
-            else 0.8 * self.train_s + 0.2 * out["elapsed_s"]
-        self.micro_tokens = 0.8 * self.micro_tokens + 0.2 * out["tokens"]
-        if self.metrics is not None:
-            self.metrics.finetune_steps.inc()
-            self.metrics.finetune_tokens.inc(out["tokens"])
-            self.metrics.finetune_step_time.observe(elapsed)
-        if job.status != "running":
-            return False  # cancelled while the step ran
-        loss = job.record(out["tokens"], out["loss_sum"], last)
-        if loss is not None:
-            job.event(f"Step {job.steps_done}/{job.total_steps}: training loss={loss:.4f}",
-                      {"step": job.steps_done, "total_steps": job.total_steps,
-                       "train_loss": loss, "trained_tokens": job.trained_tokens})
-            if job.steps_done == job.total_steps:
-                await self._finish(job, executor)
-        return False
-
-    def workers_replaced(self) -> None:
-        """The workers were restarted after a failure: a running job's trainer is gone."""
-        job = self.queue[0] if self.queue and self.queue[0].started else None
-        if job is not None:
-            job.started = False
-            self._fail(job, "the workers were restarted after a failure; the job's training "
-                       "state was lost")
-
-    async def take_back(self, executor, kv) -> bool:
-        """Before inference runs again: the workers map the lent KV blocks again, and the
-        pool has them back. A worker that cannot (its device's memory is held elsewhere)
-        fails the running job, whose trainer is freed, and tries once more. False: the
-        workers still cannot (or are gone) and must be replaced."""
-        for attempt in range(2):
-            try:
-                await executor.finetune("take_back", "")
-            except ray.exceptions.RayError as e:
-                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-                logger.error("mapping the KV blocks lent to fine-tuning again failed: %s", reason)
-                job = self.queue[0] if self.queue and self.queue[0].started else None
-                if attempt or job is None:
-                    return False
-                self._fail(job, "the memory lent to training could not be returned to the "
-                           f"KV cache: {reason}")
-                await self._drop(job, executor)
-                continue
-            kv.take_back()
-            return True
-        return False
 
     async def _finish(self, job: Job, executor) -> None:
         name = f"ft:{self.cfg.model_name}:{job.suffix or 'orca'}:{job.id[len('ftjob-'):][:8]}"
@@ -265,16 +170,6 @@ class FineTuning:
         job.status, job.finished_at = status, int(time.time())
         if job in self.queue:
             self.queue.remove(job)
-
-    async def _drop(self, job: Job, executor) -> None:
-        """Free the job's trainer (parameters, gradients, optimizer state) on the worker."""
-        if job.started:
-            job.started = False
-            try:
-                await executor.finetune("drop", job.id)
-            except ray.exceptions.RayError as e:  # the worker is gone, and its memory too
-                logger.warning("freeing fine-tuning job %s's trainer failed: %s", job.id,
-                               str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def stats(self) -> dict:
         running = self.queue[0].id if self.queue and self.queue[0].started else None

@@ -32,6 +32,8 @@ class Workers:
         self.runner, self.log = FakeRunner(block_size), []
         self.take_back_failures = take_back_failures
         self.device = asyncio.Lock()  # steps run one after the other, as on a GPU
+        self.training_calls = []  # (when, micro-steps sent and not answered, with this one)
+        self.unanswered = 0
 
     async def execute(self, step):
         async with self.device:
@@ -46,7 +48,13 @@ class Workers:
             self.take_back_failures -= 1
             raise ray.exceptions.RayError("cuMemCreate failed with error 2")
         if method == "micro_step":
-            await asyncio.sleep(STEP_S)
+            self.unanswered += 1
+            self.training_calls.append((time.monotonic(), self.unanswered))
+            try:
+                async with self.device:
+                    await asyncio.sleep(STEP_S)
+            finally:
+                self.unanswered -= 1
             return {"loss_sum": 1.0, "tokens": sum(map(len, args[1])), "peak_bytes": None,
                     "elapsed_s": STEP_S,
                     "free_bytes": None}
@@ -209,3 +217,60 @@ def test_a_job_cancelled_while_its_adapter_is_saved_stays_cancelled():
     workers.finetune = slow_save
     asyncio.run(ft._finish(job, workers))
     assert job.status == "cancelled" and job.fine_tuned_model is None
+
+
+def test_with_no_request_near_the_next_micro_batch_waits_on_the_workers(monkeypatch):
+    """After QUIET_S without arrivals, a micro-batch is sent while the one before it runs
+    (the call's time hidden); a request that comes then waits for those two at most."""
+    monkeypatch.setattr("engine_actors.engine_loop.QUIET_S", 0.3)
+    workers = Workers(4)
+    # a 60-ms bound: a request that waited through a step may not wait for another
+    loop, finished = engine(60.0, workers)
+    job = loop.finetuning.queue[0]
+
+    async def run():
+        loop.last_arrival = start = time.monotonic()  # as if a request just came
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: workers.training_calls
+                        and workers.training_calls[-1][0] > start + 0.6)
+            loop.add(request("a", 3), None, None)
+            arrived = time.monotonic()
+            workers.log.append(("arrived", "a"))
+            await until(lambda: "a" in finished)
+            served = time.monotonic()
+        finally:
+            task.cancel()
+        return start, arrived, served
+
+    start, arrived, served = asyncio.run(run())
+    calls = workers.training_calls
+    assert all(n == 1 for t, n in calls if t < start + 0.25)  # not quiet yet: one at a time
+    assert any(n == 2 for t, n in calls if start + 0.35 < t < arrived)  # quiet: two
+    log = workers.log[workers.log.index(("arrived", "a")):workers.log.index(("finished", "a"))]
+    assert ("micro_step", "ftjob-1") not in log  # nothing more was sent before a ran
+    assert served - arrived < 2 * STEP_S + 6 * ITERATION_S
+    assert job.status == "running" and job.steps_done > 0
+
+
+def test_a_job_cancelled_with_a_micro_batch_sent_ahead_ends_cleanly(monkeypatch):
+    monkeypatch.setattr("engine_actors.engine_loop.QUIET_S", 0.0)
+    workers = Workers(4)
+    loop, finished = engine(200.0, workers)
+    ft = loop.finetuning
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: ft.ahead is not None)
+            await ft.cancel("ftjob-1", workers)
+            await until(lambda: ft.ahead is None)
+            loop.add(request("a", 3), None, None)  # serving goes on
+            await until(lambda: "a" in finished)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert ft.jobs["ftjob-1"].status == "cancelled" and not ft.queue
+    # the micro-batch sent ahead ran before the trainer was dropped (calls run in order)
+    assert workers.log.index(("drop", "ftjob-1")) > workers.log.index(("micro_step", "ftjob-1"))

@@ -419,3 +419,42 @@ def test_new_requests_are_held_only_while_a_step_fits_in_their_deferral_bound():
     assert ft.hold_from(10.0, 0.0) is None
     ft.retry_at, ft.step_s = 0.0, 0.3  # a step longer than the bound: never deferred
     assert ft.hold_from(10.0, 0.0) is None
+
+
+def test_mapping_memory_back_counts_in_the_time_a_step_defers_requests():
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+    ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
+    ft.queue = [_job([10])]
+    ft.step_s = 0.05
+    assert ft.hold_from(10.0, 0.0) == pytest.approx(9.85)
+    ft.take_back_s = 0.1  # measured: inference resumes 150 ms after a step starts
+    assert ft.hold_from(10.0, 0.0) == pytest.approx(9.95)
+    assert ft.hold_from(10.0, 0.1) is None
+
+
+def test_a_batch_loss_is_right_when_the_next_batch_was_taken_before_it_was_recorded():
+    from engine_actors.finetune_job import Job
+    examples = [([1] * 4, [True] * k) for k in (1, 3, 2, 6)]  # trained tokens 1, 3, 2, 6
+    job = Job("j", "m", "f", examples, n_epochs=1, batch_size=2, learning_rate=1e-3,
+              lora={}, suffix=None, seed=0)
+    job._plan = [[0, 1], [2, 3]]
+    first = job.next_micro(8)  # the whole first batch (4 trained tokens)
+    second = job.next_micro(4)  # sent ahead: the second batch's first example (of 8)
+    assert first[1:] == (4, True) and second[1:] == (8, False)
+    assert job.record(8, 2.0, *first[1:]) == pytest.approx(0.5)  # 2.0 over 4 tokens
+    assert job.record(4, 1.0, *second[1:]) is None
+    third = job.next_micro(4)
+    assert job.record(4, 3.0, *third[1:]) == pytest.approx(0.5)  # (1.0 + 3.0) over 8
+    assert job.steps_done == 2 and job.trained_tokens == 16 and not job.has_next()
+
+
+def test_memory_per_token_comes_from_the_largest_micro_batch_measured():
+    job = _job([10])
+    job.measure_memory(3000, 10)  # one short example: its fixed costs weigh 300 a token
+    assert job.bytes_per_token == 300
+    job.measure_memory(100_000, 1000)  # a full micro-batch: 100 a token
+    assert job.bytes_per_token == 100
+    job.measure_memory(2000, 10)  # smaller than the one measured: not used
+    job.measure_memory(120_000, 1000)  # as large and worse: used
+    assert job.bytes_per_token == 120
