@@ -11,6 +11,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -57,7 +58,7 @@ class EngineLoop:
         self._last_done = 0.0  # when the latest step ended
         self.last_tick = time.monotonic()  # the loop's heartbeat
         self.is_recovering = False
-        self.last_arrival = 0.0  # of a request
+        self.last_arrival = -math.inf  # of a request
         self.finetuning = None  # FineTuning: jobs that run in idle time (finetune_jobs.py)
         self._wake = asyncio.Event()
 
@@ -123,8 +124,8 @@ class EngineLoop:
             now = time.monotonic()
             ft = self.finetuning
             # (a micro-batch sent ahead is always taken before inference runs)
-            if not in_flight and ft is not None and (ft.ahead or ft.wants_step(self.scheduler,
-                                                                                now)):
+            if not in_flight and ft is not None and (
+                    ft.ahead or ft.wants_step(self.scheduler, now, self.last_arrival)):
                 quiet = not self.scheduler.pool and now - self.last_arrival >= QUIET_S
                 if await ft.step(self.executor, self.scheduler.kv, pipeline=quiet):
                     await self._restart_workers()  # requests are deferred; a worker died

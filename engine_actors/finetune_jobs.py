@@ -27,6 +27,7 @@ is freed, so serving never loses its KV pool to training.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -108,11 +109,17 @@ class FineTuning(TrainingSteps):
         return job.to_dict()
 
     # ---- the engine loop's side ---------------------------------------------------------
-    def wants_step(self, scheduler, now: float) -> bool:
+    def wants_step(self, scheduler, now: float, last_arrival: float = -math.inf) -> bool:
+        """Whether a micro-batch runs now (FineInfer's rule). A step longer than the bound
+        would hold whoever arrives during it past the bound, so it runs only when none is
+        likely to: no request arrived for twice its time (`last_arrival`: the latest
+        arrival). Under steady load it then never runs; in a lull it does."""
         if not self.queue or scheduler.num_running or now < self.retry_at:
             return False
-        return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_cost_s,
-                         self.bound_s)
+        cost = self.step_cost_s
+        if cost is not None and cost > self.bound_s and now - last_arrival < 2 * cost:
+            return False
+        return may_defer([now - r.arrival_time for r in scheduler.waiting], cost, self.bound_s)
 
     @property
     def step_cost_s(self) -> float | None:

@@ -458,3 +458,21 @@ def test_memory_per_token_comes_from_the_largest_micro_batch_measured():
     job.measure_memory(2000, 10)  # smaller than the one measured: not used
     job.measure_memory(120_000, 1000)  # as large and worse: used
     assert job.bytes_per_token == 120
+
+
+def test_a_step_longer_than_the_bound_runs_only_after_a_lull():
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+
+    class Idle:  # the scheduler: nothing running or waiting
+        num_running, waiting = 0, []
+
+    ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
+    ft.queue = [_job([10])]
+    assert ft.wants_step(Idle, 10.0, last_arrival=9.99)  # step time unknown: FineInfer's rule
+    ft.step_s = 0.15  # within the bound: whoever comes waits at most the bound
+    assert ft.wants_step(Idle, 10.0, last_arrival=9.99)
+    ft.step_s = 0.3  # longer: it would hold a request that comes during it past the bound
+    assert not ft.wants_step(Idle, 10.0, last_arrival=9.5)
+    assert ft.wants_step(Idle, 10.0, last_arrival=9.39)  # none for twice its time
+    assert ft.wants_step(Idle, 10.0)  # none ever
