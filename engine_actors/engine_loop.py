@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import ray
 
+from engine_actors import finetune_jobs
 from engine_actors.checkpoint import ModelInfo, model_info
 from engine_actors.config import EngineConfig
 from engine_actors.executor import Executor, resolve_device
@@ -27,10 +28,6 @@ from engine_actors.scheduler import Batch, RequestRejected, Scheduler
 
 logger = logging.getLogger("orca_serve.scheduler")
 IDLE_WAKE_S = 2.0  # an idle loop still wakes this often, to expire deadlines
-# after this long with no request arriving, fine-tuning keeps its next micro-batch queued on
-# the workers (finetune_jobs.py: its call hidden); a request that comes then waits for up to
-# two steps instead of one
-QUIET_S = 1.0
 WORKER_FAILURE = "the engine's workers failed; the request was aborted (see the server log)"
 DEADLINE_MISSED = "the request's deadline passed before it could start"
 
@@ -97,6 +94,8 @@ class EngineLoop:
         except RequestRejected as e:
             return Refusal("too_long", str(e))
         self.last_arrival = now
+        if self.finetuning is not None:  # a micro-batch sent ahead is called off
+            self.finetuning.skip_ahead(self.executor)
         self.wake()
         return None
 
@@ -126,7 +125,10 @@ class EngineLoop:
             # (a micro-batch sent ahead is always taken before inference runs)
             if not in_flight and ft is not None and (
                     ft.ahead or ft.wants_step(self.scheduler, now, self.last_arrival)):
-                quiet = not self.scheduler.pool and now - self.last_arrival >= QUIET_S
+                # a lull: the next micro-batch waits on the workers (its call hidden); a
+                # request that comes then waits for up to two steps instead of one
+                quiet = not self.scheduler.pool \
+                    and now - self.last_arrival >= finetune_jobs.QUIET_S
                 if await ft.step(self.executor, self.scheduler.kv, pipeline=quiet):
                     await self._restart_workers()  # requests are deferred; a worker died
                     self.scheduler.kv.take_back()

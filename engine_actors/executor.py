@@ -114,6 +114,12 @@ class Executor:
             out = {**out, "free_bytes": min(r["free_bytes"] for r in results)}
         return out
 
+    def skip_training(self, seq: int) -> None:
+        """The fine-tuning micro-batch `seq`, sent ahead, is skipped if it has not started
+        (a request came); not waited for."""
+        for w in self.workers:
+            w.skip_training.remote(seq)
+
     async def all_alive(self, timeout_s: float = 5.0) -> bool:
         try:
             await asyncio.wait_for(asyncio.gather(*[w.__ray_ready__.remote()

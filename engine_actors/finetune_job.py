@@ -84,6 +84,10 @@ class Job:
         del self._rest[:len(micro)]
         return self._batch_tokens, not self._rest
 
+    def untake(self, micro: list[int]) -> None:
+        """The micro-batch taken last did not run (called off): it is next again."""
+        self._rest[:0] = micro
+
     def has_next(self) -> bool:
         """A micro-batch is left after those taken."""
         return bool(self._rest or self._plan)

@@ -41,6 +41,9 @@ from engine_actors.messages import Refusal
 
 logger = logging.getLogger("orca_serve.finetune")
 MAX_FILE_BYTES = 64 * 1024 * 1024
+# after a second with no request arriving, the next micro-batch is sent while one runs
+# (the engine loop's `pipeline`)
+QUIET_S = 1.0
 
 
 def may_defer(waited_s: list[float], step_s: float | None, bound_s: float) -> bool:

@@ -5,7 +5,8 @@ KV pool mapped back before inference runs again, and failures of any of these.
 
 With no request near (the engine loop's `pipeline`), the next micro-batch is sent while
 one runs, as inference keeps two steps in flight: the workers run calls in order, so the
-call's and the planning's time are hidden and the device goes from one to the next.
+call's and the planning's time are hidden and the device goes from one to the next. A
+request that arrives calls the one sent ahead off (`skip_ahead`) if it has not started.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class Sent:
     loss_tokens: int  # its batch's trained tokens
     last: bool  # it ends its batch: the optimizer steps
     sent_at: float
+    seq: int  # its number, to call it off (`skip_ahead`)
+    micro: list[int]  # its examples
+    skip: bool = False  # called off, if it has not started
 
 
 class TrainingSteps:
@@ -47,6 +51,7 @@ class TrainingSteps:
         self.memory: dict | None = None  # the worker's: free bytes, how the KV pool lends
         self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
         self.ahead: Sent | None = None  # sent while the one before it ran (`pipeline`)
+        self.num_sent = 0
 
     def plan(self, job: Job, kv) -> tuple[int, list[int]] | None:
         """The next micro-batch of `job` and the KV units lent for it (finetune_memory.py)."""
@@ -88,6 +93,10 @@ class TrainingSteps:
             return False
         self.memory = {**self.memory, "free_bytes": out["free_bytes"],
                        "alloc_retries": out.get("alloc_retries", 0)}
+        if out.get("skipped"):  # called off before it started: its examples are next again
+            if job.status == "running":
+                job.untake(sent.micro)
+            return False
         if out["peak_bytes"] is not None:
             job.measure_memory(out["peak_bytes"], out["tokens"])
         elapsed = time.monotonic() - max(start, sent.sent_at)
@@ -136,10 +145,18 @@ class TrainingSteps:
             return None
         units, micro = planned
         loss_tokens, last = job.take_micro(micro)
+        self.num_sent += 1
         call = asyncio.ensure_future(executor.finetune(
-            "micro_step", job.id, units, [job.examples[i][0] for i in micro],
+            "micro_step", job.id, self.num_sent, units, [job.examples[i][0] for i in micro],
             [job.examples[i][1] for i in micro], loss_tokens, last))
-        return Sent(job, call, loss_tokens, last, time.monotonic())
+        return Sent(job, call, loss_tokens, last, time.monotonic(), self.num_sent, micro)
+
+    def skip_ahead(self, executor) -> None:
+        """A request came: the micro-batch sent ahead is called off if it has not started,
+        so the request waits for one step at most, as without the pipeline."""
+        if self.ahead is not None and not self.ahead.skip:
+            self.ahead.skip = True
+            executor.skip_training(self.ahead.seq)
 
     async def _discard_ahead(self, *sent: Sent | None) -> None:
         """The job ended or failed: the micro-batches sent for it run out (the workers run

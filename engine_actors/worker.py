@@ -43,6 +43,7 @@ class Worker:
         # wall-clock (arrived, launched, enqueued, done) of the latest steps, for diagnosis
         self.trace: collections.deque = collections.deque(maxlen=256)
         self.trainers: dict[str, Trainer] = {}  # fine-tuning jobs' LoRA training state
+        self._skip: set[int] = set()  # micro-batches called off (skip_training)
         self._held = 0  # bytes the caching allocator holds and cannot give back (CUDA)
 
     def address(self) -> str:
@@ -127,9 +128,11 @@ class Worker:
                 torch.cuda.empty_cache()  # (the graphs' pools): not free for training
                 self._held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
             return self._training_memory()
-        if method == "micro_step":  # args: the KV units to lend first, then the batch
-            self.runner.kv_memory.lend(args[0])
-            out = self.trainers[job_id].micro_step(*args[1:])
+        if method == "micro_step":  # args: its number, the KV units to lend, the batch
+            self.runner.kv_memory.lend(args[1])
+            if self._skipped(args[0]):
+                return {"skipped": True, **self._training_memory()}
+            out = self.trainers[job_id].micro_step(*args[2:])
             return {**out, **self._training_memory()}
         if method == "take_back":  # the lent KV blocks, mapped again before inference
             self.runner.kv_memory.take_back()
@@ -141,6 +144,21 @@ class Worker:
             return {j: t.state_bytes() for j, t in self.trainers.items()}
         else:
             return getattr(self.trainers[job_id], method)(*args)
+
+    async def skip_training(self, seq: int) -> None:
+        """Micro-batch `seq` (sent ahead) is not to run if it has not started. On the
+        actor's loop, so it lands while the launch thread trains."""
+        self._skip.add(seq)
+
+    def _skipped(self, seq: int) -> bool:
+        """Whether micro-batch `seq` was called off; with tensor parallelism the ranks
+        agree (any that heard it), so they all run it or none does."""
+        skip = seq in self._skip
+        self._skip.discard(seq)
+        if self.runner.parallel.tp_size > 1:
+            flag = torch.tensor([float(skip)], device=self.runner.model.embed_tokens.weight.device)
+            skip = bool(self.runner.parallel.all_reduce(flag).item())
+        return skip
 
     def _training_memory(self) -> dict:
         """What a training step may use: device memory free beside the KV pool (None on

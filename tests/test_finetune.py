@@ -476,3 +476,45 @@ def test_a_step_longer_than_the_bound_runs_only_after_a_lull():
     assert not ft.wants_step(Idle, 10.0, last_arrival=9.5)
     assert ft.wants_step(Idle, 10.0, last_arrival=9.39)  # none for twice its time
     assert ft.wants_step(Idle, 10.0)  # none ever
+
+
+def test_a_micro_batch_called_off_before_it_started_runs_next():
+    import asyncio
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+
+    class Executor:  # the workers: micro-batch 2 is called off before it starts
+        def __init__(self):
+            self.skipped, self.device = set(), asyncio.Lock()  # calls run in order
+
+        def skip_training(self, seq):
+            self.skipped.add(seq)
+
+        async def finetune(self, method, job_id, seq, units, seqs, *rest):
+            async with self.device:
+                if seq in self.skipped:
+                    return {"skipped": True, "free_bytes": None}
+                await asyncio.sleep(0.05)
+            return {"loss_sum": 1.0, "tokens": sum(map(len, seqs)), "peak_bytes": None,
+                    "elapsed_s": 0.01, "free_bytes": None}
+
+    ft = FineTuning(EngineConfig(finetune_max_tokens=10), adapters=None)
+    ft.memory = {"free_bytes": None}  # CPU: micro-batches bounded by the token cap alone
+    job = _job([10, 10, 10, 10])  # one example a micro-batch
+    job.started, job.status = True, "running"
+    ft.jobs[job.id], ft.queue = job, [job]
+    executor = Executor()
+
+    async def run():
+        first = asyncio.create_task(ft.step(executor, None, pipeline=True))
+        await asyncio.sleep(0.02)  # example 0 runs, 1 was sent ahead
+        assert ft.ahead.micro == [1]
+        ft.skip_ahead(executor)  # a request came
+        await first
+        assert job.trained_tokens == 10
+        await ft.step(executor, None)  # the answer: skipped
+        assert ft.ahead is None and job.trained_tokens == 10 and job._rest == [1, 2, 3]
+        await ft.step(executor, None)  # example 1 now
+        assert job.trained_tokens == 20 and job._rest == [2, 3]
+
+    asyncio.run(run())
