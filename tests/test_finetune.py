@@ -518,3 +518,19 @@ def test_a_micro_batch_called_off_before_it_started_runs_next():
         assert job.trained_tokens == 20 and job._rest == [2, 3]
 
     asyncio.run(run())
+
+
+def test_a_worker_skips_a_micro_batch_called_off_before_it_starts(base):
+    """The worker's side of `skip_ahead`: a called-off micro-batch changes nothing (its
+    gradients are not accumulated), and the next one runs."""
+    import asyncio
+    engine = InProcessEngine(model=base, dtype="float32")
+    worker = engine.worker
+    worker._finetune("start", "job", 4, 16, ["q_proj"], 1e-2, 0)
+    b = worker.trainers["job"].params["0", "q_proj"][1]  # A's gradient is 0 while B is
+    seq, mask = [7, 8, 9, 10, 11, 12], [False, False, True, True, True, True]
+    asyncio.run(worker.skip_training(1))
+    out = worker._finetune("micro_step", "job", 1, 0, [seq], [mask], 4, False)
+    assert out["skipped"] and not b.grad.any()
+    out = worker._finetune("micro_step", "job", 2, 0, [seq], [mask], 4, False)
+    assert out["tokens"] == 6 and b.grad.any()
