@@ -29,10 +29,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from engine_actors.layers.lora import MODULES
-from engine_actors.training_ops import (VARLEN_ATTENTION, CopyToRanks, SumOverRanks,
-                                        causal_attention, row_parallel)
-from kernels.rmsnorm import rmsnorm_ref
-from kernels.rotary import rotary_ref
+from engine_actors.training_ops import (VARLEN_ATTENTION, VARLEN_GQA, CopyToRanks,
+                                        SumOverRanks, causal_attention, rms_norm, rotary_tables,
+                                        rotate, row_parallel)
 from kernels.silu_mul import silu_mul_ref
 
 class Trainer:
@@ -141,20 +140,24 @@ class Trainer:
         if self.varlen and ids.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16):
             cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32,
                               device=dev)
+        tables = {}  # rotary module -> its cos and sin at these positions
         for layer_id, layer in model.layers.items():
             if residual is None:
-                residual, x = hidden, rmsnorm_ref(hidden, layer.input_layernorm.weight,
-                                                  layer.input_layernorm.eps)
+                residual, x = hidden, rms_norm(hidden, layer.input_layernorm.weight,
+                                               layer.input_layernorm.eps)
             else:
-                x, residual = rmsnorm_ref(hidden, layer.input_layernorm.weight,
-                                          layer.input_layernorm.eps, residual)
-            hidden = self._attention(layer_id, layer.self_attn, x, positions, lens, cu)
+                x, residual = rms_norm(hidden, layer.input_layernorm.weight,
+                                       layer.input_layernorm.eps, residual)
+            rotary = layer.self_attn.rotary
+            if id(rotary) not in tables:
+                tables[id(rotary)] = rotary_tables(rotary, positions, hidden.dtype)
+            hidden = self._attention(layer_id, layer.self_attn, x, tables[id(rotary)], lens, cu)
             norm = layer.post_attention_layernorm
-            x, residual = rmsnorm_ref(hidden, norm.weight, norm.eps, residual)
+            x, residual = rms_norm(hidden, norm.weight, norm.eps, residual)
             mlp = layer.mlp
             hidden = self._linear(layer_id, mlp.down_proj, silu_mul_ref(
                 self._linear(layer_id, mlp.gate_up_proj, x)))
-        hidden, _ = rmsnorm_ref(hidden, model.norm.weight, model.norm.eps, residual)
+        hidden, _ = rms_norm(hidden, model.norm.weight, model.norm.eps, residual)
         self._low = None
         # position t predicts token t + 1 of the same sequence
         flat_masks = [m for mask in masks for m in list(mask[1:]) + [False]]
@@ -175,17 +178,18 @@ class Trainer:
         parts[self.parallel.tp_rank] = local
         return torch.cat(parts, dim=-1)[:, :self.model.config.vocab_size]
 
-    def _attention(self, layer_id, attn, x, positions, lens, cu=None):
+    def _attention(self, layer_id, attn, x, tables, lens, cu=None):
         q, k, v = self._linear(layer_id, attn.qkv_proj, x).split(attn.qkv_proj.part_sizes, -1)
         d = attn.head_dim
         if attn.qk_norm:
-            q = rmsnorm_ref(q.reshape(-1, d), attn.q_norm.weight, attn.q_norm.eps)
-            k = rmsnorm_ref(k.reshape(-1, d), attn.k_norm.weight, attn.k_norm.eps)
-        q, k = rotary_ref(q.reshape(-1, attn.num_heads, d), k.reshape(-1, attn.num_kv_heads, d),
-                          attn.rotary.cos[positions], attn.rotary.sin[positions])
+            q = rms_norm(q.reshape(-1, d), attn.q_norm.weight, attn.q_norm.eps)
+            k = rms_norm(k.reshape(-1, d), attn.k_norm.weight, attn.k_norm.eps)
+        q = rotate(q.reshape(-1, attn.num_heads, d), *tables)
+        k = rotate(k.reshape(-1, attn.num_kv_heads, d), *tables)
         v = v.reshape(-1, attn.num_kv_heads, d)
-        group = attn.num_heads // attn.num_kv_heads  # KV heads repeated for each query head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if cu is None or not VARLEN_GQA:  # KV heads repeated for each query head
+            group = attn.num_heads // attn.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = causal_attention(q, k, v, lens, cu)
         return self._linear(layer_id, attn.o_proj, out.flatten(1))
 
@@ -216,7 +220,7 @@ class Trainer:
                     deltas.append(out.new_zeros(x.shape[0], size))
                     continue
                 a, b = self._low[layer_id, target]
-                deltas.append((x @ a.T) @ b.T)
+                deltas.append(F.linear(F.linear(x, a), b))  # x A^T B^T
             out = out + torch.cat(deltas, -1)
         if tp and row:
             out = SumOverRanks.apply(out, self.parallel)

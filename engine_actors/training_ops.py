@@ -32,6 +32,34 @@ def _varlen_causal():
 
 
 VARLEN_ATTENTION = _varlen_causal()
+# fewer key/value heads than query heads in the varlen call itself (2.12 and later), not
+# repeated first
+VARLEN_GQA = VARLEN_ATTENTION is not None and \
+    "enable_gqa" in inspect.signature(VARLEN_ATTENTION.func).parameters
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """kernels/rmsnorm.py's reference in fewer host ops (the trainer's step is host-bound):
+    norm(x) in fp32, cast back before the weight multiply; with `residual`, (norm(x + r),
+    x + r)."""
+    if residual is not None:
+        x = residual = x + residual
+    out = weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotary_tables(rotary, positions, dtype):
+    """cos and sin of each token's positions for `rotate`, [T, 1, D], sin's first half
+    negated: computed once per forward pass, not per layer."""
+    cos, sin = rotary.cos[positions], rotary.sin[positions]
+    return (torch.cat((cos, cos), -1)[:, None].to(dtype),
+            torch.cat((-sin, sin), -1)[:, None].to(dtype))
+
+
+def rotate(x, cos, signed_sin):
+    """kernels/rotary.py's reference (the same products and sum) in fewer host ops: its
+    rotated half (-x2, x1) is x rolled by half times the signed sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class CopyToRanks(torch.autograd.Function):
@@ -69,7 +97,9 @@ def causal_attention(q, k, v, lens: list[int], cu: torch.Tensor | None):
     back to back. `cu` (their int32 starts and the end): one variable-length flash call;
     None: a call per sequence."""
     if cu is not None:
-        return VARLEN_ATTENTION(q.contiguous(), k.contiguous(), v, cu, cu, max(lens), max(lens))
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        return VARLEN_ATTENTION(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu,
+                                max(lens), max(lens), **gqa)
     outs, start = [], 0
     with sdpa_kernel(ATTENTION_BACKENDS):  # not cuDNN: it plans each new length anew
         for n in lens:  # per sequence: [1, H, n, D]
