@@ -191,4 +191,6 @@ class FineTuning(TrainingSteps):
                                "micro_batch_tokens": round(self.micro_tokens),
                                "bytes_per_token": self.queue[0].bytes_per_token
                                if running else None,
-                               "alloc_retries": (self.memory or {}).get("alloc_retries", 0)}}
+                               "alloc_retries": (self.memory or {}).get("alloc_retries", 0),
+                               "micro_batches_sent_ahead": self.num_ahead,
+                               "micro_batches_called_off": self.num_skipped}}

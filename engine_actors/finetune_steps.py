@@ -52,6 +52,7 @@ class TrainingSteps:
         self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
         self.ahead: Sent | None = None  # sent while the one before it ran (`pipeline`)
         self.num_sent = 0
+        self.num_ahead = self.num_skipped = 0  # sent ahead; of which called off
 
     def plan(self, job: Job, kv) -> tuple[int, list[int]] | None:
         """The next micro-batch of `job` and the KV units lent for it (finetune_memory.py)."""
@@ -78,6 +79,7 @@ class TrainingSteps:
                     return False
             if pipeline and job.status == "running" and job.has_next():
                 self.ahead = self._send(job, kv, executor)  # None: no memory for it now
+                self.num_ahead += self.ahead is not None
             out = await sent.call
         except (ray.exceptions.RayError, ValueError) as e:
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e
@@ -94,6 +96,7 @@ class TrainingSteps:
         self.memory = {**self.memory, "free_bytes": out["free_bytes"],
                        "alloc_retries": out.get("alloc_retries", 0)}
         if out.get("skipped"):  # called off before it started: its examples are next again
+            self.num_skipped += 1
             if job.status == "running":
                 job.untake(sent.micro)
             return False
