@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors, load_hf_config
-from engine_actors.cuda_graphs import DecodeGraphs, MixedGraphs, token_buckets
+from engine_actors.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine_actors.kv_cache import cdiv
 from engine_actors.kv_memory import KVMemory
 from engine_actors.grammar import Grammars
 from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
 from engine_actors.logits_processors import ids_only
-from engine_actors.messages import NewRequest, StepInput, StepResult
+from engine_actors.messages import StepInput, StepResult
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
@@ -118,59 +118,6 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * len(self.model.layers) * self.block_size * self.num_kv_heads \
             * self.head_dim * elem
-
-    def profile_kv_blocks(self, memory_fraction: float, max_step_tokens: int,
-                          graph_batch: int, max_batch_size: int) -> int:
-        """KV blocks that fit in `memory_fraction` of the GPU beside the weights, the
-        activations of the largest eager step, and the CUDA graphs' memory pool (bounded by
-        one eager decode step of graph_batch requests, or one eager step of the largest
-        mixed-step graph's tokens; graph_batch 0: no graphs).
-
-        The largest eager step is max_step_tokens tokens of max_batch_size requests that all
-        sample, with top-p and 20 log-probabilities: the logits and sampling buffers of the
-        last stage count as much as the layers' activations. A step that needs more than the
-        profile saw makes the allocator free its cache, which waits for the device: the host
-        stops running ahead of the GPU (with pipeline stages, the stages take turns)."""
-        free, total = torch.cuda.mem_get_info()
-        used = total - free  # weights, the CUDA context and anything else on the GPU
-        step_tokens = min(max_step_tokens, self.max_model_len)
-        num_reqs = max(1, min(max_batch_size, self.max_num_seqs, step_tokens))
-        activations = self._profile_peak_bytes(step_tokens // num_reqs, num_reqs, sampled=True)
-        graphs = self._profile_peak_bytes(1, graph_batch) if graph_batch else 0
-        if graph_batch and self.parallel.tp_size == self.parallel.pp_size == 1:
-            graphs = max(graphs, self._profile_peak_bytes(max(token_buckets(step_tokens)), 1))
-        budget = total * memory_fraction - used - activations - graphs
-        blocks = int(budget // self.kv_bytes_per_block())
-        if blocks < 1:
-            raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} "
-                               "GiB); raise gpu_memory_utilization or use a smaller model")
-        return blocks
-
-    def _profile_peak_bytes(self, tokens_per_request: int, num_requests: int,
-                            sampled: bool = False) -> int:
-        """Peak memory of one eager step of num_requests prompts of tokens_per_request
-        (sampled: with the costliest sampling settings, not greedy)."""
-        blocks_each = cdiv(tokens_per_request, self.block_size)
-        self.allocate_kv_cache(blocks_each * num_requests, lendable=False)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        rows = list(range(num_requests))
-        new = [NewRequest(r, temperature=1.0, top_p=0.9, top_k=0, seed=None, logprobs=20)
-               for r in rows] if sampled else []
-        step = StepInput(new_requests=new, rows=rows, context_lens=[0] * num_requests,
-                         query_lens=[tokens_per_request] * num_requests,
-                         sample=[True] * num_requests,
-                         token_ids=[0] * (tokens_per_request * num_requests),
-                         table_rows=[r for r in rows for _ in range(blocks_each)],
-                         table_cols=list(range(blocks_each)) * num_requests,
-                         table_blocks=list(range(blocks_each * num_requests)))
-        self.execute(step)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        self.kv_caches, self.kv_memory = [], None
-        torch.cuda.empty_cache()
-        return peak
 
     def allocate_kv_cache(self, num_blocks: int, lendable: bool = True) -> None:
         """num_blocks usable blocks plus one scratch block (id num_blocks) for padding;

@@ -22,6 +22,7 @@ from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import cdiv
 from engine_actors.messages import StepInput
 from engine_actors.finetune import Trainer
+from engine_actors.kv_profile import profile_kv_blocks
 from engine_actors.model_runner import ModelRunner, resolve_dtype
 from engine_actors.parallel import ONE_SHOT_MAX_BYTES, SINGLE, free_address, init_parallel
 
@@ -77,9 +78,8 @@ class Worker:
         if self.device == "cpu":
             return cdiv(CPU_KV_TOKENS, cfg.block_size)
         graph_batch = 0 if cfg.enforce_eager else min(cfg.max_batch_size, cfg.max_num_seqs, 512)
-        return self.runner.profile_kv_blocks(cfg.gpu_memory_utilization,
-                                             cfg.max_num_batched_tokens, graph_batch,
-                                             cfg.max_batch_size)
+        return profile_kv_blocks(self.runner, cfg.gpu_memory_utilization,
+                                 cfg.max_num_batched_tokens, graph_batch, cfg.max_batch_size)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
