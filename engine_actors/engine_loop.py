@@ -125,11 +125,7 @@ class EngineLoop:
             # (a micro-batch sent ahead is always taken before inference runs)
             if not in_flight and ft is not None and (
                     ft.ahead or ft.wants_step(self.scheduler, now, self.last_arrival)):
-                # a lull: the next micro-batch waits on the workers (its call hidden); a
-                # request that comes then waits for up to two steps instead of one
-                quiet = not self.scheduler.pool \
-                    and now - self.last_arrival >= finetune_jobs.QUIET_S
-                if await ft.step(self.executor, self.scheduler.kv, pipeline=quiet):
+                if await ft.step(self.executor, self.scheduler.kv, pipeline=self._quiet):
                     await self._restart_workers()  # requests are deferred; a worker died
                     self.scheduler.kv.take_back()
                 continue
@@ -156,7 +152,8 @@ class EngineLoop:
             if not in_flight:
                 self._wake.clear()
                 wait_s = IDLE_WAKE_S  # wake up for new work, to expire deadlines of waiting
-                retry_s = self.finetuning and self.finetuning.wake_in(time.monotonic())
+                retry_s = self.finetuning and self.finetuning.wake_in(time.monotonic(),
+                                                                      self.last_arrival)
                 if retry_s:  # requests, or for a job that waits for memory
                     wait_s = min(wait_s, retry_s)
                 try:
@@ -181,6 +178,12 @@ class EngineLoop:
                 else 0.9 * self.iteration_s + 0.1 * took
             self._last_done = done
             self.deliver(self.scheduler.process(batch, sampled), None)
+
+    def _quiet(self) -> bool:
+        """A lull: fine-tuning's next micro-batch may wait on the workers (its call hidden;
+        a request that comes calls it off)."""
+        return not self.scheduler.pool \
+            and time.monotonic() - self.last_arrival >= finetune_jobs.QUIET_S
 
     def _drain_s(self) -> float:
         """Estimated time until the running batch is empty: its longest remaining decode

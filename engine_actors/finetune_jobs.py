@@ -8,10 +8,11 @@ until then it is deferred, so the batch drains (only while the batch can drain i
 an addition to FineInfer, which holds requests even when no step could run within their
 bound). Between inference iterations the engine
 loop asks `wants_step`: a fine-tuning micro-batch runs when no request is running and
-every waiting request can still be deferred; otherwise inference runs. Step times are
-measured (an exponential average). The micro-batch runs
-on the worker (`engine_actors/finetune.py`); when the last step is done the adapter is
-saved in PEFT's format and served at once under the job's `fine_tuned_model`.
+every waiting request can still be deferred; otherwise inference runs. A step longer than
+the bound runs only in a lull (another addition: whoever arrived during it would wait past
+the bound). Step times are measured (an exponential average). The micro-batch runs on the
+worker (`engine_actors/finetune.py`, sent by finetune_steps.py); when the last step is done
+the adapter is saved in PEFT's format and served at once under the job's `fine_tuned_model`.
 
 Memory: a micro-batch needs device memory for its activations, measured per token after
 each step (until then a micro-batch is one example, and an estimate from the model's size
@@ -106,6 +107,8 @@ class FineTuning(TrainingSteps):
             return None
         if job.status not in ("queued", "running"):
             return Refusal("invalid_state", f"job {job_id} is already {job.status}")
+        if self.ahead is not None and self.ahead.job is job:
+            self.skip_ahead(executor)  # its micro-batch sent ahead need not run
         self._end(job, "cancelled")
         job.event("Fine-tuning job cancelled")
         await self._drop(job, executor)
@@ -146,9 +149,17 @@ class FineTuning(TrainingSteps):
             return None
         return now - (self.bound_s - step_s - drain_s)
 
-    def wake_in(self, now: float) -> float | None:
-        """Seconds until a job waiting for memory may try again (None: none waits)."""
-        return self.retry_at - now if self.queue and self.retry_at > now else None
+    def wake_in(self, now: float, last_arrival: float = -math.inf) -> float | None:
+        """Seconds until a job waiting for memory may try again, or until a lull long
+        enough for a step longer than the bound (None: neither waits)."""
+        if not self.queue:
+            return None
+        cost = self.step_cost_s
+        times = [self.retry_at - now]
+        if cost is not None and cost > self.bound_s:
+            times.append(last_arrival + 2 * cost - now)
+        wait = max(times)
+        return wait if wait > 0 else None
 
     async def _finish(self, job: Job, executor) -> None:
         name = f"ft:{self.cfg.model_name}:{job.suffix or 'orca'}:{job.id[len('ftjob-'):][:8]}"

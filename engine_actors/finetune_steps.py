@@ -58,12 +58,13 @@ class TrainingSteps:
         """The next micro-batch of `job` and the KV units lent for it (finetune_memory.py)."""
         return plan_micro_batch(job, kv, self.memory, self.cfg.finetune_max_tokens)
 
-    async def step(self, executor, kv, pipeline: bool = False) -> bool:
+    async def step(self, executor, kv, pipeline=None) -> bool:
         """One micro-batch of the oldest job; its end (saved and served) after the last.
         `kv`: the scheduler's KV manager, which lends blocks for the step's memory.
-        `pipeline`: no request is near, so the next micro-batch is sent while this one runs
-        (the call's and the planning's time hidden); the next call takes its result. True:
-        a worker is gone (the job failed), the workers must be replaced."""
+        `pipeline()`, asked once this micro-batch is sent: no request is near, so the next
+        one is sent while this one runs (the call's and the planning's time hidden); the
+        next call takes its result. True: a worker is gone (the job failed), the workers
+        must be replaced."""
         sent, self.ahead = self.ahead, None
         job = sent.job if sent else self.queue[0]
         start = time.monotonic()
@@ -77,7 +78,7 @@ class TrainingSteps:
                 if sent is None:
                     self.retry_at = time.monotonic() + MEMORY_RETRY_S
                     return False
-            if pipeline and job.status == "running" and job.has_next():
+            if pipeline and pipeline() and job.status == "running" and job.has_next():
                 self.ahead = self._send(job, kv, executor)  # None: no memory for it now
                 self.num_ahead += self.ahead is not None
             out = await sent.call
@@ -87,7 +88,7 @@ class TrainingSteps:
                 else f"{type(cause).__name__}: {cause}"
             if job.status == "running":  # not cancelled meanwhile
                 self._fail(job, message.splitlines()[0])
-            await self._discard_ahead(sent)
+            await self._discard_ahead(executor, sent)
             if isinstance(e, ray.exceptions.RayActorError):  # a worker died: its memory too
                 job.started = False
                 return True
@@ -113,7 +114,7 @@ class TrainingSteps:
             self.metrics.finetune_tokens.inc(out["tokens"])
             self.metrics.finetune_step_time.observe(elapsed)
         if job.status != "running":
-            await self._discard_ahead()
+            await self._discard_ahead(executor)
             return False  # cancelled while the step ran
         loss = job.record(out["tokens"], out["loss_sum"], sent.loss_tokens, sent.last)
         if loss is not None:
@@ -161,9 +162,10 @@ class TrainingSteps:
             self.ahead.skip = True
             executor.skip_training(self.ahead.seq)
 
-    async def _discard_ahead(self, *sent: Sent | None) -> None:
-        """The job ended or failed: the micro-batches sent for it run out (the workers run
-        calls in order), their results unused."""
+    async def _discard_ahead(self, executor, *sent: Sent | None) -> None:
+        """The job ended or failed: the micro-batch sent ahead is called off (if it has not
+        started), and the calls sent for it are waited for, their results unused."""
+        self.skip_ahead(executor)
         calls = [s.call for s in (*sent, self.ahead) if s is not None]
         self.ahead = None
         await asyncio.gather(*calls, return_exceptions=True)

@@ -154,7 +154,7 @@ class Worker:
         """Whether micro-batch `seq` was called off; with tensor parallelism the ranks
         agree (any that heard it), so they all run it or none does."""
         skip = seq in self._skip
-        self._skip.discard(seq)
+        self._skip = {s for s in self._skip if s > seq}  # later ones only (seq grows)
         if self.runner.parallel.tp_size > 1:
             flag = torch.tensor([float(skip)], device=self.runner.model.embed_tokens.weight.device)
             skip = bool(self.runner.parallel.all_reduce(flag).item())

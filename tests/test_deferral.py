@@ -35,6 +35,7 @@ class Workers:
         self.training_calls = []  # (when, micro-steps sent and not answered, with this one)
         self.unanswered = 0
         self.skip = set()  # micro-steps called off
+        self.start_s = 0.0  # how long a trainer takes to start
 
     def skip_training(self, seq):
         self.skip.add(seq)
@@ -47,7 +48,13 @@ class Workers:
         return self.runner.execute(step)
 
     async def finetune(self, method, job_id, *args):
+        if method == "drop":  # logged when it runs, in order with the training steps
+            async with self.device:
+                self.log.append((method, job_id))
+            return None
         self.log.append((method, job_id))
+        if method == "start":
+            await asyncio.sleep(self.start_s)
         if method == "take_back" and self.take_back_failures:
             self.take_back_failures -= 1
             raise ray.exceptions.RayError("cuMemCreate failed with error 2")
@@ -281,5 +288,29 @@ def test_a_job_cancelled_with_a_micro_batch_sent_ahead_ends_cleanly(monkeypatch)
 
     asyncio.run(run())
     assert ft.jobs["ftjob-1"].status == "cancelled" and not ft.queue
-    # the micro-batch sent ahead ran before the trainer was dropped (calls run in order)
-    assert workers.log.index(("drop", "ftjob-1")) > workers.log.index(("micro_step", "ftjob-1"))
+    # the micro-batch sent ahead was called off, before the trainer was dropped
+    assert workers.log.index(("skipped", "ftjob-1")) < workers.log.index(("drop", "ftjob-1"))
+    assert workers.log.count(("skipped", "ftjob-1")) == 1
+
+
+def test_a_request_that_comes_while_a_job_starts_keeps_the_pipeline_off(monkeypatch):
+    """Whether to send a micro-batch ahead is decided once the first is sent, not before the
+    trainer's start: a request that came meanwhile waits for one step at most."""
+    monkeypatch.setattr("engine_actors.finetune_jobs.QUIET_S", 0.0)
+    workers = Workers(4)
+    workers.start_s = 0.1
+    loop, finished = engine(60.0, workers)
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: ("start", "ftjob-1") in workers.log)
+            loop.add(request("a", 3), None, None)
+            await until(lambda: "a" in finished)
+        finally:
+            task.cancel()
+        return list(workers.training_calls)
+
+    calls = asyncio.run(run())
+    assert calls and calls[0][1] == 1 and not any(n == 2 for _, n in calls[:2])
+    assert workers.log.index(("finished", "a")) < workers.log.index(("micro_step", "ftjob-1")) + 4

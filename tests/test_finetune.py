@@ -506,7 +506,7 @@ def test_a_micro_batch_called_off_before_it_started_runs_next():
     executor = Executor()
 
     async def run():
-        first = asyncio.create_task(ft.step(executor, None, pipeline=True))
+        first = asyncio.create_task(ft.step(executor, None, pipeline=lambda: True))
         await asyncio.sleep(0.02)  # example 0 runs, 1 was sent ahead
         assert ft.ahead.micro == [1]
         ft.skip_ahead(executor)  # a request came
@@ -534,3 +534,15 @@ def test_a_worker_skips_a_micro_batch_called_off_before_it_starts(base):
     assert out["skipped"] and not b.grad.any()
     out = worker._finetune("micro_step", "job", 2, 0, [seq], [mask], 4, False)
     assert out["tokens"] == 6 and b.grad.any()
+
+
+def test_the_loop_wakes_when_a_lull_is_long_enough_for_a_long_step():
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+    ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
+    ft.queue = [_job([10])]
+    ft.step_s = 0.3  # longer than the bound: it needs 0.6 s without arrivals
+    assert ft.wake_in(10.0, last_arrival=9.9) == pytest.approx(0.5)
+    assert ft.wake_in(10.0, last_arrival=9.0) is None
+    ft.step_s = 0.1  # within the bound: no lull needed
+    assert ft.wake_in(10.0, last_arrival=9.9) is None
