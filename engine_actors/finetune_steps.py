@@ -74,12 +74,12 @@ class TrainingSteps:
                     started = await self._start(job, executor, kv)
                     if started is not None:
                         return started
-                sent = self._send(job, kv, executor)
+                sent = self._send(job, kv, executor, after=-1)
                 if sent is None:
                     self.retry_at = time.monotonic() + MEMORY_RETRY_S
                     return False
             if pipeline and pipeline() and job.status == "running" and job.has_next():
-                self.ahead = self._send(job, kv, executor)  # None: no memory for it now
+                self.ahead = self._send(job, kv, executor, after=sent.seq)  # None: no memory
                 self.num_ahead += self.ahead is not None
             out = await sent.call
         except (ray.exceptions.RayError, ValueError) as e:
@@ -141,9 +141,10 @@ class TrainingSteps:
         job.event("Fine-tuning job started")
         return None
 
-    def _send(self, job: Job, kv, executor) -> Sent | None:
-        """Plan the job's next micro-batch and send it to the workers; None when it does
-        not fit in the memory that can be freed now."""
+    def _send(self, job: Job, kv, executor, after: int) -> Sent | None:
+        """Plan the job's next micro-batch and send it to the workers, to run after
+        micro-batch `after` (-1: none is outstanding); None when it does not fit in the
+        memory that can be freed now."""
         planned = self.plan(job, kv)
         if planned is None:
             return None
@@ -151,8 +152,9 @@ class TrainingSteps:
         loss_tokens, last = job.take_micro(micro)
         self.num_sent += 1
         call = asyncio.ensure_future(executor.finetune(
-            "micro_step", job.id, self.num_sent, units, [job.examples[i][0] for i in micro],
-            [job.examples[i][1] for i in micro], loss_tokens, last))
+            "micro_step", job.id, self.num_sent, after, units,
+            [job.examples[i][0] for i in micro], [job.examples[i][1] for i in micro],
+            loss_tokens, last))
         return Sent(job, call, loss_tokens, last, time.monotonic(), self.num_sent, micro)
 
     def skip_ahead(self, executor) -> None:

@@ -45,6 +45,8 @@ class Worker:
         self.trace: collections.deque = collections.deque(maxlen=256)
         self.trainers: dict[str, Trainer] = {}  # fine-tuning jobs' LoRA training state
         self._skip: set[int] = set()  # micro-batches called off (skip_training)
+        self._train_seen = -1  # the latest micro-batch handed to the launch thread
+        self._train_turn: asyncio.Condition | None = None
         self._held = 0  # bytes the caching allocator holds and cannot give back (CUDA)
 
     def address(self) -> str:
@@ -117,9 +119,22 @@ class Worker:
 
     async def finetune(self, method: str, job_id: str, *args):
         """A fine-tuning job's `start`, `micro_step`, `save` or `drop` (engine_actors/
-        finetune.py), on the launch thread: the scheduler runs them between iterations."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._launcher, self._finetune, method, job_id, *args)
+        finetune.py), on the launch thread: the scheduler runs them between iterations. A
+        micro-batch sent ahead names the one it follows (`after`), and goes to the thread
+        only after it: an async actor may start calls out of their order."""
+        loop = asyncio.get_running_loop()
+        if method != "micro_step":
+            return await loop.run_in_executor(self._launcher, self._finetune, method, job_id,
+                                              *args)
+        seq, after = args[0], args[1]
+        if self._train_turn is None:
+            self._train_turn = asyncio.Condition()
+        async with self._train_turn:
+            await self._train_turn.wait_for(lambda: after < 0 or self._train_seen >= after)
+            self._train_seen = max(self._train_seen, seq)
+            launch = loop.run_in_executor(self._launcher, self._finetune, method, job_id, *args)
+            self._train_turn.notify_all()
+        return await launch
 
     def _finetune(self, method: str, job_id: str, *args):
         if method == "start":
@@ -128,11 +143,11 @@ class Worker:
                 torch.cuda.empty_cache()  # (the graphs' pools): not free for training
                 self._held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
             return self._training_memory()
-        if method == "micro_step":  # args: its number, the KV units to lend, the batch
-            self.runner.kv_memory.lend(args[1])
+        if method == "micro_step":  # args: its number, the one it follows (-1: none), the
+            self.runner.kv_memory.lend(args[2])  # KV units to lend, the batch
             if self._skipped(args[0]):
                 return {"skipped": True, **self._training_memory()}
-            out = self.trainers[job_id].micro_step(*args[2:])
+            out = self.trainers[job_id].micro_step(*args[3:])
             return {**out, **self._training_memory()}
         if method == "take_back":  # the lent KV blocks, mapped again before inference
             self.runner.kv_memory.take_back()

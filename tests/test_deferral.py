@@ -58,7 +58,7 @@ class Workers:
         if method == "take_back" and self.take_back_failures:
             self.take_back_failures -= 1
             raise ray.exceptions.RayError("cuMemCreate failed with error 2")
-        if method == "micro_step":  # args: seq, units, sequences, masks, ...
+        if method == "micro_step":  # args: seq, after, units, sequences, masks, ...
             self.unanswered += 1
             self.training_calls.append((time.monotonic(), self.unanswered))
             try:
@@ -69,7 +69,7 @@ class Workers:
                     await asyncio.sleep(STEP_S)
             finally:
                 self.unanswered -= 1
-            return {"loss_sum": 1.0, "tokens": sum(map(len, args[2])), "peak_bytes": None,
+            return {"loss_sum": 1.0, "tokens": sum(map(len, args[3])), "peak_bytes": None,
                     "elapsed_s": STEP_S,
                     "free_bytes": None}
         if method == "start":

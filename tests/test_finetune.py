@@ -490,7 +490,7 @@ def test_a_micro_batch_called_off_before_it_started_runs_next():
         def skip_training(self, seq):
             self.skipped.add(seq)
 
-        async def finetune(self, method, job_id, seq, units, seqs, *rest):
+        async def finetune(self, method, job_id, seq, after, units, seqs, *rest):
             async with self.device:
                 if seq in self.skipped:
                     return {"skipped": True, "free_bytes": None}
@@ -530,10 +530,29 @@ def test_a_worker_skips_a_micro_batch_called_off_before_it_starts(base):
     b = worker.trainers["job"].params["0", "q_proj"][1]  # A's gradient is 0 while B is
     seq, mask = [7, 8, 9, 10, 11, 12], [False, False, True, True, True, True]
     asyncio.run(worker.skip_training(1))
-    out = worker._finetune("micro_step", "job", 1, 0, [seq], [mask], 4, False)
+    out = worker._finetune("micro_step", "job", 1, -1, 0, [seq], [mask], 4, False)
     assert out["skipped"] and not b.grad.any()
-    out = worker._finetune("micro_step", "job", 2, 0, [seq], [mask], 4, False)
+    out = worker._finetune("micro_step", "job", 2, -1, 0, [seq], [mask], 4, False)
     assert out["tokens"] == 6 and b.grad.any()
+
+
+def test_a_worker_runs_a_micro_batch_sent_ahead_after_the_one_it_follows(base):
+    """An async actor may start calls out of order: the one sent ahead waits for its
+    predecessor to reach the launch thread."""
+    import asyncio
+    worker = InProcessEngine(model=base, dtype="float32").worker
+    ran = []
+    worker._finetune = lambda method, job_id, seq, *rest: ran.append(seq)
+
+    async def run():
+        ahead = asyncio.create_task(worker.finetune("micro_step", "job", 8, 7))  # first here
+        await asyncio.sleep(0.05)
+        assert not ran  # it waits for 7
+        await worker.finetune("micro_step", "job", 7, -1)
+        await ahead
+
+    asyncio.run(run())
+    assert ran == [7, 8]
 
 
 def test_the_loop_wakes_when_a_lull_is_long_enough_for_a_long_step():

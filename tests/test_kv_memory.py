@@ -88,7 +88,7 @@ def test_training_borrows_kv_blocks_and_serving_resumes_exactly(tmp_path):
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     seq = [rng.randrange(256) for _ in range(200)]
-    out = worker._finetune("micro_step", "job", 1, 2, [seq], [[False] * 100 + [True] * 100],
+    out = worker._finetune("micro_step", "job", 1, -1, 2, [seq], [[False] * 100 + [True] * 100],
                            100, True)
     assert out["tokens"] == 200 and out["peak_bytes"] > 0
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
