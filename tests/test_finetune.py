@@ -1,6 +1,7 @@
 """Fine-tuning on the worker: one training step's LoRA gradients equal transformers + peft's
-on the same batch (fp32), the saved adapter is PEFT's, and the job runner's pieces (the
-training file, micro-batches, FineInfer's deferral rule)."""
+on the same batch (fp32), the saved adapter is PEFT's, the training file's masks, and the
+worker's side of micro-batches sent ahead. The scheduler's side, without a model:
+test_finetune_scheduling.py."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ from tests.engine_harness import InProcessEngine
 
 peft = pytest.importorskip("peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
@@ -171,37 +171,6 @@ def test_saved_adapter_is_peft_format(base, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-def test_fineinfer_deferral_rule():
-    from engine_actors.finetune_jobs import may_defer
-    assert may_defer([], None, 0.2)  # nobody waits: train back to back
-    assert not may_defer([0.0], None, 0.2)  # step time not measured yet: serve first
-    assert may_defer([0.05, 0.01], 0.1, 0.2)  # 50 ms waited + 100 ms step <= 200 ms
-    assert not may_defer([0.15, 0.0], 0.1, 0.2)  # the oldest would wait 250 ms
-
-
-def test_micro_batches_cover_each_epoch_once_within_the_token_cap():
-    from engine_actors.finetune_job import Job
-    lens = [5, 3, 7, 2, 6]
-    examples = [([1] * n, [False] + [True] * (n - 1)) for n in lens]
-    job = Job("j", "m", "f", examples, n_epochs=2, batch_size=2, learning_rate=1e-3,
-              lora={}, suffix=None, seed=1)
-    assert job.total_steps == 6
-    seen, steps = [], 0
-    while steps < job.total_steps:
-        batch, batch_tokens = [], None
-        while True:
-            micro, loss_tokens, last = job.next_micro(max_tokens=8)
-            assert sum(lens[i] for i in micro) <= 8 or len(micro) == 1
-            batch += micro
-            batch_tokens = loss_tokens
-            if last:
-                break
-        assert batch_tokens == sum(lens[i] - 1 for i in batch) and len(batch) <= 2
-        seen += batch
-        steps += 1
-    assert sorted(seen[:5]) == sorted(seen[5:]) == list(range(5))
-
-
 def test_training_file_masks_completions_and_assistant_turns():
     from deployments.protocol import APIError
     from deployments.training_data import parse_training_file
@@ -273,253 +242,6 @@ def test_training_state_exists_before_a_step_and_steps_as_a_fresh_adamw(base):
     assert trainer.state_bytes() == held
 
 
-def _planner(free_bytes, guess=8.0, max_tokens=1000):
-    """FineTuning with a worker's memory report: `free_bytes` beside a pool of 64 one-token
-    blocks, lent in 8 units of 8 blocks that free 500 bytes each."""
-    from engine_actors.config import EngineConfig
-    from engine_actors.finetune_jobs import FineTuning
-    from engine_actors.kv_cache import KVCacheManager
-    ft = FineTuning(EngineConfig(finetune_max_tokens=max_tokens), adapters=None)
-    ft.memory = {"free_bytes": free_bytes, "lend_unit_blocks": 8, "lendable_units": 8,
-                 "lend_unit_bytes": 500, "bytes_per_token_guess": guess}
-    return ft, KVCacheManager(num_blocks=64, block_size=1, max_num_seqs=4)
-
-
-def _job(lengths, batch_size=None):
-    from engine_actors.finetune_job import Job
-    examples = [([1] * n, [True] * n) for n in lengths]
-    return Job("j", "m", "f", examples, n_epochs=1, batch_size=batch_size or len(lengths),
-               learning_rate=1e-3, lora={}, suffix=None, seed=0, _plan=[list(range(len(lengths)))])
-
-
-def test_micro_batch_shrinks_to_the_memory_the_kv_pool_can_lend():
-    from engine_actors.request import Request, SamplingParams
-    ft, kv = _planner(free_bytes=2000)
-    job = _job([100] * 10)
-    job.bytes_per_token = 8.0  # 10 bytes a token with the margin
-    # wants 10,000 bytes for 1,000 tokens: the whole pool gives 4,000 more, 600 tokens
-    assert ft.plan(job, kv) == (8, [0, 1, 2, 3, 4, 5])
-    assert kv.num_lent_blocks == 64
-    kv.take_back()
-    held = Request("held", list(range(40)), SamplingParams(max_tokens=1), 0.0)
-    kv.admit(held, held.max_num_tokens)  # 41 blocks promised
-    kv.grow(held, 40)
-    assert ft.plan(job, kv) == (2, [0, 1, 2])  # 23 blocks unpromised: two units
-    kv.take_back()
-    kv.free(held)
-    ft.memory["free_bytes"] = 20000  # enough beside the pool: nothing lent
-    assert ft.plan(job, kv) == (0, list(range(10))) and kv.num_lent_blocks == 0
-    ft.memory["free_bytes"] = None  # CPU: not bounded
-    assert ft.plan(job, kv) == (0, list(range(10))) and kv.num_lent_blocks == 0
-
-
-def test_until_measured_a_micro_batch_is_one_example_and_lends_only_what_it_needs():
-    ft, kv = _planner(free_bytes=1000, guess=40.0)  # 50 bytes a token with the margin
-    job = _job([30, 30, 30])
-    assert ft.plan(job, kv) == (1, [0])  # 1,500 bytes: 500 short, one unit, not the cap's
-    assert kv.num_lent_blocks == 8
-    job.take_micro([0])
-    job.bytes_per_token = 40.0  # measured: now as many examples as fit
-    # 3,000 bytes: 1,000 free and the unit lent already leave 1,500: 3 units more
-    assert ft.plan(job, kv) == (4, [1, 2])
-    assert kv.num_lent_blocks == 32
-
-
-def test_an_example_that_cannot_fit_now_waits_without_evicting_cached_blocks():
-    from engine_actors.request import Request, SamplingParams
-    ft, kv = _planner(free_bytes=0, guess=8.0)  # 10 bytes a token; the pool can give 4,000
-    job = _job([300])
-    running = Request("r", list(range(64)), SamplingParams(max_tokens=1), 0.0)
-    kv.admit(running, 64)
-    kv.grow(running, 64)  # every block held: none can be lent now
-    evictable = kv.pool.num_available
-    assert ft.plan(job, kv) is None
-    assert kv.num_lent_blocks == 0 and kv.pool.num_available == evictable
-
-
-def test_an_example_that_could_never_fit_fails_its_job_with_the_sizes():
-    ft, kv = _planner(free_bytes=1000, guess=8.0)  # 10 bytes a token; at most 5,000 bytes
-    with pytest.raises(ValueError, match="example of 600 tokens needs .* at most"):
-        ft.plan(_job([600]), kv)
-    assert kv.num_lent_blocks == 0
-
-
-def test_lent_blocks_are_not_counted_as_kv_usage():
-    ft, kv = _planner(free_bytes=0)
-    assert kv.lend(2, 8, 8) == 2
-    assert kv.usage == 0.0 and kv.num_lent_blocks == 16
-
-
-def test_a_micro_batch_takes_the_examples_that_fit_in_order():
-    from engine_actors.finetune_job import Job
-    examples = [([1] * n, [True] * n) for n in (300, 200, 500)]
-    job = Job("j", "m", "f", examples, n_epochs=1, batch_size=3, learning_rate=1e-3,
-              lora={}, suffix=None, seed=0)
-    job._plan = [[0, 1, 2]]
-    assert job.next_micro(250) is None  # the next example alone is over the cap
-    assert job.next_micro(600) == ([0, 1], 1000, False)
-    assert job.next_micro(400) is None
-    assert job.next_micro(500) == ([2], 1000, True)
-
-
-class _Executor:
-    """The workers' side of take_back: fails `failures` times, then maps."""
-
-    def __init__(self, failures):
-        import ray
-        self.failures, self.calls, self.error = failures, [], ray.exceptions.RayError
-
-    async def finetune(self, method, job_id, *args):
-        self.calls.append(method)
-        if method == "take_back" and self.failures:
-            self.failures -= 1
-            raise self.error("cuMemCreate failed with error 2")
-
-
-@pytest.mark.parametrize("failures,ok", [(0, True), (1, True), (2, False)])
-def test_lent_blocks_that_cannot_be_mapped_again_fail_the_job_not_serving(failures, ok):
-    import asyncio
-    ft, kv = _planner(free_bytes=0)
-    job = _job([10])
-    job.started, job.status = True, "running"
-    ft.jobs[job.id], ft.queue = job, [job]
-    kv.lend(2, 8, 8)
-    executor = _Executor(failures)
-    assert asyncio.run(ft.take_back(executor, kv)) is ok
-    assert kv.num_lent_blocks == (0 if ok else 16)  # the pool has them back once mapped
-    if failures:  # the running job's trainer held the memory: the job fails, it is freed
-        assert job.status == "failed" and "could not be returned" in job.error["message"]
-        assert executor.calls[:3] == ["take_back", "drop", "take_back"]
-    else:
-        assert job.status == "running" and executor.calls == ["take_back"]
-
-
-def test_a_job_waiting_for_memory_wakes_the_loop_when_it_may_try_again():
-    ft, kv = _planner(free_bytes=0)
-    assert ft.wake_in(100.0) is None
-    ft.queue = [_job([10])]
-    ft.retry_at = 100.1
-    assert ft.wake_in(100.0) == pytest.approx(0.1)
-    assert ft.wake_in(100.2) is None
-
-
-def test_new_requests_are_held_only_while_a_step_fits_in_their_deferral_bound():
-    from engine_actors.config import EngineConfig
-    from engine_actors.finetune_jobs import FineTuning
-    ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
-    assert ft.hold_from(10.0, 0.0) is None  # no job
-    ft.queue = [_job([10])]
-    assert ft.hold_from(10.0, 0.0) is None  # its step time not measured yet
-    ft.step_s = 0.05
-    assert ft.hold_from(10.0, 0.0) == pytest.approx(9.85)  # held while wait + 50 ms <= 200
-    # the running batch needs 100 ms to drain: a request may wait 50 ms more at most
-    assert ft.hold_from(10.0, 0.1) == pytest.approx(9.95)
-    assert ft.hold_from(10.0, 0.2) is None  # it could not drain in time: nothing held
-    ft.retry_at = 10.5  # waiting for memory: no step could run
-    assert ft.hold_from(10.0, 0.0) is None
-    ft.retry_at, ft.step_s = 0.0, 0.3  # a step longer than the bound: never deferred
-    assert ft.hold_from(10.0, 0.0) is None
-
-
-def test_mapping_memory_back_counts_in_the_time_a_step_defers_requests():
-    from engine_actors.config import EngineConfig
-    from engine_actors.finetune_jobs import FineTuning
-    ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
-    ft.queue = [_job([10])]
-    ft.step_s = 0.05
-    assert ft.hold_from(10.0, 0.0) == pytest.approx(9.85)
-    ft.take_back_s = 0.1  # measured: inference resumes 150 ms after a step starts
-    assert ft.hold_from(10.0, 0.0) == pytest.approx(9.95)
-    assert ft.hold_from(10.0, 0.1) is None
-
-
-def test_a_batch_loss_is_right_when_the_next_batch_was_taken_before_it_was_recorded():
-    from engine_actors.finetune_job import Job
-    examples = [([1] * 4, [True] * k) for k in (1, 3, 2, 6)]  # trained tokens 1, 3, 2, 6
-    job = Job("j", "m", "f", examples, n_epochs=1, batch_size=2, learning_rate=1e-3,
-              lora={}, suffix=None, seed=0)
-    job._plan = [[0, 1], [2, 3]]
-    first = job.next_micro(8)  # the whole first batch (4 trained tokens)
-    second = job.next_micro(4)  # sent ahead: the second batch's first example (of 8)
-    assert first[1:] == (4, True) and second[1:] == (8, False)
-    assert job.record(8, 2.0, *first[1:]) == pytest.approx(0.5)  # 2.0 over 4 tokens
-    assert job.record(4, 1.0, *second[1:]) is None
-    third = job.next_micro(4)
-    assert job.record(4, 3.0, *third[1:]) == pytest.approx(0.5)  # (1.0 + 3.0) over 8
-    assert job.steps_done == 2 and job.trained_tokens == 16 and not job.has_next()
-
-
-def test_memory_per_token_comes_from_the_largest_micro_batch_measured():
-    job = _job([10])
-    job.measure_memory(3000, 10)  # one short example: its fixed costs weigh 300 a token
-    assert job.bytes_per_token == 300
-    job.measure_memory(100_000, 1000)  # a full micro-batch: 100 a token
-    assert job.bytes_per_token == 100
-    job.measure_memory(2000, 10)  # smaller than the one measured: not used
-    job.measure_memory(120_000, 1000)  # as large and worse: used
-    assert job.bytes_per_token == 120
-
-
-def test_a_step_longer_than_the_bound_runs_only_after_a_lull():
-    from engine_actors.config import EngineConfig
-    from engine_actors.finetune_jobs import FineTuning
-
-    class Idle:  # the scheduler: nothing running or waiting
-        num_running, waiting = 0, []
-
-    ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
-    ft.queue = [_job([10])]
-    assert ft.wants_step(Idle, 10.0, last_arrival=9.99)  # step time unknown: FineInfer's rule
-    ft.step_s = 0.15  # within the bound: whoever comes waits at most the bound
-    assert ft.wants_step(Idle, 10.0, last_arrival=9.99)
-    ft.step_s = 0.3  # longer: it would hold a request that comes during it past the bound
-    assert not ft.wants_step(Idle, 10.0, last_arrival=9.5)
-    assert ft.wants_step(Idle, 10.0, last_arrival=9.39)  # none for twice its time
-    assert ft.wants_step(Idle, 10.0)  # none ever
-
-
-def test_a_micro_batch_called_off_before_it_started_runs_next():
-    import asyncio
-    from engine_actors.config import EngineConfig
-    from engine_actors.finetune_jobs import FineTuning
-
-    class Executor:  # the workers: micro-batch 2 is called off before it starts
-        def __init__(self):
-            self.skipped, self.device = set(), asyncio.Lock()  # calls run in order
-
-        def skip_training(self, seq):
-            self.skipped.add(seq)
-
-        async def finetune(self, method, job_id, seq, after, units, seqs, *rest):
-            async with self.device:
-                if seq in self.skipped:
-                    return {"skipped": True, "free_bytes": None}
-                await asyncio.sleep(0.05)
-            return {"loss_sum": 1.0, "tokens": sum(map(len, seqs)), "peak_bytes": None,
-                    "elapsed_s": 0.01, "free_bytes": None}
-
-    ft = FineTuning(EngineConfig(finetune_max_tokens=10), adapters=None)
-    ft.memory = {"free_bytes": None}  # CPU: micro-batches bounded by the token cap alone
-    job = _job([10, 10, 10, 10])  # one example a micro-batch
-    job.started, job.status = True, "running"
-    ft.jobs[job.id], ft.queue = job, [job]
-    executor = Executor()
-
-    async def run():
-        first = asyncio.create_task(ft.step(executor, None, pipeline=lambda: True))
-        await asyncio.sleep(0.02)  # example 0 runs, 1 was sent ahead
-        assert ft.ahead.micro == [1]
-        ft.skip_ahead(executor)  # a request came
-        await first
-        assert job.trained_tokens == 10
-        await ft.step(executor, None)  # the answer: skipped
-        assert ft.ahead is None and job.trained_tokens == 10 and job._rest == [1, 2, 3]
-        await ft.step(executor, None)  # example 1 now
-        assert job.trained_tokens == 20 and job._rest == [2, 3]
-
-    asyncio.run(run())
-
-
 def test_a_worker_skips_a_micro_batch_called_off_before_it_starts(base):
     """The worker's side of `skip_ahead`: a called-off micro-batch changes nothing (its
     gradients are not accumulated), and the next one runs."""
@@ -553,15 +275,3 @@ def test_a_worker_runs_a_micro_batch_sent_ahead_after_the_one_it_follows(base):
 
     asyncio.run(run())
     assert ran == [7, 8]
-
-
-def test_the_loop_wakes_when_a_lull_is_long_enough_for_a_long_step():
-    from engine_actors.config import EngineConfig
-    from engine_actors.finetune_jobs import FineTuning
-    ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
-    ft.queue = [_job([10])]
-    ft.step_s = 0.3  # longer than the bound: it needs 0.6 s without arrivals
-    assert ft.wake_in(10.0, last_arrival=9.9) == pytest.approx(0.5)
-    assert ft.wake_in(10.0, last_arrival=9.0) is None
-    ft.step_s = 0.1  # within the bound: no lull needed
-    assert ft.wake_in(10.0, last_arrival=9.9) is None
