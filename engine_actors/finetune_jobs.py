@@ -122,10 +122,18 @@ class FineTuning(TrainingSteps):
         arrival). Under steady load it then never runs; in a lull it does."""
         if not self.queue or scheduler.num_running or now < self.retry_at:
             return False
-        cost = self.step_cost_s
-        if cost is not None and cost > self.bound_s and now - last_arrival < 2 * cost:
+        if self._lull_left(now, last_arrival) > 0:
             return False
-        return may_defer([now - r.arrival_time for r in scheduler.waiting], cost, self.bound_s)
+        return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_cost_s,
+                         self.bound_s)
+
+    def _lull_left(self, now: float, last_arrival: float) -> float:
+        """Seconds until a lull is long enough for a step longer than the bound (twice its
+        time without arrivals); 0 or less: now, or no such lull is needed."""
+        cost = self.step_cost_s
+        if cost is None or cost <= self.bound_s:
+            return 0.0
+        return last_arrival + 2 * cost - now
 
     @property
     def step_cost_s(self) -> float | None:
@@ -154,11 +162,7 @@ class FineTuning(TrainingSteps):
         enough for a step longer than the bound (None: neither waits)."""
         if not self.queue:
             return None
-        cost = self.step_cost_s
-        times = [self.retry_at - now]
-        if cost is not None and cost > self.bound_s:
-            times.append(last_arrival + 2 * cost - now)
-        wait = max(times)
+        wait = max(self.retry_at - now, self._lull_left(now, last_arrival))
         return wait if wait > 0 else None
 
     async def _finish(self, job: Job, executor) -> None:

@@ -103,16 +103,7 @@ class TrainingSteps:
             return False
         if out["peak_bytes"] is not None:
             job.measure_memory(out["peak_bytes"], out["tokens"])
-        elapsed = time.monotonic() - max(start, sent.sent_at)
-        self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
-        # of which the trainer's own time on the worker (the rest: calls, planning, lending)
-        self.train_s = out["elapsed_s"] if self.train_s is None \
-            else 0.8 * self.train_s + 0.2 * out["elapsed_s"]
-        self.micro_tokens = 0.8 * self.micro_tokens + 0.2 * out["tokens"]
-        if self.metrics is not None:
-            self.metrics.finetune_steps.inc()
-            self.metrics.finetune_tokens.inc(out["tokens"])
-            self.metrics.finetune_step_time.observe(elapsed)
+        self._measure(out, time.monotonic() - max(start, sent.sent_at))
         if job.status != "running":
             await self._discard_ahead(executor)
             return False  # cancelled while the step ran
@@ -124,6 +115,19 @@ class TrainingSteps:
             if job.steps_done == job.total_steps:
                 await self._finish(job, executor)
         return False
+
+    def _measure(self, out: dict, elapsed: float) -> None:
+        """A micro-batch's times (`elapsed`: since the one before it ended, or since it was
+        sent) and size, averaged, and its metrics."""
+        self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
+        # of which the trainer's own time on the worker (the rest: calls, planning, lending)
+        self.train_s = out["elapsed_s"] if self.train_s is None \
+            else 0.8 * self.train_s + 0.2 * out["elapsed_s"]
+        self.micro_tokens = 0.8 * self.micro_tokens + 0.2 * out["tokens"]
+        if self.metrics is not None:
+            self.metrics.finetune_steps.inc()
+            self.metrics.finetune_tokens.inc(out["tokens"])
+            self.metrics.finetune_step_time.observe(elapsed)
 
     async def _start(self, job: Job, executor, kv) -> bool | None:
         """Create the job's trainer on the workers. None: started; else it did not, and
