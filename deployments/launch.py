@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                              env=serve_env.apply(dict(os.environ)))
     drainer.serve_run_pid = child.pid
     failure: list[str] = []  # an engine start failure that `serve run` reported
-    relay = threading.Thread(target=_relay_stderr, args=(child.stderr, failure), daemon=True)
+    relayed = _Relay()
+    relay = threading.Thread(target=relayed.copy, args=(child.stderr, failure), daemon=True)
     relay.start()
     try:
         while True:
@@ -152,20 +153,34 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         drainer.disconnect()
     relay.join(timeout=5)
+    relayed.close()  # a process of the dying cluster may still hold the pipe open
     if code != 0 and failure:  # the cause, as the last line
         print(f"orca-serve: the engine failed to start: {failure[-1]}", file=sys.stderr)
     return code
 
 
-def _relay_stderr(stream, failure: list[str]) -> None:
-    """Copy `serve run`'s stderr to ours, noting the cause of an engine start failure."""
-    for raw in stream:
-        sys.stderr.buffer.write(raw)
-        sys.stderr.flush()
-        line = ANSI.sub("", raw.decode(errors="replace"))
-        if FAILURE_MARK in line:
-            cause = line.split(FAILURE_MARK, 1)[1].split(" [repeated ")[0].strip()
-            failure.append(cause)
+class _Relay:
+    """Copies `serve run`'s stderr to ours, noting the cause of an engine start failure,
+    until closed (then nothing more is written: the cause stays the last line)."""
+
+    def __init__(self):
+        self.lock, self.closed = threading.Lock(), False
+
+    def copy(self, stream, failure: list[str]) -> None:
+        for raw in stream:
+            line = ANSI.sub("", raw.decode(errors="replace"))
+            with self.lock:
+                if self.closed:
+                    return
+                sys.stderr.buffer.write(raw)
+                sys.stderr.flush()
+                if FAILURE_MARK in line:
+                    cause = line.split(FAILURE_MARK, 1)[1].split(" [repeated ")[0].strip()
+                    failure.append(cause)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
 
 
 if __name__ == "__main__":
