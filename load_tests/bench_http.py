@@ -16,7 +16,11 @@ Each HTTP system checks every response's usage.completion_tokens against the tra
 reports elapsed seconds and its ratio to `orca`. Systems that differ only in streaming share
 one server, one after the other; prefix caching is off for every system (a second run would
 find the trace's prompts cached). The client is one asyncio process
-(aiohttp, connections unbounded), as lean as a client can be in Python.
+(aiohttp, connections unbounded), as lean as a client can be in Python. Before each timed
+run it holds one open connection per request of the trace, as a long-lived client (the
+`openai` SDK's pool) has them; with --cold-connections the timed run opens them itself,
+and the client's own cost of opening 256 connections at once (~0.3 s of its CPU on the GPU
+machine) is then part of the figure.
 """
 from __future__ import annotations
 
@@ -150,8 +154,19 @@ def _start_profiles(profile_dir: str | None, seconds: float) -> list[subprocess.
             for name, pid in _server_pids().items()]
 
 
+async def _open_connections(session, url: str, n: int) -> None:
+    """n connections in the session's pool: n requests at once (GET /v1/models, answered by
+    the replica alone), each keeps its connection when it ends."""
+    async def one():
+        async with session.get(f"{url}/v1/models") as resp:
+            await resp.read()
+
+    await asyncio.gather(*[one() for _ in range(n)])
+
+
 async def _replay(url: str, trace: list[TraceRequest], warmup: list[TraceRequest],
-                  modes: list[bool], profile_dirs: list[str | None]) -> list[tuple[float, float]]:
+                  modes: list[bool], profile_dirs: list[str | None],
+                  cold_connections: bool = False) -> list[tuple[float, float]]:
     """For each mode (stream or not), in turn: (elapsed s, the client's own CPU s) of the
     timed trace, after a warm-up in that mode. A client whose CPU time nears the elapsed
     time is what limits the run."""
@@ -164,6 +179,8 @@ async def _replay(url: str, trace: list[TraceRequest], warmup: list[TraceRequest
         for stream, profile_dir in zip(modes, profile_dirs):
             start = time.perf_counter()
             await asyncio.gather(*[_one(session, url, r, stream) for r in warmup])
+            if not cold_connections:
+                await _open_connections(session, url, len(trace))
             profiles = _start_profiles(profile_dir, 3 * (time.perf_counter() - start) + 2)
             await asyncio.sleep(0.5 if profiles else 0.0)  # py-spy attaches
             start, cpu = time.perf_counter(), time.process_time()
@@ -179,17 +196,18 @@ async def _replay(url: str, trace: list[TraceRequest], warmup: list[TraceRequest
 
 def run_http(engine_args: dict, trace, warmup, modes: list[bool], replicas: int,
              port: int = 8000, profile_dirs: list[str | None] | None = None,
-             server_env: dict | None = None) -> list[dict]:
+             server_env: dict | None = None, cold_connections: bool = False) -> list[dict]:
     """One server (`deployments.launch`), the trace once per mode (stream or not)."""
     started = time.perf_counter()
     with launched(engine_args, replicas, port, server_env):
         runs = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, warmup, modes,
-                                   profile_dirs or [None] * len(modes)))
+                                   profile_dirs or [None] * len(modes), cold_connections))
         stopping = time.perf_counter()
     print(f"server up and runs {stopping - started:.0f} s, stop "
           f"{time.perf_counter() - stopping:.0f} s", file=sys.stderr)
     return [{"elapsed_s": elapsed, "client_cpu_s": cpu, "replicas": replicas, "stream": stream,
-             "server_env": server_env or {}} for stream, (elapsed, cpu) in zip(modes, runs)]
+             "server_env": server_env or {}, "cold_connections": cold_connections}
+            for stream, (elapsed, cpu) in zip(modes, runs)]
 
 
 def main(argv=None) -> dict:
@@ -208,6 +226,8 @@ def main(argv=None) -> dict:
     p.add_argument("--server-env", default="", metavar="K=V,...",
                    help="environment of the server processes (Serve's knobs, for example)")
     p.add_argument("--label", default="", help="appended to the HTTP systems' names")
+    p.add_argument("--cold-connections", action="store_true",
+                   help="the timed runs open their connections (default: opened before)")
     p.add_argument("--profile", metavar="DIR", help="py-spy the server processes during the "
                    "timed runs (DIR/<system>-<process>.txt, collapsed stacks)")
     p.add_argument("--out")
@@ -243,7 +263,7 @@ def main(argv=None) -> dict:
         profiles = [os.path.join(args.profile, n + args.label) if args.profile else None
                     for n in names]
         runs = run_http(engine_args, trace, warmup, modes, replicas, profile_dirs=profiles,
-                        server_env=env)
+                        server_env=env, cold_connections=args.cold_connections)
         for name, res in zip(names, runs):
             results.append({"system": name + args.label, **res})
             print(f"{name}: {res['elapsed_s']:.2f} s", flush=True)  # a cut-off run keeps these

@@ -7,8 +7,9 @@ Per setting of `enable_prefix_caching`:
   shared-prefix  --num-requests prompts (one system prompt of --prefix-len tokens, then a
                  distinct ~100-token question; 128 output tokens), all sent at t=0:
                  throughput.
-  multi-turn     conversations of --turns turns started at --rate conversations/s for
-                 --duration s, each turn sent when the previous answer arrived: TTFT.
+  multi-turn     conversations of --turns turns started at --rates conversations/s (one run
+                 per rate) for --duration s, each turn sent when the previous answer
+                 arrived: TTFT.
   orca           ORCA's trace (no sharing) at t=0: the cost of caching when nothing hits.
 Every request goes through load_client (streamed, EOS ignored, usage checked). The table
 printed last gives each metric off, on, and on/off.
@@ -25,7 +26,7 @@ import time
 import httpx
 
 from load_tests.bench_http import launched
-from load_tests.load_client import LoadConfig, sweep
+from load_tests.load_client import LoadConfig, parse_rates, sweep
 from load_tests.traces import multi_turn_trace, orca_trace, shared_prefix_trace
 
 
@@ -46,18 +47,18 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 900.0) -
 def run_setting(caching: bool, engine_args: dict, args) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     v = args.vocab_size
-    traces = {
-        "shared-prefix": (shared_prefix_trace(args.num_requests, v, 1, args.prefix_len),
-                          math.inf, None),
-        "multi-turn": (multi_turn_trace(args.num_conversations * args.turns, v, 2, args.turns),
-                       args.rate, args.duration),
-        "orca": (orca_trace(args.num_requests, v, 3), math.inf, None),
-    }
+    traces = {"shared-prefix": (shared_prefix_trace(args.num_requests, v, 1, args.prefix_len),
+                                math.inf, None)}
+    for rate in args.rates:  # one multi-turn run per rate, each on fresh conversations
+        traces[multi_turn_name(rate, args.rates)] = (
+            multi_turn_trace(args.num_conversations * args.turns, v, 2, args.turns),
+            rate, args.duration)
+    traces["orca"] = (orca_trace(args.num_requests, v, 3), math.inf, None)
     out = {"enable_prefix_caching": caching}
     with launched({**engine_args, "enable_prefix_caching": caching}, 1, args.port) as server:
         wait_healthy(url, server)
         for name, (trace, rate, duration) in traces.items():
-            if name not in args.traces.split(","):
+            if name.split("@")[0] not in args.traces.split(","):
                 continue
             cfg = LoadConfig(url, num_warmup=args.warmup, duration_s=duration or 1e9,
                              show_progress=False, drain_timeout_s=1800)
@@ -71,6 +72,11 @@ def run_setting(caching: bool, engine_args: dict, args) -> dict:
                   f"{res['ttft_ms']['median']:.1f} ms, cached "
                   f"{res['cached_prompt_fraction']:.2f}", flush=True)
     return out
+
+
+def multi_turn_name(rate: float, rates: list[float]) -> str:
+    return "multi-turn" if len(rates) == 1 else f"multi-turn@{rate:g}" if isinstance(rate, float) \
+        else f"multi-turn@{rate}"
 
 
 ROWS = [("shared-prefix", "total_token_throughput", "throughput, tok/s"),
@@ -87,8 +93,10 @@ def table(off: dict, on: dict) -> str:
 
     lines = ["| trace | metric | caching off | caching on | on / off | cached share (on) |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for trace, key, label in ROWS:
-        if trace not in off or trace not in on:
+    rows = [(name, key, label) for trace, key, label in ROWS
+            for name in off if name.split("@")[0] == trace]
+    for trace, key, label in rows:
+        if trace not in on:
             continue
         a, b = get(off[trace], key), get(on[trace], key)
         lines.append(f"| {trace} | {label} | {a:.2f} | {b:.2f} | {b / a:.2f} | "
@@ -105,7 +113,8 @@ def main(argv=None) -> dict:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--num-conversations", type=int, default=200,
                    help="multi-turn: at most this many (the duration may cut it)")
-    p.add_argument("--rate", type=float, default=4.0, help="multi-turn: conversations/s")
+    p.add_argument("--rates", type=parse_rates, default=parse_rates("4"),
+                   help="multi-turn: conversations/s, comma-separated (a run per rate)")
     p.add_argument("--duration", type=float, default=60.0, help="multi-turn: seconds")
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--warmup", type=int, default=16)

@@ -21,6 +21,9 @@ DURATION=${DURATION:-60}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-cb-tuned hf-static"}
 # between two tokens of a running request) can take when many prompts arrive at once
 MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
 PY=${PY:-python3}
+# load client processes: one Python process parsing every streamed event falls behind at
+# ~100 req/s of ORCA's trace on llama-8b (see load_client._send_in_processes)
+CLIENT_PROCESSES=${CLIENT_PROCESSES:-4}
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 VOCAB=$($PY -c "from engine_actors.checkpoint import load_hf_config, resolve_model_path; print(load_hf_config(resolve_model_path('$MODEL')).vocab_size)")
@@ -35,7 +38,7 @@ sys.exit(1)" "$1"
 }
 client() {  # system url rates
   $PY -m load_tests.load_client --url "$2" --system "$1" --trace "$TRACE" --vocab-size "$VOCAB" \
-    --rates "$3" --duration "$DURATION" --drain-timeout 120 --no-progress \
+    --rates "$3" --duration "$DURATION" --drain-timeout 120 --no-progress --processes "$CLIENT_PROCESSES" \
     --out "$OUT/load-$1.json" 2>&1 | tail -12
 }
 for system in $SYSTEMS; do

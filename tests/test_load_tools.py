@@ -14,6 +14,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from load_tests import load_client
 from load_tests.load_client import LoadConfig, schedule, sweep
 from load_tests.metrics import SLO, RequestOutcome, distribution, percentile, summarize
 from load_tests.report import load_reports, markdown_table, plot, sustained_rate
@@ -184,6 +185,24 @@ def test_load_client_paces_requests_at_the_offered_rate():
     assert res["completed"] == len(server.arrivals) == len(expected) and res["rate"] == 10.0
     sent = [t - server.arrivals[0] for t in server.arrivals]
     assert max(abs(a - b) for a, b in zip(sent, expected)) < 0.03
+
+
+def test_load_client_processes_share_one_start_and_merge_their_outcomes(monkeypatch):
+    monkeypatch.setattr(load_client, "PROCESS_START_S", 3.0)
+    server = FakeStreamingServer()
+    trace = [TraceRequest([1], 1), TraceRequest([999], 2), TraceRequest([2, 3], 3)]
+    with ServerThread(server.app) as url:
+        cfg = LoadConfig(url, num_warmup=0, duration_s=0.9, show_progress=False, seed=7,
+                         processes=2)
+        [res] = asyncio.run(sweep(cfg, trace, [10.0]))
+    offsets = [t for t in arrival_times(9, 10.0, seed=7) if t <= 0.9]
+    failing = sum(1 for i in range(len(offsets)) if i % 3 == 1)  # prompt [999]: HTTP 500
+    assert (res["completed"], res["failed"]) == (len(offsets) - failing, failing)
+    assert res["total_output_tokens"] == sum((1, 0, 3)[i % 3] for i in range(len(offsets)))
+    # requests dealt to two processes still arrive at the plan's offsets from one start
+    sent = sorted(server.arrivals)
+    assert len(sent) == len(offsets)
+    assert max(abs(a - sent[0] - b) for a, b in zip(sent, offsets)) < 0.05
 
 
 def test_schedule_respects_duration_and_caps():
