@@ -22,7 +22,8 @@ DURATION=${DURATION:-60}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-cb-tuned hf-static"}
 MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
 PY=${PY:-python3}
 # load client processes: one Python process parsing every streamed event falls behind at
-# ~100 req/s of ORCA's trace on llama-8b (see load_client._send_in_processes)
+# ~100 req/s of ORCA's trace on llama-8b (see load_client._send_in_processes). Several
+# values ("4 1") run the engine's rates once per value on one server, as orca-p4, orca-p1.
 CLIENT_PROCESSES=${CLIENT_PROCESSES:-4}
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -36,10 +37,10 @@ for _ in range(300):
     time.sleep(1)
 sys.exit(1)" "$1"
 }
-client() {  # system url rates
+client() {  # system url rates [client processes]
   $PY -m load_tests.load_client --url "$2" --system "$1" --trace "$TRACE" --vocab-size "$VOCAB" \
-    --rates "$3" --duration "$DURATION" --drain-timeout 120 --no-progress --processes "$CLIENT_PROCESSES" \
-    --out "$OUT/load-$1.json" 2>&1 | tail -12
+    --rates "$3" --duration "$DURATION" --drain-timeout 120 --no-progress \
+    --processes "${4:-${CLIENT_PROCESSES%% *}}" --out "$OUT/load-$1.json" 2>&1 | tail -12
 }
 for system in $SYSTEMS; do
   echo "=== $system"
@@ -56,8 +57,10 @@ print(yaml.safe_dump(cfg))
 PYEOF
       $PY -m deployments.launch /tmp/sweep_config.yaml > "$OUT/serve-orca.log" 2>&1 &
       pid=$!
-      if wait_up http://127.0.0.1:8000; then client orca http://127.0.0.1:8000 "$RATES"
-      else echo "orca did not come up"; tail -20 "$OUT/serve-orca.log"; fi
+      if ! wait_up http://127.0.0.1:8000; then echo "orca did not come up"; tail -20 "$OUT/serve-orca.log"
+      elif [ "$CLIENT_PROCESSES" = "${CLIENT_PROCESSES%% *}" ]; then client orca http://127.0.0.1:8000 "$RATES"
+      else for n in $CLIENT_PROCESSES; do client "orca-p$n" http://127.0.0.1:8000 "$RATES" "$n"; done
+      fi
       kill -TERM $pid; wait $pid ;;
     hf-cb|hf-cb-tuned|hf-static)
       extra=()
