@@ -49,9 +49,10 @@ def run_setting(caching: bool, engine_args: dict, args) -> dict:
     v = args.vocab_size
     traces = {"shared-prefix": (shared_prefix_trace(args.num_requests, v, 1, args.prefix_len),
                                 math.inf, None)}
-    for rate in args.rates:  # one multi-turn run per rate, each on fresh conversations
+    for k, rate in enumerate(args.rates):  # one multi-turn run per rate, each on its own
+        # conversations (a seed per rate): a later rate must not find an earlier one's cached
         traces[multi_turn_name(rate, args.rates)] = (
-            multi_turn_trace(args.num_conversations * args.turns, v, 2, args.turns),
+            multi_turn_trace(args.num_conversations * args.turns, v, 2 + 1000 * k, args.turns),
             rate, args.duration)
     traces["orca"] = (orca_trace(args.num_requests, v, 3), math.inf, None)
     out = {"enable_prefix_caching": caching}
@@ -75,8 +76,7 @@ def run_setting(caching: bool, engine_args: dict, args) -> dict:
 
 
 def multi_turn_name(rate: float, rates: list[float]) -> str:
-    return "multi-turn" if len(rates) == 1 else f"multi-turn@{rate:g}" if isinstance(rate, float) \
-        else f"multi-turn@{rate}"
+    return "multi-turn" if len(rates) == 1 else f"multi-turn@{rate:g}"
 
 
 ROWS = [("shared-prefix", "total_token_throughput", "throughput, tok/s"),
@@ -125,6 +125,8 @@ def main(argv=None) -> dict:
     p.add_argument("--traces", default="shared-prefix,multi-turn,orca")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    if any(not isinstance(r, float) for r in args.rates) or len(set(args.rates)) < len(args.rates):
+        p.error("--rates: distinct numbers (a multi-turn trace has no arrival times to replay)")
     engine_args = {"model": args.model, "device": args.device,
                    "max_batch_size": args.max_batch_size,
                    "max_num_batched_tokens": args.max_num_batched_tokens}

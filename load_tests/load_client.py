@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import multiprocessing
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -168,13 +169,13 @@ async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[Trace
     units = conversations(trace) if trace[0].conversation is not None else trace
     plan = schedule(units, rate, cfg)
     if cfg.processes > 1:
-        results, num_pending, start = await _send_in_processes(cfg, plan)
+        results, num_pending, start, end = await _send_in_processes(cfg, plan)
     else:
         size = sum(len(u) if isinstance(u, list) else 1 for _, u in plan)
         with tqdm(total=size, desc=f"rate {rate}", unit="req",
                   disable=not cfg.show_progress) as bar:
             start = time.perf_counter()
-            results, num_pending = await send_plan(client, cfg, plan, start, bar)
+            results, num_pending, end = await send_plan(client, cfg, plan, start, bar)
     outcomes = []
     for result, (_, unit) in zip(results, plan):
         for i, req in enumerate(unit if isinstance(unit, list) else [unit]):
@@ -187,7 +188,7 @@ async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[Trace
                 outcomes.append(RequestOutcome(len(req.prompt_token_ids), req.max_tokens,
                                                req.deadline_s, error=why))
     ends = [o.end_s for o in outcomes if o.is_success]
-    duration = (max(ends) if ends and not num_pending else time.perf_counter()) - start
+    duration = (max(ends) if ends and not num_pending else end) - start
     result = {"rate": rate if isinstance(rate, str) or math.isfinite(rate) else "inf",
               "burstiness": cfg.burstiness}
     result.update(summarize(outcomes, duration, cfg.slo))
@@ -195,10 +196,10 @@ async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[Trace
 
 
 async def send_plan(client: httpx.AsyncClient, cfg: LoadConfig, plan: list[tuple[float, Any]],
-                    start: float, bar) -> tuple[list, int]:
+                    start: float, bar) -> tuple[list, int, float]:
     """Each unit of the plan sent at start + its offset (perf_counter time); per unit its
-    outcome (a list for a conversation), None if unfinished at the drain timeout; and how
-    many were unfinished."""
+    outcome (a list for a conversation), None if unfinished at the drain timeout; how many
+    were unfinished; and when the last one ended or was given up."""
     tasks = []
     for offset, unit in plan:
         delay = start + offset - time.perf_counter()
@@ -211,11 +212,12 @@ async def send_plan(client: httpx.AsyncClient, cfg: LoadConfig, plan: list[tuple
             task.add_done_callback(lambda _: bar.update(1))
         tasks.append(task)
     if not tasks:
-        return [], 0
+        return [], 0, time.perf_counter()
     done, pending = await asyncio.wait(tasks, timeout=cfg.drain_timeout_s)
+    end = time.perf_counter()
     for task in pending:
         task.cancel()
-    return [task.result() if task in done else None for task in tasks], len(pending)
+    return [task.result() if task in done else None for task in tasks], len(pending), end
 
 
 def _client(cfg: LoadConfig) -> httpx.AsyncClient:
@@ -228,7 +230,7 @@ def _client(cfg: LoadConfig) -> httpx.AsyncClient:
 PROCESS_START_S = 5.0
 
 
-async def _send_in_processes(cfg: LoadConfig, plan: list) -> tuple[list, int, float]:
+async def _send_in_processes(cfg: LoadConfig, plan: list) -> tuple[list, int, float, float]:
     """The plan dealt round-robin to cfg.processes processes, each with its own event loop
     and connections, all timed from one start (perf_counter is CLOCK_MONOTONIC, shared by
     every process): one Python process parsing every streamed event caps the load it can
@@ -241,18 +243,39 @@ async def _send_in_processes(cfg: LoadConfig, plan: list) -> tuple[list, int, fl
         outs = await asyncio.gather(*[loop.run_in_executor(pool, _send_part, cfg, part, start)
                                       for part in parts])
     results: list = [None] * len(plan)
-    for i, (part_results, _) in enumerate(outs):
+    for i, (part_results, _, _) in enumerate(outs):
         results[i::n] = part_results
-    return results, sum(pending for _, pending in outs), start
+    return results, sum(o[1] for o in outs), start, max(o[2] for o in outs)
 
 
-def _send_part(cfg: LoadConfig, part: list, start: float) -> tuple[list, int]:
-    """One process's share of a plan (see _send_in_processes)."""
+def _send_part(cfg: LoadConfig, part: list, start: float) -> tuple[list, int, float]:
+    """One process's share of a plan (see _send_in_processes). Before the start it opens
+    connections, as the single-process client has them from its warm-up and earlier rates."""
     async def go():
         async with _client(cfg) as client:
+            await _open_connections(client, min(len(part), CONNECTIONS_PER_PROCESS))
+            late = time.perf_counter() - start
+            if late > 0:
+                print(f"load_client: a client process started {late:.2f} s late; its first "
+                      "requests go out at once", file=sys.stderr)
             return await send_plan(client, cfg, part, start, tqdm(disable=True))
 
     return asyncio.run(go())
+
+
+CONNECTIONS_PER_PROCESS = 64
+
+
+async def _open_connections(client: httpx.AsyncClient, n: int) -> None:
+    """n connections in the client's pool: n requests at once (GET /v1/models; any answer
+    keeps its connection open)."""
+    async def one():
+        try:
+            await client.get("/v1/models")
+        except httpx.HTTPError:
+            pass
+
+    await asyncio.gather(*[one() for _ in range(n)])
 
 
 async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | str],
@@ -274,6 +297,13 @@ async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | 
             if on_result is not None:
                 on_result(results)
     return results
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_rates(text: str) -> list[float | str]:
@@ -332,8 +362,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--slo-e2e-ms", type=float)
     p.add_argument("--out", help="JSON report (rewritten after every rate)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--processes", type=int, default=1,
-                   help="client processes sharing each run (one parses ~15-20k events/s)")
+    p.add_argument("--processes", type=positive_int, default=1,
+                   help="client processes sharing each run (one parsed ~14k streamed "
+                   "events/s on a 2-core CPU machine)")
     args = p.parse_args(argv)
 
     trace = make_trace(args.trace, args.num_prompts, args.vocab_size, args.seed,

@@ -25,6 +25,8 @@ PY=${PY:-python3}
 # ~100 req/s of ORCA's trace on llama-8b (see load_client._send_in_processes). Several
 # values ("4 1") run the engine's rates once per value on one server, as orca-p4, orca-p1.
 CLIENT_PROCESSES=${CLIENT_PROCESSES:-4}
+[[ $CLIENT_PROCESSES =~ ^[1-9][0-9]*( [1-9][0-9]*)*$ ]] || {
+  echo "CLIENT_PROCESSES must be counts separated by spaces, e.g. \"4 1\"" >&2; exit 2; }
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 VOCAB=$($PY -c "from engine_actors.checkpoint import load_hf_config, resolve_model_path; print(load_hf_config(resolve_model_path('$MODEL')).vocab_size)")
