@@ -144,8 +144,18 @@ class Worker:
                 self._held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
             return self._training_memory()
         if method == "micro_step":  # args: its number, the one it follows (-1: none), the
-            self.runner.kv_memory.lend(args[2])  # KV units to lend, the batch
-            if self._skipped(args[0]):
+            try:  # KV units to lend, the batch
+                self.runner.kv_memory.lend(args[2])
+                error = None
+            except Exception as e:  # the other ranks hear of it before any collective
+                error = e
+            skip, failed = self._agree(args[0], error is not None)
+            if error is not None:
+                raise error
+            if failed:
+                raise RuntimeError("lending KV memory to training failed on another "
+                                   "tensor-parallel rank")
+            if skip:
                 return {"skipped": True, **self._training_memory()}
             out = self.trainers[job_id].micro_step(*args[3:])
             return {**out, **self._training_memory()}
@@ -165,15 +175,18 @@ class Worker:
         actor's loop, so it lands while the launch thread trains."""
         self._skip.add(seq)
 
-    def _skipped(self, seq: int) -> bool:
-        """Whether micro-batch `seq` was called off; with tensor parallelism the ranks
-        agree (any that heard it), so they all run it or none does."""
+    def _agree(self, seq: int, failed: bool) -> tuple[bool, bool]:
+        """(whether micro-batch `seq` was called off, whether its preparation failed) as
+        the tensor-parallel ranks agree: any rank that heard of the call-off, or failed,
+        decides for all, so they all run it or none does (a rank alone in a collective
+        would wait forever)."""
         skip = seq in self._skip
         self._skip = {s for s in self._skip if s > seq}  # later ones only (seq grows)
         if self.runner.parallel.tp_size > 1:
-            flag = torch.tensor([float(skip)], device=self.runner.model.embed_tokens.weight.device)
-            skip = bool(self.runner.parallel.all_reduce(flag).item())
-        return skip
+            flags = torch.tensor([float(skip), float(failed)],
+                                 device=self.runner.model.embed_tokens.weight.device)
+            skip, failed = (bool(f) for f in self.runner.parallel.all_reduce(flags).tolist())
+        return skip, failed
 
     def _training_memory(self) -> dict:
         """What a training step may use: device memory free beside the KV pool (None on
