@@ -53,6 +53,15 @@ class SSEResponse(EventSourceResponse):
         finally:
             self._on_close()
 
+    async def _send_with_timeout(self, send, message) -> None:
+        # sse-starlette wraps every event's send in a timer scope, even with no send
+        # timeout (ours): one event per token, so the scope was ~8% of a streaming
+        # replica's CPU (BENCHMARKS.md). Without a timeout there is nothing to time.
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
+
 
 class Choice:
     """One choice's accumulated text, token counts, log-probabilities and finish reason."""
