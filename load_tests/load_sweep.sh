@@ -22,7 +22,7 @@ DURATION=${DURATION:-60}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-cb-tuned hf-static"}
 MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
 PY=${PY:-python3}
 # load client processes: one Python process parsing every streamed event falls behind at
-# ~100 req/s of ORCA's trace on llama-8b (see load_client._send_in_processes). Several
+# ~100 req/s of ORCA's trace on llama-8b (see load_tests/sender.py: send_in_processes). Several
 # values ("4 1") run the engine's rates once per value on one server, as orca-p4, orca-p1.
 CLIENT_PROCESSES=${CLIENT_PROCESSES:-4}
 [[ $CLIENT_PROCESSES =~ ^[1-9][0-9]*( [1-9][0-9]*)*$ ]] || {

@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from load_tests import load_client
+from load_tests import sender
 from load_tests.load_client import LoadConfig, schedule, sweep
 from load_tests.metrics import SLO, RequestOutcome, distribution, percentile, summarize
 from load_tests.report import load_reports, markdown_table, plot, sustained_rate
@@ -188,7 +188,7 @@ def test_load_client_paces_requests_at_the_offered_rate():
 
 
 def test_load_client_processes_share_one_start_and_merge_their_outcomes(monkeypatch):
-    monkeypatch.setattr(load_client, "PROCESS_START_S", 3.0)
+    monkeypatch.setattr(sender, "PROCESS_START_S", 3.0)
     server = FakeStreamingServer()
     trace = [TraceRequest([1], 1), TraceRequest([999], 2), TraceRequest([2, 3], 3)]
     with ServerThread(server.app) as url:
@@ -198,9 +198,9 @@ def test_load_client_processes_share_one_start_and_merge_their_outcomes(monkeypa
         [res] = asyncio.run(sweep(cfg, trace, [10.0]))
         # each unit's result comes back in its place in the plan
         plan = [(0.01 * i, TraceRequest([7] * (i + 1), 1)) for i in range(5)]
-        results, pending, _, _ = asyncio.run(load_client._send_in_processes(cfg, plan))
+        results, pending, _, _ = asyncio.run(sender.send_in_processes(cfg, plan))
     assert pending == 0 and [o.prompt_len for o in results] == [1, 2, 3, 4, 5]
-    assert server.arrivals[0] - called > load_client.PROCESS_START_S - 0.1  # the common start
+    assert server.arrivals[0] - called > sender.PROCESS_START_S - 0.1  # the common start
     offsets = [t for t in arrival_times(9, 10.0, seed=7) if t <= 0.9]
     failing = sum(1 for i in range(len(offsets)) if i % 3 == 1)  # prompt [999]: HTTP 500
     assert (res["completed"], res["failed"]) == (len(offsets) - failing, failing)
