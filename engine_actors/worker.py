@@ -46,7 +46,7 @@ class Worker:
         self.trainers: dict[str, Trainer] = {}  # fine-tuning jobs' LoRA training state
         self._skip: set[int] = set()  # micro-batches called off (skip_training)
         self._train_seen = -1  # the latest micro-batch handed to the launch thread
-        self._train_turn: asyncio.Condition | None = None
+        self._train_turn = asyncio.Condition()  # bound to the actor's loop at first use
         self._held = 0  # bytes the caching allocator holds and cannot give back (CUDA)
 
     def address(self) -> str:
@@ -127,8 +127,6 @@ class Worker:
             return await loop.run_in_executor(self._launcher, self._finetune, method, job_id,
                                               *args)
         seq, after = args[0], args[1]
-        if self._train_turn is None:
-            self._train_turn = asyncio.Condition()
         async with self._train_turn:
             await self._train_turn.wait_for(lambda: after < 0 or self._train_seen >= after)
             self._train_seen = max(self._train_seen, seq)
