@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import time
 from dataclasses import asdict
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from load_tests.metrics import SLO, RequestOutcome, summarize
+from load_tests.metrics import SLO, RequestOutcome, summarize, worst_ttft_per_second
 from load_tests.sender import (LoadConfig, make_client, run_conversation, send_in_processes,
                                send_plan, send_request)
 from load_tests.traces import TraceRequest, arrival_times, make_trace
@@ -39,9 +40,10 @@ class WarmupFailed(RuntimeError):
     """No warm-up request succeeded: measuring would only record failures."""
 
 
-def schedule(trace: list, rate: float | str, cfg: LoadConfig) -> list[tuple[float, Any]]:
-    """(offset s, request) pairs of one run: the trace (requests, or conversations) cycled
-    at `rate` within the duration."""
+def schedule(trace: list, rate: float | str, cfg: LoadConfig,
+             first: int = 0) -> list[tuple[float, Any]]:
+    """(offset s, request) pairs of one run: the trace (requests, or conversations) from
+    index `first` on, cycled when it runs out, at `rate` within the duration."""
     if rate == "trace":
         if isinstance(trace[0], list):
             raise ValueError("a multi-turn trace has no arrival times to replay")
@@ -50,7 +52,7 @@ def schedule(trace: list, rate: float | str, cfg: LoadConfig) -> list[tuple[floa
         n = cfg.max_requests or (len(trace) if math.isinf(rate)
                                  else max(1, math.ceil(rate * cfg.duration_s)))
         offsets = arrival_times(n, rate, cfg.burstiness, cfg.seed)
-        pairs = [(t, trace[i % len(trace)]) for i, t in enumerate(offsets)]
+        pairs = [(t, trace[(first + i) % len(trace)]) for i, t in enumerate(offsets)]
     kept = [(t, r) for t, r in pairs if t <= cfg.duration_s]
     return (kept or pairs[:1])[:cfg.max_requests or None]
 
@@ -63,12 +65,23 @@ def conversations(trace: list[TraceRequest]) -> list[list[TraceRequest]]:
     return list(groups.values())
 
 
+def units_of(trace: list[TraceRequest]) -> list:
+    """What a rate counts: requests, or a multi-turn trace's conversations."""
+    return conversations(trace) if trace[0].conversation is not None else trace
+
+
+def units_needed(rates: list[float | str], cfg: LoadConfig) -> int:
+    """Requests (or conversations) that runs at these rates send: a trace this long sends
+    each of them once, so that no run repeats a prompt the server's prefix cache holds."""
+    return sum(cfg.max_requests or math.ceil(r * cfg.duration_s) for r in rates
+               if not isinstance(r, str) and math.isfinite(r))
+
+
 async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[TraceRequest],
-                   rate: float | str) -> dict:
+                   rate: float | str, first: int = 0) -> tuple[dict, int]:
     """Offer `rate` requests/s (conversations/s for a multi-turn trace) for the configured
-    duration; the run's metrics."""
-    units = conversations(trace) if trace[0].conversation is not None else trace
-    plan = schedule(units, rate, cfg)
+    duration, from the trace's unit `first` on; the run's metrics and the units it sent."""
+    plan = schedule(units_of(trace), rate, cfg, first)
     if cfg.processes > 1:
         results, num_pending, start, end = await send_in_processes(cfg, plan)
     else:
@@ -93,13 +106,16 @@ async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[Trace
     result = {"rate": rate if isinstance(rate, str) or math.isfinite(rate) else "inf",
               "burstiness": cfg.burstiness}
     result.update(summarize(outcomes, duration, cfg.slo))
-    return result
+    result["ttft_max_ms_per_s"] = worst_ttft_per_second(outcomes, start)
+    return result, len(plan)
 
 
 async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | str],
                 on_result=None) -> list[dict]:
-    """Warm up once, then one run per rate; `on_result(results so far)` after each."""
+    """Warm up once, then one run per rate, each on the trace's next units (cycled when
+    they run out); `on_result(results so far)` after each."""
     results: list[dict] = []
+    first = 0
     async with make_client(cfg) as client:
         if cfg.num_warmup:
             # Reversed prompts: the same shapes, but nothing a prefix cache could reuse later.
@@ -111,7 +127,9 @@ async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | 
             if len(failed) == len(warm):
                 raise WarmupFailed(f"every warm-up request failed; first error: {failed[0]}")
         for rate in rates:
-            results.append(await run_rate(client, cfg, trace, rate))
+            result, sent = await run_rate(client, cfg, trace, rate, first)
+            results.append(result)
+            first += sent
             if on_result is not None:
                 on_result(results)
     return results
@@ -156,7 +174,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="shared-prefix: length of the shared system prompt")
     p.add_argument("--turns", type=int, default=5, help="multi-turn: turns per conversation "
                    "(--rates are then conversations started per second)")
-    p.add_argument("--num-prompts", type=int, default=1000, help="size of a generated trace")
+    p.add_argument("--num-prompts", type=int,
+                   help="size of a generated trace (default: what the runs send, at least "
+                   "1000, so that no prompt repeats; repeats would hit a prefix cache)")
     p.add_argument("--vocab-size", type=int, default=256,
                    help="prompt ids are drawn below this (256 fits every model here)")
     p.add_argument("--max-context", type=int, default=2048, help="sharegpt length cap")
@@ -185,14 +205,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "events/s on a 2-core CPU machine)")
     args = p.parse_args(argv)
 
-    trace = make_trace(args.trace, args.num_prompts, args.vocab_size, args.seed,
-                       rate=args.tcb_rate, variance=args.tcb_variance, per_token_s=args.tcb_per_token_ms / 1e3,
-                       max_context=args.max_context, prefix_len=args.prefix_len,
-                       turns=args.turns)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     cfg = LoadConfig(args.url.rstrip("/"), args.model, args.temperature, args.duration,
                      args.max_requests, args.burstiness, args.seed, args.warmup,
                      args.drain_timeout, slo, not args.no_progress, args.processes)
+    needed = units_needed(args.rates, cfg)
+    size = args.num_prompts or max(1000, needed * (args.turns if args.trace == "multi-turn" else 1))
+    trace = make_trace(args.trace, size, args.vocab_size, args.seed,
+                       rate=args.tcb_rate, variance=args.tcb_variance, per_token_s=args.tcb_per_token_ms / 1e3,
+                       max_context=args.max_context, prefix_len=args.prefix_len,
+                       turns=args.turns)
+    if len(units_of(trace)) < needed:
+        print(f"load_client: the trace has {len(units_of(trace))} requests (or conversations) "
+              f"and the runs send {needed}: prompts repeat, and a server with prefix caching "
+              "serves the repeats from its cache", file=sys.stderr)
     report = {"system": args.system, "url": cfg.url, "model": args.model,
               "trace": {"name": args.trace, "num_prompts": len(trace), "seed": args.seed,
                         "vocab_size": args.vocab_size, "prefix_len": args.prefix_len,

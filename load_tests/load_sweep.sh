@@ -18,8 +18,10 @@ RATES_HF_CB=${RATES_HF_CB:-${HF_RATES:-2,4,8,12,16}}
 RATES_HF_CB_TUNED=${RATES_HF_CB_TUNED:-${HF_RATES:-2,4,8,12,16,20}}
 DURATION=${DURATION:-60}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-cb-tuned hf-static"}
 # the engine's token budget per iteration: it bounds how long one iteration (and so the gap
-# between two tokens of a running request) can take when many prompts arrive at once
-MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-2048}
+# between two tokens of a running request) can take when many prompts arrive at once. On
+# llama-8b/H200, ORCA's trace, 512 served as many requests/s as 2048 (~100) with half the
+# TPOT near the knee and ITL p99 within 3x TPOT p50 at every rate (BENCHMARKS.md)
+MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-512}
 PY=${PY:-python3}
 # load client processes: one Python process parsing every streamed event falls behind at
 # ~100 req/s of ORCA's trace on llama-8b (see load_tests/sender.py: send_in_processes). Several

@@ -80,6 +80,16 @@ def distribution(values_s: Sequence[float]) -> dict | None:
             "p99": float(p99)}
 
 
+def worst_ttft_per_second(outcomes: Sequence[RequestOutcome], start_s: float) -> list[float]:
+    """The longest TTFT (ms) of the requests sent in each second of a run, from `start_s` on
+    the run's clock: a stall of the server shows as a few seconds that stand out."""
+    sent = [(o.end_s - o.latency_s - start_s, o.ttft_s) for o in outcomes if o.is_success]
+    worst = [0.0] * (int(max((t for t, _ in sent), default=-1.0)) + 1)
+    for t, ttft in sent:
+        worst[int(max(t, 0.0))] = max(worst[int(max(t, 0.0))], round(ttft * 1e3, 1))
+    return worst
+
+
 def summarize(outcomes: Sequence[RequestOutcome], duration_s: float, slo: SLO = SLO()) -> dict:
     """The run's metrics as a JSON-ready dict (latencies in ms, throughputs per second)."""
     if duration_s <= 0:

@@ -82,8 +82,8 @@ def markdown_table(reports: list[dict]) -> str:
     """One row per system and rate."""
     lines = ["| system | rate | done/failed | req/s | out tok/s | TTFT p50/p99 ms | "
              "TPOT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | norm. lat. p50 ms/tok | "
-             "goodput req/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "goodput req/s | cached prompt share |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for report in reports:
         for r in report["runs"]:
             pair = [f"{_fmt(r.get(m))}/{_fmt(r.get(m), 'p99')}"
@@ -92,7 +92,8 @@ def markdown_table(reports: list[dict]) -> str:
             lines.append(f"| {report['system']} | {r['rate']} | {r['completed']}/{r['failed']} "
                          f"| {r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
                          + " | ".join(pair)
-                         + f" | {_fmt(r.get('normalized_latency_ms'))} | {goodput} |")
+                         + f" | {_fmt(r.get('normalized_latency_ms'))} | {goodput} | "
+                         f"{r.get('cached_prompt_fraction', 0.0):.2f} |")
     return "\n".join(lines)
 
 

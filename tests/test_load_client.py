@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from load_tests import sender
-from load_tests.load_client import LoadConfig, schedule, sweep
+from load_tests.load_client import LoadConfig, main, schedule, sweep
 from load_tests.metrics import SLO
 from load_tests.traces import TraceRequest, arrival_times
 from tests.http_thread import ServerThread
@@ -26,12 +26,14 @@ class FakeStreamingServer:
 
     def __init__(self):
         self.arrivals: list[float] = []
+        self.prompts: list[list[int]] = []
         self.app = Starlette(routes=[Route("/v1/completions", self.completions,
                                            methods=["POST"])])
 
     async def completions(self, request):
         self.arrivals.append(time.perf_counter())
         body = await request.json()
+        self.prompts.append(body["prompt"])
         ok = (body.get("ignore_eos") is True and body.get("stream") is True
               and body.get("stream_options") == {"include_usage": True}
               and body.get("temperature") == 0.0
@@ -118,3 +120,21 @@ def test_schedule_respects_duration_and_caps():
     plan = schedule(trace, 50.0, cfg)
     assert 40 <= len(plan) <= 50 and all(t <= 1.0 for t, _ in plan)
     assert len(schedule(trace, 50.0, LoadConfig("http://x", max_requests=7))) == 7
+
+
+def test_each_run_of_a_sweep_sends_prompts_no_earlier_run_sent(capsys):
+    """A repeated prompt would be served from the server's prefix cache: the runs of one
+    sweep take the trace's next requests, and a generated trace covers every run."""
+    server = FakeStreamingServer()
+    with ServerThread(server.app) as url:
+        main(["--url", url, "--trace", "orca", "--vocab-size", "50000", "--rates", "20,30",
+              "--duration", "0.5", "--warmup", "0", "--no-progress"])
+        assert "prompts repeat" not in capsys.readouterr().err
+        sent = len(server.prompts)
+        assert sent >= 20  # ~10 + ~15 requests
+        assert len({tuple(p) for p in server.prompts}) == sent
+        # a trace shorter than the runs is cycled, and the client says so
+        main(["--url", url, "--trace", "orca", "--num-prompts", "3", "--rates", "20",
+              "--duration", "0.5", "--warmup", "0", "--no-progress"])
+    assert "prompts repeat" in capsys.readouterr().err
+    assert len({tuple(p) for p in server.prompts[sent:]}) == 3

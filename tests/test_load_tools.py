@@ -11,7 +11,8 @@ import statistics
 import pytest
 
 from load_tests.load_client import LoadConfig, sweep
-from load_tests.metrics import SLO, RequestOutcome, distribution, percentile, summarize
+from load_tests.metrics import (SLO, RequestOutcome, distribution, percentile, summarize,
+                                worst_ttft_per_second)
 from load_tests.report import load_reports, markdown_table, plot, sustained_rate
 from load_tests.traces import (arrival_times, load_jsonl, multi_turn_trace,
                                orca_trace, save_jsonl, shared_prefix_trace, sharegpt_trace,
@@ -108,6 +109,17 @@ def test_summary_on_a_hand_computed_run():
     assert s["deadline_met"] == pytest.approx(1 / 3)  # a met, b late, c failed
     assert s["num_short_outputs"] == 0
     assert s["errors"] == [{"error": "HTTP 500: boom", "count": 1}]
+
+
+def test_worst_ttft_per_second_finds_the_stalled_second():
+    # run clock starts at 100 s; sent at 100.2 (ttft 30 ms), 101.5 (900 ms), 101.9 (40 ms),
+    # 103.0 (20 ms); one failure is left out; nothing was sent in the third second
+    sent = [(0.2, 0.03), (1.5, 0.9), (1.9, 0.04), (3.0, 0.02)]
+    ok = [RequestOutcome(10, 4, is_success=True, ttft_s=ttft, latency_s=0.5,
+                         end_s=100.0 + t + 0.5) for t, ttft in sent]
+    failed = RequestOutcome(10, 4, error="HTTP 503", end_s=101.0)
+    assert worst_ttft_per_second(ok + [failed], start_s=100.0) == [30.0, 900.0, 0.0, 20.0]
+    assert worst_ttft_per_second([failed], start_s=100.0) == []
 
 
 def test_shared_prefix_and_multi_turn_traces(tmp_path):
