@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -93,6 +94,10 @@ class OpenAIIngress:
         await self.frontend.client.close(final=self._deleting)
 
     async def _announce(self) -> None:
+        # The startup heap (Ray, Starlette, the tokenizer): a full collection took ~100 ms
+        # every ~9 s at 116 req/s on llama-8b, a TTFT spike each time; frozen, it is not
+        # scanned again.
+        gc.freeze()
         logger.warning("orca-serve ready: model %s, OpenAI API at %s/v1", self.cfg.model_name,
                        await _http_url())
 

@@ -17,6 +17,7 @@ recover from.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 import ray
@@ -79,6 +80,7 @@ class SchedulerActor:
                                                  self.metrics, self._deliver)
             self.adapters.slots = self.engine.scheduler.loras
             self.engine.finetuning = self.finetuning
+            gc.freeze()  # the startup heap: full collections under load no longer scan it
             self._spawn(self._run())
         except Exception as e:
             self._start_error = start_failure_cause(e)
