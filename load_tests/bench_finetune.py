@@ -167,7 +167,7 @@ def main(argv=None) -> dict:
     p.add_argument("--finetune-deferral-ms", type=float, default=200.0,
                    help="FineInfer's deferral bound (the engine's default: 200)")
     p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="the engine's token budget per iteration (load_sweep.sh's default)")
     p.add_argument("--server-log", help="a file for the server's output")
     p.add_argument("--profile", action="store_true",

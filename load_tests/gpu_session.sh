@@ -47,7 +47,8 @@ for part in $BENCH; do
     lora-decode) python3 -m load_tests.bench_lora --model llama-8b --batch-size 64 --adapters 1 2 8 32 --out "$OUT/lora-decode-8b.json" > "$OUT/lora-decode-8b.log" 2>&1; tail -8 "$OUT/lora-decode-8b.log" ;;
     lora-offline) python3 -m load_tests.bench_offline --model llama-8b --systems orca --adapters 0 8 --out "$OUT/lora-offline-8b.json" > "$OUT/lora-offline-8b.log" 2>&1; tail -5 "$OUT/lora-offline-8b.log" ;;
     prefix-8b) python3 -m load_tests.bench_prefix --model llama-8b --duration "${DURATION:-30}" --out "$OUT/prefix-8b.json" > "$OUT/prefix-8b.log" 2>&1; tail -14 "$OUT/prefix-8b.log" ;;
-    finetune) python3 -m load_tests.bench_finetune --model llama-8b --rate "${RATE:-64}" --duration "${DURATION:-60}" \
+    finetune) # RATE: half of the 79.6 req/s that load_sweep.sh measured (BENCHMARKS.md, 2026-11-25)
+      python3 -m load_tests.bench_finetune --model llama-8b --rate "${RATE:-40}" --duration "${DURATION:-60}" \
         --idle-s 30 --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$OUT/finetune-8b${LABEL:-}.json" ${FT_ARGS:-} \
         --plot "$OUT/finetune-8b${LABEL:-}.png" --server-log "/tmp/finetune-server.log" > "$OUT/finetune-8b${LABEL:-}.log" 2>&1
       tail -16 "$OUT/finetune-8b${LABEL:-}.log"; tail -300 /tmp/finetune-server.log | grep -v "GET /health\|GET /v1/fine_tuning" > "$OUT/finetune-server${LABEL:-}.log"
