@@ -97,6 +97,7 @@ class OpenAIIngress:
         # The startup heap (Ray, Starlette, the tokenizer): a full collection took ~100 ms
         # every ~9 s at 116 req/s on llama-8b, a TTFT spike each time; frozen, it is not
         # scanned again.
+        gc.collect()
         gc.freeze()
         logger.warning("orca-serve ready: model %s, OpenAI API at %s/v1", self.cfg.model_name,
                        await _http_url())

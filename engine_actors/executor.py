@@ -93,6 +93,7 @@ class Executor:
             num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote()
                                                     for w in self.workers]))
         await asyncio.gather(*[w.init_kv_cache.remote(num_blocks) for w in self.workers])
+        await asyncio.gather(*[w.freeze_heap.remote() for w in self.workers])
         return num_blocks
 
     async def execute(self, step: StepInput) -> list[int]:

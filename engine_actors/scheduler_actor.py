@@ -80,7 +80,8 @@ class SchedulerActor:
                                                  self.metrics, self._deliver)
             self.adapters.slots = self.engine.scheduler.loras
             self.engine.finetuning = self.finetuning
-            gc.freeze()  # the startup heap: full collections under load no longer scan it
+            gc.collect()  # then the startup heap: full collections under load skip it
+            gc.freeze()
             self._spawn(self._run())
         except Exception as e:
             self._start_error = start_failure_cause(e)

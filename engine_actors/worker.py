@@ -87,7 +87,12 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs(self.cfg.max_batch_size, self.cfg.max_num_batched_tokens)
-        gc.freeze()  # the startup heap: full collections under load no longer scan it
+
+    def freeze_heap(self) -> None:
+        """Called in the actor once it is set up: full collections under load no longer
+        scan the startup heap (not in-process, where it would freeze the caller's)."""
+        gc.collect()
+        gc.freeze()
 
     def gpu_timeline(self, reset: bool = False) -> dict:
         """GPU busy time and idle time between steps since the last reset (CUDA only)."""

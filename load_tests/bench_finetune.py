@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import string
 import threading
@@ -137,7 +138,8 @@ def job_tokens(url: str, job_id: str) -> tuple[float, int]:
 def run_load(url: str, args, label: str, seed: int) -> dict:
     """One phase of load; each phase its own prompts (`seed`), so that none hits the
     prefix cache that an earlier phase filled."""
-    trace = orca_trace(args.num_requests, args.vocab_size, seed=seed)
+    size = args.num_requests or math.ceil(args.rate * args.duration)  # no prompt twice
+    trace = orca_trace(size, args.vocab_size, seed=seed)
     cfg = LoadConfig(url, num_warmup=args.warmup, duration_s=args.duration,
                      show_progress=False, drain_timeout_s=1800)
     [res] = asyncio.run(sweep(cfg, trace, [args.rate]))
@@ -158,7 +160,8 @@ def main(argv=None) -> dict:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of each load run")
     p.add_argument("--idle-s", type=float, default=30.0)
     p.add_argument("--examples", type=int, default=256)
-    p.add_argument("--num-requests", type=int, default=4096, help="trace length (cut by time)")
+    p.add_argument("--num-requests", type=int, help="trace length of a phase (default: "
+                   "what --rate sends in a phase, so that no prompt repeats; cut by time)")
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--warmup-s", type=float, default=20.0,

@@ -73,8 +73,15 @@ def units_of(trace: list[TraceRequest]) -> list:
 def units_needed(rates: list[float | str], cfg: LoadConfig) -> int:
     """Requests (or conversations) that runs at these rates send: a trace this long sends
     each of them once, so that no run repeats a prompt the server's prefix cache holds."""
-    return sum(cfg.max_requests or math.ceil(r * cfg.duration_s) for r in rates
-               if not isinstance(r, str) and math.isfinite(r))
+    return sum(cfg.max_requests or (math.ceil(r * cfg.duration_s) if math.isfinite(r) else 0)
+               for r in rates if not isinstance(r, str))
+
+
+def trace_size(name: str, rates: list[float | str], cfg: LoadConfig, turns: int) -> int:
+    """Requests to generate: what the runs send (at least 1000), so that none repeats. A
+    replayed trace ("trace" rate) keeps its own length: its arrivals are the workload."""
+    needed = 0 if "trace" in rates else units_needed(rates, cfg)
+    return max(1000, needed * (turns if name == "multi-turn" else 1))
 
 
 async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[TraceRequest],
@@ -115,7 +122,7 @@ async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | 
     """Warm up once, then one run per rate, each on the trace's next units (cycled when
     they run out); `on_result(results so far)` after each."""
     results: list[dict] = []
-    first = 0
+    first, num_units = 0, len(units_of(trace))
     async with make_client(cfg) as client:
         if cfg.num_warmup:
             # Reversed prompts: the same shapes, but nothing a prefix cache could reuse later.
@@ -128,6 +135,11 @@ async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | 
                 raise WarmupFailed(f"every warm-up request failed; first error: {failed[0]}")
         for rate in rates:
             result, sent = await run_rate(client, cfg, trace, rate, first)
+            if first + sent > num_units or (rate == "trace" and first):
+                print(f"load_client: the run at rate {rate} sent prompts that were sent before "
+                      f"(the trace has {num_units} requests or conversations): prompts repeat, "
+                      "and a server with prefix caching serves the repeats from its cache",
+                      file=sys.stderr)
             results.append(result)
             first += sent
             if on_result is not None:
@@ -209,16 +221,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg = LoadConfig(args.url.rstrip("/"), args.model, args.temperature, args.duration,
                      args.max_requests, args.burstiness, args.seed, args.warmup,
                      args.drain_timeout, slo, not args.no_progress, args.processes)
-    needed = units_needed(args.rates, cfg)
-    size = args.num_prompts or max(1000, needed * (args.turns if args.trace == "multi-turn" else 1))
+    size = args.num_prompts or trace_size(args.trace, args.rates, cfg, args.turns)
     trace = make_trace(args.trace, size, args.vocab_size, args.seed,
                        rate=args.tcb_rate, variance=args.tcb_variance, per_token_s=args.tcb_per_token_ms / 1e3,
                        max_context=args.max_context, prefix_len=args.prefix_len,
                        turns=args.turns)
-    if len(units_of(trace)) < needed:
-        print(f"load_client: the trace has {len(units_of(trace))} requests (or conversations) "
-              f"and the runs send {needed}: prompts repeat, and a server with prefix caching "
-              "serves the repeats from its cache", file=sys.stderr)
     report = {"system": args.system, "url": cfg.url, "model": args.model,
               "trace": {"name": args.trace, "num_prompts": len(trace), "seed": args.seed,
                         "vocab_size": args.vocab_size, "prefix_len": args.prefix_len,

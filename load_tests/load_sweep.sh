@@ -19,8 +19,8 @@ RATES_HF_CB_TUNED=${RATES_HF_CB_TUNED:-${HF_RATES:-2,4,8,12,16,20}}
 DURATION=${DURATION:-60}; SYSTEMS=${SYSTEMS:-"orca hf-cb hf-cb-tuned hf-static"}
 # the engine's token budget per iteration: it bounds how long one iteration (and so the gap
 # between two tokens of a running request) can take when many prompts arrive at once. On
-# llama-8b/H200, ORCA's trace, 512 served as many requests/s as 2048 (~100) with half the
-# TPOT near the knee and ITL p99 within 3x TPOT p50 at every rate (BENCHMARKS.md)
+# llama-8b/H200, ORCA's trace, 512 served as many requests/s as 2048 (~100), with two thirds
+# of its TPOT at 88 req/s and ITL p99 within 3x TPOT p50 at every rate (BENCHMARKS.md)
 MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-512}
 PY=${PY:-python3}
 # load client processes: one Python process parsing every streamed event falls behind at
@@ -41,9 +41,9 @@ for _ in range(300):
     time.sleep(1)
 sys.exit(1)" "$1"
 }
-client() {  # system url rates [client processes]
+client() {  # system url rates [client processes] [seed]
   $PY -m load_tests.load_client --url "$2" --system "$1" --trace "$TRACE" --vocab-size "$VOCAB" \
-    --rates "$3" --duration "$DURATION" --drain-timeout 120 --no-progress \
+    --rates "$3" --duration "$DURATION" --drain-timeout 120 --no-progress --seed "${5:-0}" \
     --processes "${4:-${CLIENT_PROCESSES%% *}}" --out "$OUT/load-$1.json" 2>&1 | tail -12
 }
 for system in $SYSTEMS; do
@@ -63,7 +63,9 @@ PYEOF
       pid=$!
       if ! wait_up http://127.0.0.1:8000; then echo "orca did not come up"; tail -20 "$OUT/serve-orca.log"
       elif [ "$CLIENT_PROCESSES" = "${CLIENT_PROCESSES%% *}" ]; then client orca http://127.0.0.1:8000 "$RATES"
-      else for n in $CLIENT_PROCESSES; do client "orca-p$n" http://127.0.0.1:8000 "$RATES" "$n"; done
+      else  # one server: each pass its own prompts (a seed each), none from the prefix cache
+        seed=0; for n in $CLIENT_PROCESSES; do
+          client "orca-p$n" http://127.0.0.1:8000 "$RATES" "$n" $((seed++)); done
       fi
       kill -TERM $pid; wait $pid ;;
     hf-cb|hf-cb-tuned|hf-static)

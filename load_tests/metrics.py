@@ -80,13 +80,16 @@ def distribution(values_s: Sequence[float]) -> dict | None:
             "p99": float(p99)}
 
 
-def worst_ttft_per_second(outcomes: Sequence[RequestOutcome], start_s: float) -> list[float]:
+def worst_ttft_per_second(outcomes: Sequence[RequestOutcome],
+                          start_s: float) -> list[float | None]:
     """The longest TTFT (ms) of the requests sent in each second of a run, from `start_s` on
-    the run's clock: a stall of the server shows as a few seconds that stand out."""
-    sent = [(o.end_s - o.latency_s - start_s, o.ttft_s) for o in outcomes if o.is_success]
-    worst = [0.0] * (int(max((t for t, _ in sent), default=-1.0)) + 1)
+    the run's clock: a stall of the server shows as a few seconds that stand out. None for a
+    second in which no request that succeeded was sent (failures have no TTFT)."""
+    sent = [(int(max(o.end_s - o.latency_s - start_s, 0.0)), round(o.ttft_s * 1e3, 1))
+            for o in outcomes if o.is_success]
+    worst: list[float | None] = [None] * (max((t for t, _ in sent), default=-1) + 1)
     for t, ttft in sent:
-        worst[int(max(t, 0.0))] = max(worst[int(max(t, 0.0))], round(ttft * 1e3, 1))
+        worst[t] = max(worst[t] or 0.0, ttft)
     return worst
 
 

@@ -93,8 +93,12 @@ def markdown_table(reports: list[dict]) -> str:
                          f"| {r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
                          + " | ".join(pair)
                          + f" | {_fmt(r.get('normalized_latency_ms'))} | {goodput} | "
-                         f"{r.get('cached_prompt_fraction', 0.0):.2f} |")
+                         f"{_share(r.get('cached_prompt_fraction'))} |")
     return "\n".join(lines)
+
+
+def _share(value) -> str:
+    return "-" if value is None else f"{value:.2f}"  # older results files lack it
 
 
 def sustained_table(reports: list[dict]) -> str:

@@ -13,7 +13,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from load_tests import sender
-from load_tests.load_client import LoadConfig, main, schedule, sweep
+from load_tests.load_client import (LoadConfig, main, schedule, sweep, trace_size,
+                                    units_needed)
 from load_tests.metrics import SLO
 from load_tests.traces import TraceRequest, arrival_times
 from tests.http_thread import ServerThread
@@ -126,15 +127,29 @@ def test_each_run_of_a_sweep_sends_prompts_no_earlier_run_sent(capsys):
     """A repeated prompt would be served from the server's prefix cache: the runs of one
     sweep take the trace's next requests, and a generated trace covers every run."""
     server = FakeStreamingServer()
+    orca = ["--trace", "orca", "--duration", "0.5", "--warmup", "0", "--no-progress"]
     with ServerThread(server.app) as url:
-        main(["--url", url, "--trace", "orca", "--vocab-size", "50000", "--rates", "20,30",
-              "--duration", "0.5", "--warmup", "0", "--no-progress"])
+        main(["--url", url, *orca, "--vocab-size", "50000", "--rates", "20,30"])
         assert "prompts repeat" not in capsys.readouterr().err
         sent = len(server.prompts)
         assert sent >= 20  # ~10 + ~15 requests
         assert len({tuple(p) for p in server.prompts}) == sent
         # a trace shorter than the runs is cycled, and the client says so
-        main(["--url", url, "--trace", "orca", "--num-prompts", "3", "--rates", "20",
-              "--duration", "0.5", "--warmup", "0", "--no-progress"])
-    assert "prompts repeat" in capsys.readouterr().err
-    assert len({tuple(p) for p in server.prompts[sent:]}) == 3
+        main(["--url", url, *orca, "--num-prompts", "3", "--rates", "20"])
+        assert "prompts repeat" in capsys.readouterr().err
+        assert len({tuple(p) for p in server.prompts[sent:]}) == 3
+        # "inf" sends the whole trace: after another run it wraps round, and says so
+        main(["--url", url, *orca, "--num-prompts", "12", "--rates", "20,inf"])
+        assert "the run at rate inf sent prompts that were sent before" in \
+            capsys.readouterr().err
+
+
+def test_the_generated_trace_covers_every_run():
+    cfg = LoadConfig("http://x", duration_s=10.0)
+    # 20 + ceil(2.5); an uncapped "inf" sends the trace itself, "trace" replays it
+    assert units_needed([2.0, 0.25, math.inf, "trace"], cfg) == 23
+    assert units_needed([2.0, math.inf], LoadConfig("http://x", max_requests=5)) == 10
+    assert trace_size("orca", [200.0, 300.0], cfg, turns=5) == 5000
+    assert trace_size("multi-turn", [200.0], cfg, turns=5) == 10000  # 2000 conversations
+    assert trace_size("orca", [1.0], cfg, turns=5) == 1000  # at least 1000
+    assert trace_size("tcb", [200.0, "trace"], cfg, turns=5) == 1000  # its own length

@@ -118,7 +118,7 @@ def test_worst_ttft_per_second_finds_the_stalled_second():
     ok = [RequestOutcome(10, 4, is_success=True, ttft_s=ttft, latency_s=0.5,
                          end_s=100.0 + t + 0.5) for t, ttft in sent]
     failed = RequestOutcome(10, 4, error="HTTP 503", end_s=101.0)
-    assert worst_ttft_per_second(ok + [failed], start_s=100.0) == [30.0, 900.0, 0.0, 20.0]
+    assert worst_ttft_per_second(ok + [failed], start_s=100.0) == [30.0, 900.0, None, 20.0]
     assert worst_ttft_per_second([failed], start_s=100.0) == []
 
 
