@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import threading
 import time
@@ -103,7 +104,9 @@ def main(argv=None) -> dict:
         soak = LoadConfig(url, duration_s=args.duration, num_warmup=0, show_progress=True)
         sampler = MemorySampler(period_s=args.duration / 10)
         sampler.start()
-        result = asyncio.run(sweep(soak, trace, [rate]))[0]
+        # prompts the probe did not send, and none twice: no run is served from the cache
+        fresh = make_trace("tcb", math.ceil(rate * args.duration) + 1, 256, seed=1)
+        result = asyncio.run(sweep(soak, fresh, [rate]))[0]
         sampler.stop.set()
         after_kv = wait_idle(url)
         after_mb = ray_memory_mb()
