@@ -84,11 +84,11 @@ def trace_size(name: str, rates: list[float | str], cfg: LoadConfig, turns: int)
     return max(1000, needed * (turns if name == "multi-turn" else 1))
 
 
-async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, trace: list[TraceRequest],
-                   rate: float | str, first: int = 0) -> tuple[dict, int]:
-    """Offer `rate` requests/s (conversations/s for a multi-turn trace) for the configured
-    duration, from the trace's unit `first` on; the run's metrics and the units it sent."""
-    plan = schedule(units_of(trace), rate, cfg, first)
+async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, units: list, rate: float | str,
+                   first: int = 0) -> tuple[dict, int]:
+    """Offer `rate` units/s (requests, or a multi-turn trace's conversations: units_of) for
+    the configured duration, from unit `first` on; the run's metrics and the units it sent."""
+    plan = schedule(units, rate, cfg, first)
     if cfg.processes > 1:
         results, num_pending, start, end = await send_in_processes(cfg, plan)
     else:
@@ -122,7 +122,7 @@ async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | 
     """Warm up once, then one run per rate, each on the trace's next units (cycled when
     they run out); `on_result(results so far)` after each."""
     results: list[dict] = []
-    first, num_units = 0, len(units_of(trace))
+    first, units = 0, units_of(trace)
     async with make_client(cfg) as client:
         if cfg.num_warmup:
             # Reversed prompts: the same shapes, but nothing a prefix cache could reuse later.
@@ -134,10 +134,10 @@ async def sweep(cfg: LoadConfig, trace: list[TraceRequest], rates: list[float | 
             if len(failed) == len(warm):
                 raise WarmupFailed(f"every warm-up request failed; first error: {failed[0]}")
         for rate in rates:
-            result, sent = await run_rate(client, cfg, trace, rate, first)
-            if first + sent > num_units or (rate == "trace" and first):
+            result, sent = await run_rate(client, cfg, units, rate, first)
+            if first + sent > len(units) or (rate == "trace" and first):
                 print(f"load_client: the run at rate {rate} sent prompts that were sent before "
-                      f"(the trace has {num_units} requests or conversations): prompts repeat, "
+                      f"(the trace has {len(units)} requests or conversations): prompts repeat, "
                       "and a server with prefix caching serves the repeats from its cache",
                       file=sys.stderr)
             results.append(result)
