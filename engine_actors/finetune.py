@@ -129,17 +129,33 @@ class Trainer:
 
     def forward(self, sequences: list[list[int]], masks: list[list[bool]]):
         """fp32 logits at the positions before each trained token, and those tokens."""
-        model = self.model
-        dev = model.embed_tokens.weight.device
+        return self.forward_tensors(*self.inputs(sequences, masks))
+
+    def inputs(self, sequences: list[list[int]], masks: list[list[bool]]) -> tuple:
+        """The micro-batch as device tensors for `forward_tensors`: token ids, positions,
+        sequence starts (varlen attention) or None, the sequences' lengths, and the flat
+        index of each position whose next token is trained on."""
+        dev = self.model.embed_tokens.weight.device
         ids = torch.tensor([t for s in sequences for t in s], device=dev)
         lens = [len(s) for s in sequences]
-        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        hidden, residual = model.embed_tokens(ids), None
-        self._cast_lora(hidden.dtype)
-        cu = None  # sequence starts, for varlen attention
-        if self.varlen and ids.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16):
+        positions = torch.tensor([p for n in lens for p in range(n)], device=dev)
+        cu = None
+        if self.varlen and ids.is_cuda and self.model.embed_tokens.weight.dtype in (
+                torch.float16, torch.bfloat16):
             cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32,
                               device=dev)
+        # position t predicts token t + 1 of the same sequence
+        flat_masks = [m for mask in masks for m in list(mask[1:]) + [False]]
+        trained = torch.tensor([i for i, m in enumerate(flat_masks) if m], device=dev,
+                               dtype=torch.long)
+        return ids, positions, cu, lens, trained
+
+    def forward_tensors(self, ids, positions, cu, lens: list[int], trained):
+        """`forward` on `inputs`' tensors, with no host-device copy or sync (a CUDA graph can
+        capture it): fp32 logits at the `trained` positions, and the tokens they predict."""
+        model = self.model
+        hidden, residual = model.embed_tokens(ids), None
+        self._cast_lora(hidden.dtype)
         tables = {}  # rotary module -> its cos and sin at these positions
         for layer_id, layer in model.layers.items():
             if residual is None:
@@ -159,11 +175,8 @@ class Trainer:
                 self._linear(layer_id, mlp.gate_up_proj, x)))
         hidden, _ = rms_norm(hidden, model.norm.weight, model.norm.eps, residual)
         self._low = None
-        # position t predicts token t + 1 of the same sequence
-        flat_masks = [m for mask in masks for m in list(mask[1:]) + [False]]
-        where = torch.tensor(flat_masks, device=dev)
-        targets = torch.roll(ids, -1)[where]
-        return self._logits(hidden[where]).float(), targets
+        targets = torch.roll(ids, -1).index_select(0, trained)
+        return self._logits(hidden.index_select(0, trained)).float(), targets
 
     def _logits(self, hidden):
         """Full-vocabulary logits. With tensor parallelism each rank computes its vocabulary
