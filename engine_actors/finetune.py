@@ -135,6 +135,9 @@ class Trainer:
         """The micro-batch as device tensors for `forward_tensors`: token ids, positions,
         sequence starts (varlen attention) or None, the sequences' lengths, and the flat
         index of each position whose next token is trained on."""
+        if len(masks) != len(sequences) or any(len(m) != len(s)
+                                               for s, m in zip(sequences, masks)):
+            raise ValueError("every sequence needs a mask of its own length")
         dev = self.model.embed_tokens.weight.device
         ids = torch.tensor([t for s in sequences for t in s], device=dev)
         lens = [len(s) for s in sequences]
