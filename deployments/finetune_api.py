@@ -6,7 +6,7 @@ tokenizer is, when a job is created. Jobs run in the GPU's idle time (engine_act
 finetune_jobs.py) and their adapters are served under `fine_tuned_model`."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 from starlette.requests import Request
@@ -25,21 +25,23 @@ DEFAULT_LEARNING_RATE = 2e-4  # learning_rate_multiplier 1 (a common LoRA rate)
 class Hyperparameters(_Base):
     n_epochs: int | Literal["auto"] = "auto"
     batch_size: int | Literal["auto"] = "auto"
-    learning_rate_multiplier: float | Literal["auto"] = "auto"
-    learning_rate: float | None = Field(default=None, gt=0)
+    learning_rate_multiplier: Annotated[float, Field(gt=0, le=1000)] | Literal["auto"] = "auto"
+    learning_rate: float | None = Field(default=None, gt=0, le=1)
 
 
 class LoRASpec(_Base):
     r: int = Field(default=8, ge=1)
     alpha: float | None = Field(default=None, gt=0)
-    target_modules: list[Literal[TARGETS]] | Literal["all-linear"] = "all-linear"
+    target_modules: Annotated[list[Literal[TARGETS]], Field(min_length=1)] | \
+        Literal["all-linear"] = "all-linear"
 
 
 class FineTuningJobRequest(_Base):
     training_file: str
     model: str
-    suffix: str | None = Field(default=None, max_length=64)
-    seed: int = 0
+    # part of the model's name: no ':' (its separator) or '/' (a URL path's)
+    suffix: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = Field(default=0, ge=-2**63, lt=2**63)  # a torch generator's seed
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     lora: LoRASpec = Field(default_factory=LoRASpec)
 

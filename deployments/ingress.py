@@ -22,7 +22,7 @@ from ray import serve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -67,7 +67,8 @@ class OpenAIIngress:
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
         # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
         handlers = {HTTPException: self._http_error, Exception: self._internal_error,
-                    ray.exceptions.TaskCancelledError: self._client_left}
+                    ray.exceptions.TaskCancelledError: self._client_left,
+                    ClientDisconnect: self._client_left}
         middleware = [Middleware(APIKeyMiddleware, api_key=self.cfg.api_key)] \
             if self.cfg.api_key else []
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan,
@@ -208,7 +209,8 @@ class OpenAIIngress:
                         None, None, err_type).response()
 
     async def _client_left(self, request: Request, exc: Exception):
-        """Serve cancels a request whose client left (and the Ray calls it made)."""
+        """Serve cancels a request whose client left (and the Ray calls it made), or the
+        client left while sending its body."""
         logger.info("client left during %s %s", request.method, request.url.path)
         return Response(status_code=499)
 

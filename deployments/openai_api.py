@@ -50,6 +50,11 @@ class OpenAIRoutes:
                 prompts = [prompts]
             if not prompts:
                 raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
+            queue = self.frontend.cfg.max_queued_requests
+            if len(prompts) * req.n > queue:  # refused before tokenizing them all
+                raise APIError(400, f"{len(prompts)} prompts with n={req.n} are more requests "
+                                    f"than the queue of {queue} holds; split them", "prompt",
+                               "batch_too_large")
             prompts = [(p if isinstance(p, str) else None,
                         self.frontend.prompt_ids(p, info, "prompt")) for p in prompts]
             return await self._generate(req, prompts, req.max_tokens, info, False, arrival,

@@ -226,6 +226,8 @@ def parse_body(raw: bytes, schema: type[_Base]) -> Any:
         raise APIError(400, "request body is nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", None, "invalid_type")
+    if b"\\u" in raw:  # only escapes can make a lone surrogate (raw UTF-8 cannot)
+        check_unicode(data)
     try:
         req = schema.model_validate(data)
     except ValidationError as e:
@@ -238,17 +240,39 @@ def parse_body(raw: bytes, schema: type[_Base]) -> Any:
     return req
 
 
+def check_unicode(data) -> None:
+    """APIError(400) if a string of parsed JSON holds a lone UTF-16 surrogate ("\\ud800"):
+    JSON's escapes allow one, but it is not Unicode text, and tokenizers reject it."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "a string holds a lone UTF-16 surrogate escape (such as "
+                                    "\\ud800), which is not valid Unicode", None,
+                               "invalid_encoding") from None
+
+
 def _is_union_tag(loc_part) -> bool:
     """pydantic names union members in error locations ('str', 'list[int]'); OpenAI does not."""
     return isinstance(loc_part, str) and (loc_part in {"str", "int", "float", "bool"}
-                                          or "[" in loc_part or loc_part.endswith("Part"))
+                                          or "[" in loc_part or loc_part.endswith("Part")
+                                          or loc_part.startswith("constrained-"))
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple:
     """OpenAI's {"token id": bias} -> ((id, bias), ...), ids checked against the vocab."""
     pairs = []
     for key, value in (bias or {}).items():
-        if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+        if not (key.isascii() and key.isdigit()) or (vocab_size is not None
+                                                     and int(key) >= vocab_size):
             raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), "
                                 f"got {key!r}", "logit_bias", "invalid_value")
         pairs.append((int(key), float(value)))

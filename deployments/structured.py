@@ -14,6 +14,7 @@ import re
 
 from deployments.protocol import APIError
 
+MAX_JSON_DEPTH = 64  # objects and arrays nested in a schema (a level of properties is 2)
 # our parser name -> xgrammar's name of the same output format
 XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 
@@ -82,9 +83,28 @@ def default_tool_parser(tokenizer, architecture: str) -> str:
 
 
 def _check(spec: tuple[str, str], param: str) -> None:
+    """Compiles the grammar (APIError 400 if it does not). A schema nested deeper than
+    MAX_JSON_DEPTH is refused first: compiling grows faster than its depth, and it runs on
+    the replica's event loop and then on the engine's step loop."""
     from engine_actors.grammar import check_grammar
+    if spec[0] != "regex" and _depth(json.loads(spec[1])) > MAX_JSON_DEPTH:
+        raise APIError(400, f"{param}: the schema is nested more than {MAX_JSON_DEPTH} JSON "
+                            "levels deep", param, "invalid_value")
     try:
         check_grammar(spec)
     except ValueError as e:
         raise APIError(400, f"{param}: the grammar could not be compiled: {e}", param,
                        "invalid_value") from None
+
+
+def _depth(value) -> int:
+    """How deeply objects and arrays nest in a parsed JSON value."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else \
+            item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from deployments.protocol import APIError
+from deployments.protocol import APIError, check_unicode
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -37,6 +37,11 @@ def parse_training_file(content: bytes, tokenizer, max_tokens: int
             raise _error(number, f"not valid JSON: {e}") from None
         if not isinstance(row, dict):
             raise _error(number, "each line must be a JSON object")
+        if "\\u" in line:
+            try:
+                check_unicode(row)
+            except APIError as e:
+                raise _error(number, e.message) from None
         if "messages" in row:
             tokens, mask = _chat(row["messages"], tokenizer, number)
         elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):

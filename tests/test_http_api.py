@@ -208,6 +208,7 @@ BAD_REQUESTS = [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "unsupported_content", "messages.0.content.0"),
     ("/v1/chat/completions", {"messages": []}, None, "messages"),
+    ("/v1/completions", {"prompt": [[1, 2]] * 300, "n": 16}, "batch_too_large", "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None,
      "messages.0.role"),
     ("/v1/chat/completions", {"messages": "hello"}, None, "messages"),

@@ -1,0 +1,88 @@
+"""Request bodies that once got a 500 or stalled the server: each is refused with a 400 that
+names what is wrong, before anything is tokenized or compiled (no server needed)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments.chat_protocol import ChatCompletionRequest
+from deployments.finetune_api import FineTuningJobRequest
+from deployments.protocol import APIError, CompletionRequest, parse_body
+from deployments.structured import MAX_JSON_DEPTH, grammar_for
+from deployments.training_data import parse_training_file
+
+
+def refused(raw: bytes, schema) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_body(raw, schema)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("raw,schema", [
+    (b'{"prompt": "a\\ud800b"}', CompletionRequest),
+    (b'{"prompt": "a", "model": "\\udc00"}', CompletionRequest),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', ChatCompletionRequest),
+    (b'{"prompt": "a", "logit_bias": {"\\ud800": 1}}', CompletionRequest),
+])
+def test_a_lone_surrogate_is_a_400(raw, schema):
+    assert refused(raw, schema).code == "invalid_encoding"
+
+
+def test_escaped_surrogate_pairs_and_plain_text_pass():
+    req = parse_body(b'{"prompt": "\\ud83d\\ude00 caf\\u00e9 \xc3\xa9"}', CompletionRequest)
+    assert req.prompt == "\U0001F600 caf\u00e9 \u00e9"
+
+
+def test_a_non_ascii_digit_logit_bias_key_is_a_400():
+    req = parse_body('{"prompt": "a", "logit_bias": {"²": 1}}'.encode(), CompletionRequest)
+    with pytest.raises(APIError) as info:
+        req.sampling_params(16, vocab_size=256)
+    assert info.value.status == 400 and info.value.param == "logit_bias"
+    ok = req.model_copy(update={"logit_bias": {"12": 1}})
+    assert ok.sampling_params(16, vocab_size=256).logit_bias == ((12, 1.0),)
+
+
+def nested_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_deeply_nested_schema_is_refused_before_compiling():
+    deep = json.dumps({"prompt": "a", "guided_json": nested_schema(400)}).encode()
+    req = parse_body(deep, CompletionRequest)
+    with pytest.raises(APIError) as info:
+        grammar_for(req)
+    err = info.value
+    assert err.status == 400 and err.param == "guided_json" and str(MAX_JSON_DEPTH) in err.message
+    ok = parse_body(json.dumps({"prompt": "a", "guided_json": nested_schema(5)}).encode(),
+                    CompletionRequest)
+    assert grammar_for(ok)[0] == "json_schema"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"lora": {"target_modules": []}}, "lora.target_modules"),
+    ({"hyperparameters": {"learning_rate_multiplier": -5}},
+     "hyperparameters.learning_rate_multiplier"),
+    ({"hyperparameters": {"learning_rate": 1e300}}, "hyperparameters.learning_rate"),
+    ({"seed": 2 ** 70}, "seed"),
+    ({"suffix": "a:b/../c"}, "suffix"),
+])
+def test_impossible_fine_tuning_settings_are_a_400(body, param):
+    raw = json.dumps({"training_file": "file-x", "model": "m", **body}).encode()
+    assert refused(raw, FineTuningJobRequest).param == param
+
+
+def test_a_surrogate_in_a_training_file_names_its_line():
+    from transformers import AutoTokenizer
+
+    from engine_actors.checkpoint import resolve_model_path
+    from engine_actors.config import DEFAULT_MODEL
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL))
+    content = b'{"prompt": "a", "completion": "b"}\n{"prompt": "\\ud800", "completion": "b"}'
+    with pytest.raises(APIError) as info:
+        parse_training_file(content, tokenizer, 1024)
+    assert info.value.status == 400 and "line 2" in info.value.message
