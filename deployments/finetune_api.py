@@ -1,11 +1,14 @@
 """Fine-tuning jobs, shaped like OpenAI's: POST /v1/files (multipart, purpose "fine-tune"),
-GET /v1/files/{id}; POST /v1/fine_tuning/jobs, GET /v1/fine_tuning/jobs[/{id}[/events]],
-POST /v1/fine_tuning/jobs/{id}/cancel. Files and jobs live in the scheduler actor (every
+GET and DELETE /v1/files/{id}; POST /v1/fine_tuning/jobs,
+GET /v1/fine_tuning/jobs[/{id}[/events]], POST /v1/fine_tuning/jobs/{id}/cancel. Files and jobs live in the scheduler actor (every
 replica sees the same); the training file is checked and tokenized here, where the
 tokenizer is, when a job is created. Jobs run in the GPU's idle time (engine_actors/
 finetune_jobs.py) and their adapters are served under `fine_tuned_model`."""
 from __future__ import annotations
 
+import asyncio
+import copy
+import threading
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -73,11 +76,15 @@ class FineTuningAPI:
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
         self.cfg = frontend.cfg
+        # training files are parsed on a thread, with their own copy of the tokenizer (a
+        # fast tokenizer's settings are not safe to share between threads)
+        self._parse_lock, self._tokenizer = threading.Lock(), None
 
     def routes(self) -> list[Route]:
         jobs = "/v1/fine_tuning/jobs"
         return [Route("/v1/files", self.upload, methods=["POST"]),
                 Route("/v1/files/{file_id}", self.file, methods=["GET"]),
+                Route("/v1/files/{file_id}", self.delete_file, methods=["DELETE"]),
                 Route(jobs, self.create, methods=["POST"]),
                 Route(jobs, self.list_jobs, methods=["GET"]),
                 Route(jobs + "/{job_id}", self.job, methods=["GET"]),
@@ -115,6 +122,8 @@ class FineTuningAPI:
                                "file_too_large")
             meta = await self._call("add_file", upload.filename or "upload.jsonl", purpose,
                                     content)
+            if not isinstance(meta, dict):
+                raise APIError(413, meta.message, "file", meta.code)
             return JSONResponse(meta)
         except APIError as e:
             return e.response()
@@ -126,6 +135,16 @@ class FineTuningAPI:
             if meta is None:
                 raise _not_found("file", file_id)
             return JSONResponse(meta)
+        except APIError as e:
+            return e.response()
+
+    async def delete_file(self, request: Request):
+        file_id = request.path_params["file_id"]
+        try:
+            deleted = await self._call("delete_file", file_id)
+            if deleted is None:
+                raise _not_found("file", file_id)
+            return JSONResponse(deleted)
         except APIError as e:
             return e.response()
 
@@ -142,13 +161,20 @@ class FineTuningAPI:
                                "file_not_found")
             info = await self.frontend.ready()
             limit = min(info.max_model_len, self.cfg.finetune_max_tokens)
-            examples = parse_training_file(content, self.frontend.tokenizer, limit)
+            # off the event loop (a large file takes seconds), with a tokenizer of its own
+            examples = await asyncio.to_thread(self._parse, content, limit)
             job = await self._call("create", req.spec(examples))
             if not isinstance(job, dict):
                 raise refusal_error(job.code, job.message, "lora.r")
             return JSONResponse(job)
         except APIError as e:
             return e.response()
+
+    def _parse(self, content: bytes, limit: int) -> list:
+        with self._parse_lock:
+            if self._tokenizer is None:
+                self._tokenizer = copy.deepcopy(self.frontend.tokenizer)
+            return parse_training_file(content, self._tokenizer, limit)
 
     async def list_jobs(self, request: Request):
         try:

@@ -42,6 +42,7 @@ from engine_actors.messages import Refusal
 
 logger = logging.getLogger("orca_serve.finetune")
 MAX_FILE_BYTES = 64 * 1024 * 1024
+MAX_STORED_BYTES = 16 * MAX_FILE_BYTES  # all files kept (in the scheduler actor's memory)
 # after a second with no request arriving, the next micro-batch is sent while one runs
 # (the engine loop's `pipeline`)
 QUIET_S = 1.0
@@ -68,7 +69,11 @@ class FineTuning(TrainingSteps):
         self.bound_s = cfg.finetune_deferral_ms / 1e3
 
     # ---- files --------------------------------------------------------------------------
-    def add_file(self, filename: str, purpose: str, content: bytes) -> dict:
+    def add_file(self, filename: str, purpose: str, content: bytes) -> dict | Refusal:
+        stored = sum(meta["bytes"] for meta, _ in self.files.values())
+        if stored + len(content) > MAX_STORED_BYTES:
+            return Refusal("storage_full", f"the server keeps at most {MAX_STORED_BYTES} bytes "
+                           f"of files and holds {stored}: delete some (DELETE /v1/files/{{id}})")
         meta = {"object": "file", "id": f"file-{uuid.uuid4().hex[:24]}", "bytes": len(content),
                 "created_at": int(time.time()), "filename": filename, "purpose": purpose,
                 "status": "processed"}
@@ -78,6 +83,12 @@ class FineTuning(TrainingSteps):
     def file(self, file_id: str, content: bool = False):
         entry = self.files.get(file_id)
         return None if entry is None else entry[1] if content else entry[0]
+
+    def delete_file(self, file_id: str) -> dict | None:
+        """Forget a file (jobs made from it keep their parsed examples)."""
+        if self.files.pop(file_id, None) is None:
+            return None
+        return {"id": file_id, "object": "file", "deleted": True}
 
     # ---- jobs ---------------------------------------------------------------------------
     def create(self, spec: dict) -> dict | Refusal:

@@ -135,6 +135,16 @@ def test_bad_requests_are_refused_clearly(url):
     assert httpx.get(f"{url}/v1/fine_tuning/jobs/ftjob-nope").status_code == 404
 
 
+def test_a_deleted_file_is_gone(url):
+    file_id = upload(url, [json.dumps({"prompt": "a", "completion": "b"})])
+    deleted = httpx.delete(f"{url}/v1/files/{file_id}", timeout=30)
+    assert deleted.status_code == 200
+    assert deleted.json() == {"id": file_id, "object": "file", "deleted": True}
+    assert httpx.get(f"{url}/v1/files/{file_id}", timeout=30).status_code == 404
+    assert httpx.delete(f"{url}/v1/files/{file_id}", timeout=30).status_code == 404
+    assert create_job(url, file_id).json()["error"]["code"] == "file_not_found"
+
+
 def test_cli_finetune_waits_and_prints_the_model(url, tmp_path, capsys):
     from deployments.cli.main import main
     data = tmp_path / "train.jsonl"

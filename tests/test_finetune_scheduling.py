@@ -294,3 +294,19 @@ def test_the_loop_wakes_when_a_lull_is_long_enough_for_a_long_step():
     assert ft.wake_in(10.0, last_arrival=9.0) is None
     ft.step_s = 0.1  # within the bound: no lull needed
     assert ft.wake_in(10.0, last_arrival=9.9) is None
+
+
+def test_stored_files_are_capped_and_deleting_frees_room(monkeypatch):
+    from engine_actors import finetune_jobs
+    from engine_actors.config import EngineConfig
+    from engine_actors.messages import Refusal
+    monkeypatch.setattr(finetune_jobs, "MAX_STORED_BYTES", 10)
+    ft = finetune_jobs.FineTuning(EngineConfig(), adapters=None)
+    first = ft.add_file("a.jsonl", "fine-tune", b"123456")
+    assert ft.file(first["id"], True) == b"123456"
+    refused = ft.add_file("b.jsonl", "fine-tune", b"12345")  # 6 + 5 > 10
+    assert isinstance(refused, Refusal) and "DELETE" in refused.message
+    assert ft.delete_file(first["id"]) == {"id": first["id"], "object": "file",
+                                           "deleted": True}
+    assert ft.file(first["id"]) is None and ft.delete_file(first["id"]) is None
+    assert ft.add_file("b.jsonl", "fine-tune", b"12345")["bytes"] == 5
