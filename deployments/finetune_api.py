@@ -129,22 +129,18 @@ class FineTuningAPI:
             return e.response()
 
     async def file(self, request: Request):
-        file_id = request.path_params["file_id"]
-        try:
-            meta = await self._call("file", file_id)
-            if meta is None:
-                raise _not_found("file", file_id)
-            return JSONResponse(meta)
-        except APIError as e:
-            return e.response()
+        return await self._file(request, "file")
 
     async def delete_file(self, request: Request):
+        return await self._file(request, "delete_file")
+
+    async def _file(self, request: Request, method: str):
         file_id = request.path_params["file_id"]
         try:
-            deleted = await self._call("delete_file", file_id)
-            if deleted is None:
+            out = await self._call(method, file_id)
+            if out is None:
                 raise _not_found("file", file_id)
-            return JSONResponse(deleted)
+            return JSONResponse(out)
         except APIError as e:
             return e.response()
 
