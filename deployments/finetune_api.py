@@ -12,12 +12,12 @@ import threading
 from typing import Annotated, Literal
 
 from pydantic import Field
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.frontend import Frontend
-from deployments.protocol import APIError, _Base, refusal_error
+from deployments.protocol import APIError, _Base, check_unicode, refusal_error
 from deployments.training_data import parse_training_file
 from engine_actors.finetune_jobs import MAX_FILE_BYTES
 from engine_actors.lora import TARGETS
@@ -26,15 +26,15 @@ DEFAULT_LEARNING_RATE = 2e-4  # learning_rate_multiplier 1 (a common LoRA rate)
 
 
 class Hyperparameters(_Base):
-    n_epochs: int | Literal["auto"] = "auto"
-    batch_size: int | Literal["auto"] = "auto"
+    n_epochs: Annotated[int, Field(le=50)] | Literal["auto"] = "auto"  # OpenAI's bounds
+    batch_size: Annotated[int, Field(le=256)] | Literal["auto"] = "auto"
     learning_rate_multiplier: Annotated[float, Field(gt=0, le=1000)] | Literal["auto"] = "auto"
     learning_rate: float | None = Field(default=None, gt=0, le=1)
 
 
 class LoRASpec(_Base):
     r: int = Field(default=8, ge=1)
-    alpha: float | None = Field(default=None, gt=0)
+    alpha: float | None = Field(default=None, gt=0, le=1e4)
     target_modules: Annotated[list[Literal[TARGETS]], Field(min_length=1)] | \
         Literal["all-linear"] = "all-linear"
 
@@ -42,8 +42,8 @@ class LoRASpec(_Base):
 class FineTuningJobRequest(_Base):
     training_file: str
     model: str
-    # part of the model's name: no ':' (its separator) or '/' (a URL path's)
-    suffix: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    # part of the model's name: no ':' (its separator), '/' (a URL path's) or whitespace
+    suffix: str | None = Field(default=None, max_length=64, pattern=r"^[^:/\s]*$")
     seed: int = Field(default=0, ge=-2**63, lt=2**63)  # a torch generator's seed
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     lora: LoRASpec = Field(default_factory=LoRASpec)
@@ -107,6 +107,8 @@ class FineTuningAPI:
             self._check_enabled()
             try:
                 form = await request.form(max_files=1, max_part_size=MAX_FILE_BYTES)
+            except ClientDisconnect:
+                raise
             except Exception as e:
                 raise APIError(400, f"expected a multipart/form-data body: {e}") from None
             upload, purpose = form.get("file"), form.get("purpose")
@@ -116,6 +118,7 @@ class FineTuningAPI:
             if upload is None or isinstance(upload, str):
                 raise APIError(400, "file: a file part is required", "file",
                                "missing_required_parameter")
+            check_unicode([upload.filename or ""])  # a part's charset may make a surrogate
             content = await upload.read()
             if len(content) > MAX_FILE_BYTES:
                 raise APIError(413, f"file over {MAX_FILE_BYTES} bytes", "file",
@@ -158,6 +161,8 @@ class FineTuningAPI:
             info = await self.frontend.ready()
             limit = min(info.max_model_len, self.cfg.finetune_max_tokens)
             # off the event loop (a large file takes seconds), with a tokenizer of its own
+            if self._tokenizer is None:
+                self._tokenizer = copy.deepcopy(self.frontend.tokenizer)
             examples = await asyncio.to_thread(self._parse, content, limit)
             job = await self._call("create", req.spec(examples))
             if not isinstance(job, dict):
@@ -168,8 +173,6 @@ class FineTuningAPI:
 
     def _parse(self, content: bytes, limit: int) -> list:
         with self._parse_lock:
-            if self._tokenizer is None:
-                self._tokenizer = copy.deepcopy(self.frontend.tokenizer)
             return parse_training_file(content, self._tokenizer, limit)
 
     async def list_jobs(self, request: Request):

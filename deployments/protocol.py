@@ -216,8 +216,9 @@ def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> 
 
 def parse_body(raw: bytes, schema: type[_Base]) -> Any:
     """Bytes of an HTTP body -> a validated request, or APIError(400) naming the param."""
-    try:
-        data = json.loads(raw)
+    try:  # strict UTF-8 (json.loads on bytes would pass encoded surrogates, or take UTF-16)
+        text = raw.decode("utf-8")
+        data = json.loads(text)
     except UnicodeDecodeError:
         raise APIError(400, "request body is not valid UTF-8", None, "invalid_encoding") from None
     except ValueError as e:
@@ -226,7 +227,7 @@ def parse_body(raw: bytes, schema: type[_Base]) -> Any:
         raise APIError(400, "request body is nested too deeply", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", None, "invalid_type")
-    if b"\\u" in raw:  # only escapes can make a lone surrogate (raw UTF-8 cannot)
+    if "\\u" in text:  # only an escape can make a lone surrogate (strict UTF-8 cannot)
         check_unicode(data)
     try:
         req = schema.model_validate(data)
@@ -271,8 +272,8 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple:
     """OpenAI's {"token id": bias} -> ((id, bias), ...), ids checked against the vocab."""
     pairs = []
     for key, value in (bias or {}).items():
-        if not (key.isascii() and key.isdigit()) or (vocab_size is not None
-                                                     and int(key) >= vocab_size):
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or (
+                vocab_size is not None and int(key) >= vocab_size):
             raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), "
                                 f"got {key!r}", "logit_bias", "invalid_value")
         pairs.append((int(key), float(value)))

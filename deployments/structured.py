@@ -15,6 +15,7 @@ import re
 from deployments.protocol import APIError
 
 MAX_JSON_DEPTH = 64  # objects and arrays nested in a schema (a level of properties is 2)
+MAX_GRAMMAR_CHARS = 128 * 1024  # compiling takes ~2 ms per KB of schema on this CPU
 # our parser name -> xgrammar's name of the same output format
 XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 
@@ -83,13 +84,23 @@ def default_tool_parser(tokenizer, architecture: str) -> str:
 
 
 def _check(spec: tuple[str, str], param: str) -> None:
-    """Compiles the grammar (APIError 400 if it does not). A schema nested deeper than
-    MAX_JSON_DEPTH is refused first: compiling grows faster than its depth, and it runs on
-    the replica's event loop and then on the engine's step loop."""
+    """Compiles the grammar (APIError 400 if it does not). A grammar over MAX_GRAMMAR_CHARS
+    or a schema nested deeper than MAX_JSON_DEPTH is refused first: compiling grows with
+    both (faster than the depth), and it runs on the replica's event loop and then on the
+    engine's step loop."""
     from engine_actors.grammar import check_grammar
-    if spec[0] != "regex" and _depth(json.loads(spec[1])) > MAX_JSON_DEPTH:
-        raise APIError(400, f"{param}: the schema is nested more than {MAX_JSON_DEPTH} JSON "
-                            "levels deep", param, "invalid_value")
+    if len(spec[1]) > MAX_GRAMMAR_CHARS:
+        raise APIError(400, f"{param}: the grammar is over {MAX_GRAMMAR_CHARS} characters",
+                       param, "invalid_value")
+    if spec[0] != "regex":
+        try:
+            value = json.loads(spec[1])
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"{param}: not a JSON schema: {e}", param,
+                           "invalid_value") from None
+        if _depth(value) > MAX_JSON_DEPTH:
+            raise APIError(400, f"{param}: the schema is nested more than {MAX_JSON_DEPTH} "
+                                "JSON levels deep", param, "invalid_value")
     try:
         check_grammar(spec)
     except ValueError as e:

@@ -30,15 +30,25 @@ def test_a_lone_surrogate_is_a_400(raw, schema):
     assert refused(raw, schema).code == "invalid_encoding"
 
 
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "a\xed\xa0\x80"}',  # a surrogate encoded as UTF-8 bytes
+    '{"prompt": "a\\ud800"}'.encode("utf-16"),  # JSON in UTF-16, with the escape
+])
+def test_surrogate_bytes_and_non_utf8_bodies_are_a_400(raw):
+    assert refused(raw, CompletionRequest).code == "invalid_encoding"
+
+
 def test_escaped_surrogate_pairs_and_plain_text_pass():
     req = parse_body(b'{"prompt": "\\ud83d\\ude00 caf\\u00e9 \xc3\xa9"}', CompletionRequest)
     assert req.prompt == "\U0001F600 caf\u00e9 \u00e9"
 
 
-def test_a_non_ascii_digit_logit_bias_key_is_a_400():
-    req = parse_body('{"prompt": "a", "logit_bias": {"²": 1}}'.encode(), CompletionRequest)
+@pytest.mark.parametrize("key", ["²", "1" * 5000])
+def test_a_logit_bias_key_that_is_no_token_id_is_a_400(key):
+    raw = json.dumps({"prompt": "a", "logit_bias": {key: 1}}).encode()
+    req = parse_body(raw, CompletionRequest)
     with pytest.raises(APIError) as info:
-        req.sampling_params(16, vocab_size=256)
+        req.sampling_params(16, vocab_size=None)
     assert info.value.status == 400 and info.value.param == "logit_bias"
     ok = req.model_copy(update={"logit_bias": {"12": 1}})
     assert ok.sampling_params(16, vocab_size=256).logit_bias == ((12, 1.0),)
@@ -63,6 +73,16 @@ def test_a_deeply_nested_schema_is_refused_before_compiling():
     assert grammar_for(ok)[0] == "json_schema"
 
 
+@pytest.mark.parametrize("schema", ["{not json", "[" * 100_000,
+                                    json.dumps({"enum": ["x" * 200_000]})])
+def test_a_guided_json_string_that_is_no_schema_or_too_long_is_a_400(schema):
+    req = parse_body(json.dumps({"prompt": "a", "guided_json": schema}).encode(),
+                     CompletionRequest)
+    with pytest.raises(APIError) as info:
+        grammar_for(req)
+    assert info.value.status == 400 and info.value.param == "guided_json"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"lora": {"target_modules": []}}, "lora.target_modules"),
     ({"hyperparameters": {"learning_rate_multiplier": -5}},
@@ -70,6 +90,7 @@ def test_a_deeply_nested_schema_is_refused_before_compiling():
     ({"hyperparameters": {"learning_rate": 1e300}}, "hyperparameters.learning_rate"),
     ({"seed": 2 ** 70}, "seed"),
     ({"suffix": "a:b/../c"}, "suffix"),
+    ({"hyperparameters": {"n_epochs": 10 ** 6}}, "hyperparameters.n_epochs"),
 ])
 def test_impossible_fine_tuning_settings_are_a_400(body, param):
     raw = json.dumps({"training_file": "file-x", "model": "m", **body}).encode()
@@ -86,3 +107,9 @@ def test_a_surrogate_in_a_training_file_names_its_line():
     with pytest.raises(APIError) as info:
         parse_training_file(content, tokenizer, 1024)
     assert info.value.status == 400 and "line 2" in info.value.message
+
+
+@pytest.mark.parametrize("suffix", ["", "my-model_v2.1", "café"])
+def test_usual_suffixes_pass(suffix):
+    raw = json.dumps({"training_file": "file-x", "model": "m", "suffix": suffix}).encode()
+    assert parse_body(raw, FineTuningJobRequest).suffix == suffix
