@@ -43,6 +43,7 @@ from engine_actors.messages import Refusal
 logger = logging.getLogger("orca_serve.finetune")
 MAX_FILE_BYTES = 64 * 1024 * 1024
 MAX_STORED_BYTES = 16 * MAX_FILE_BYTES  # all files kept (in the scheduler actor's memory)
+MAX_QUEUED_JOBS = 64  # queued and running jobs, each holding its tokenized examples
 # after a second with no request arriving, the next micro-batch is sent while one runs
 # (the engine loop's `pipeline`)
 QUIET_S = 1.0
@@ -92,6 +93,9 @@ class FineTuning(TrainingSteps):
 
     # ---- jobs ---------------------------------------------------------------------------
     def create(self, spec: dict) -> dict | Refusal:
+        if len(self.queue) >= MAX_QUEUED_JOBS:
+            return Refusal("queue_full", f"{len(self.queue)} fine-tuning jobs are queued or "
+                           "running; retry when one has ended")
         if spec["lora"]["r"] > self.cfg.max_lora_rank:
             return Refusal("invalid_value", f"lora.r {spec['lora']['r']} is over the server's "
                            f"max_lora_rank {self.cfg.max_lora_rank}")

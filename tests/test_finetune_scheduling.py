@@ -310,3 +310,19 @@ def test_stored_files_are_capped_and_deleting_frees_room(monkeypatch):
                                            "deleted": True}
     assert ft.file(first["id"]) is None and ft.delete_file(first["id"]) is None
     assert ft.add_file("b.jsonl", "fine-tune", b"12345")["bytes"] == 5
+
+
+def test_jobs_beyond_the_queue_are_refused_until_one_ends(monkeypatch):
+    from engine_actors import finetune_jobs
+    from engine_actors.config import EngineConfig
+    from engine_actors.messages import Refusal
+    monkeypatch.setattr(finetune_jobs, "MAX_QUEUED_JOBS", 2)
+    ft = finetune_jobs.FineTuning(EngineConfig(), adapters=None)
+    spec = dict(model="m", training_file="file-x", examples=[([1, 2], [False, True])],
+                suffix=None, seed=0, n_epochs=1, batch_size=1, learning_rate=1e-3,
+                lora={"r": 8, "alpha": 16, "target_modules": ["q_proj"]})
+    first, second = ft.create(dict(spec)), ft.create(dict(spec))
+    third = ft.create(dict(spec))
+    assert isinstance(third, Refusal) and third.code == "queue_full"
+    ft._end(ft.jobs[first["id"]], "cancelled")
+    assert ft.create(dict(spec))["status"] == "queued" and second["status"] == "queued"
