@@ -2,8 +2,9 @@
 GET and DELETE /v1/files/{id}; POST /v1/fine_tuning/jobs,
 GET /v1/fine_tuning/jobs[/{id}[/events]], POST /v1/fine_tuning/jobs/{id}/cancel. Files and
 jobs live in the scheduler actor (every replica sees the same); the training file is checked
-and tokenized here, where the tokenizer is, when a job is created. Jobs run in the GPU's idle time (engine_actors/
-finetune_jobs.py) and their adapters are served under `fine_tuned_model`."""
+and tokenized here, where the tokenizer is, when a job is created. Jobs run in the GPU's
+idle time (engine_actors/finetune_jobs.py) and their adapters are served under
+`fine_tuned_model`."""
 from __future__ import annotations
 
 import asyncio
