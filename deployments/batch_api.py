@@ -55,7 +55,7 @@ class BatchAPI:
                                     f"{queue}; split the batch", "requests", "batch_too_large")
             requests = []
             for i, item in enumerate(body.requests):
-                ids = frontend.prompt_ids(item.prompt, info, f"requests.{i}.prompt")
+                ids = await frontend.prompt_ids(item.prompt, info, f"requests.{i}.prompt")
                 if len(ids) + item.max_tokens > limit:
                     raise APIError(400, f"request {i}: prompt ({len(ids)} tokens) + max_tokens "
                                         f"({item.max_tokens}) exceeds the context length {limit}",

@@ -7,9 +7,6 @@ idle time (engine_actors/finetune_jobs.py) and their adapters are served under
 `fine_tuned_model`."""
 from __future__ import annotations
 
-import asyncio
-import copy
-import threading
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -77,9 +74,6 @@ class FineTuningAPI:
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
         self.cfg = frontend.cfg
-        # training files are parsed on a thread, with their own copy of the tokenizer (a
-        # fast tokenizer's settings are not safe to share between threads)
-        self._parse_lock, self._tokenizer = threading.Lock(), None
 
     def routes(self) -> list[Route]:
         jobs = "/v1/fine_tuning/jobs"
@@ -161,20 +155,15 @@ class FineTuningAPI:
                                "file_not_found")
             info = await self.frontend.ready()
             limit = min(info.max_model_len, self.cfg.finetune_max_tokens)
-            # off the event loop (a large file takes seconds), with a tokenizer of its own
-            if self._tokenizer is None:
-                self._tokenizer = copy.deepcopy(self.frontend.tokenizer)
-            examples = await asyncio.to_thread(self._parse, content, limit)
+            # a large file takes seconds: it is parsed off the event loop
+            examples = await self.frontend.tokenize(
+                lambda t: parse_training_file(content, t, limit), len(content))
             job = await self._call("create", req.spec(examples))
             if not isinstance(job, dict):
                 raise refusal_error(job.code, job.message, "lora.r")
             return JSONResponse(job)
         except APIError as e:
             return e.response()
-
-    def _parse(self, content: bytes, limit: int) -> list:
-        with self._parse_lock:
-            return parse_training_file(content, self._tokenizer, limit)
 
     async def list_jobs(self, request: Request):
         try:

@@ -6,7 +6,9 @@ The OpenAI routes (`openai_api.py`) and the batch API (`batch_api.py`) both go t
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import threading
 
 from starlette.requests import Request
 
@@ -19,6 +21,7 @@ from engine_actors.config import EngineConfig
 
 logger = logging.getLogger("orca_serve.ingress")
 MAX_BODY_BYTES = 4 * 1024 * 1024
+LONG_TEXT_CHARS = 1 << 16  # longer text is tokenized on a thread, not on the event loop
 
 
 def unavailable(message: str) -> APIError:
@@ -37,6 +40,9 @@ class Frontend:
         self._starting: asyncio.Task | None = None
         self.on_ready = None  # called once, the first time the engine is up
         self.on_failure = None  # called once, when the engine cannot start
+        # long text is tokenized on a thread, by a copy of the tokenizer of its own (a fast
+        # tokenizer's settings are not safe to share between threads), one text at a time
+        self._thread_lock, self._thread_tokenizer = threading.Lock(), None
 
     # ---- the engine ---------------------------------------------------------------------
     def start(self) -> asyncio.Task:
@@ -128,10 +134,25 @@ class Frontend:
             return self.cfg.tool_call_parser
         return default_tool_parser(self.tokenizer, info.architecture)
 
-    def prompt_ids(self, prompt: str | list[int], info: ModelInfo, param: str) -> list[int]:
+    async def tokenize(self, fn, chars: int):
+        """fn(tokenizer). Text of more than LONG_TEXT_CHARS (a 4 MB prompt takes seconds)
+        is tokenized on a thread, so that the replica's other requests go on meanwhile."""
+        if chars <= LONG_TEXT_CHARS:
+            return fn(self.tokenizer)
+        if self._thread_tokenizer is None:
+            self._thread_tokenizer = copy.deepcopy(self.tokenizer)
+        return await asyncio.to_thread(self._tokenize_on_thread, fn)
+
+    def _tokenize_on_thread(self, fn):
+        with self._thread_lock:
+            return fn(self._thread_tokenizer)
+
+    async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,
+                         param: str) -> list[int]:
         """Token ids of one prompt: text is tokenized, ids are checked against the vocab."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+            ids = await self.tokenize(lambda t: t.encode(prompt, add_special_tokens=True),
+                                      len(prompt)) if prompt else []
         else:
             ids = list(prompt)
             if any(not 0 <= t < info.vocab_size for t in ids):

@@ -56,7 +56,7 @@ class OpenAIRoutes:
                                     f"than the queue of {queue} holds; split them", "prompt",
                                "batch_too_large")
             prompts = [(p if isinstance(p, str) else None,
-                        self.frontend.prompt_ids(p, info, "prompt")) for p in prompts]
+                        await self.frontend.prompt_ids(p, info, "prompt")) for p in prompts]
             return await self._generate(req, prompts, req.max_tokens, info, False, arrival,
                                         grammar_for(req))
         except APIError as e:
@@ -71,9 +71,11 @@ class OpenAIRoutes:
             tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] \
                 if req.uses_tools else None
             try:
-                ids = self.frontend.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                    return_dict=False)
+                ids = await self.frontend.tokenize(
+                    lambda t: t.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                    add_generation_prompt=True,
+                                                    return_dict=False),
+                    len(str(messages)) + len(str(tools or "")))
             except Exception as e:
                 raise APIError(400, f"messages could not be formatted: {e}", "messages") from None
             if hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding

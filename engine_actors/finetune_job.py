@@ -36,10 +36,18 @@ class Job:
     _rest: list[int] = field(default_factory=list)  # the current batch's examples not run
     _batch_tokens: int = 0  # the current batch's trained tokens
     _loss_sum: float = 0.0  # of the micro-batches recorded since the last batch ended
+    num_examples: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_examples = len(self.examples)
 
     @property
     def total_steps(self) -> int:
-        return self.n_epochs * -(-len(self.examples) // self.batch_size)
+        return self.n_epochs * -(-self.num_examples // self.batch_size)
+
+    def release(self) -> None:
+        """The job has ended: its examples and plan are freed (its record stays)."""
+        self.examples, self._plan, self._rest = [], [], []
 
     def to_dict(self) -> dict:
         return {"object": "fine_tuning.job", "id": self.id, "model": self.model,

@@ -44,6 +44,7 @@ logger = logging.getLogger("orca_serve.finetune")
 MAX_FILE_BYTES = 64 * 1024 * 1024
 MAX_STORED_BYTES = 16 * MAX_FILE_BYTES  # all files kept (in the scheduler actor's memory)
 MAX_QUEUED_JOBS = 64  # queued and running jobs, each holding its tokenized examples
+# (an ended job frees them and keeps only its record and events)
 # after a second with no request arriving, the next micro-batch is sent while one runs
 # (the engine loop's `pipeline`)
 QUIET_S = 1.0
@@ -208,6 +209,7 @@ class FineTuning(TrainingSteps):
 
     def _end(self, job: Job, status: str) -> None:
         job.status, job.finished_at = status, int(time.time())
+        job.release()
         if job in self.queue:
             self.queue.remove(job)
 

@@ -326,3 +326,19 @@ def test_jobs_beyond_the_queue_are_refused_until_one_ends(monkeypatch):
     assert isinstance(third, Refusal) and third.code == "queue_full"
     ft._end(ft.jobs[first["id"]], "cancelled")
     assert ft.create(dict(spec))["status"] == "queued" and second["status"] == "queued"
+
+
+def test_an_ended_job_frees_its_examples_and_keeps_its_record():
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+    ft = FineTuning(EngineConfig(), adapters=None)
+    examples = [([1, 2, 3], [False, True, True])] * 5
+    job = ft.jobs[ft.create(dict(model="m", training_file="file-x", examples=examples,
+                                 suffix=None, seed=0, n_epochs=2, batch_size=2,
+                                 learning_rate=1e-3,
+                                 lora={"r": 8, "alpha": 16, "target_modules": ["q_proj"]}))["id"]]
+    job.next_micro(100)  # planned and partly taken
+    ft._end(job, "cancelled")
+    assert job.examples == [] and not job.has_next()
+    record = ft.job(job.id)
+    assert record["status"] == "cancelled" and record["total_steps"] == 6  # 2 x ceil(5 / 2)

@@ -113,3 +113,41 @@ def test_a_surrogate_in_a_training_file_names_its_line():
 def test_usual_suffixes_pass(suffix):
     raw = json.dumps({"training_file": "file-x", "model": "m", "suffix": suffix}).encode()
     assert parse_body(raw, FineTuningJobRequest).suffix == suffix
+
+
+def test_long_text_is_tokenized_on_a_thread_and_the_event_loop_goes_on():
+    import asyncio
+    import threading
+    import time
+
+    from deployments.frontend import LONG_TEXT_CHARS, Frontend
+    from engine_actors.config import EngineConfig
+
+    class Tokenizer:  # slow on long text, as a 4 MB prompt is (seconds)
+        def encode(self, text):
+            time.sleep(0.5 if len(text) > LONG_TEXT_CHARS else 0)
+            return threading.current_thread(), self
+
+    frontend = Frontend(EngineConfig())
+    frontend.tokenizer = Tokenizer()
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        ticker = asyncio.create_task(tick())
+        short = await frontend.tokenize(lambda t: t.encode("a"), 1)
+        long = await frontend.tokenize(lambda t: t.encode("a" * (LONG_TEXT_CHARS + 1)),
+                                       LONG_TEXT_CHARS + 1)
+        ticker.cancel()
+        return short, long, ticks
+    short, long, ticks = asyncio.run(main())
+    assert short == (threading.main_thread(), frontend.tokenizer)
+    # a copy of the tokenizer (not safe to share between threads), on another thread
+    assert long[0] is not threading.main_thread() and isinstance(long[1], Tokenizer) \
+        and long[1] is not frontend.tokenizer
+    assert ticks >= 20  # the loop ran on while the long text was tokenized
