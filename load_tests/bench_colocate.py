@@ -12,7 +12,8 @@ back on a second thread and its own stream:
   - a stream of a CUDA green context of k SMs (`--sms`): training confined to those SMs,
     decode free to use every SM. The SMs a green stream's kernels actually ran on are
     counted (each block of a probe kernel records its SM id) and reported.
-The trainer is the server's: a micro-batch's ops launched from Python. (One CUDA graph of
+The trainer is the server's: a micro-batch's ops launched from Python, so the decode
+thread may wait for the GIL; `--switch-ms` sets how long at most (Python's switch interval). (One CUDA graph of
 a micro-batch's forward and backward trained 5% faster alone on an H200, and hung beside
 the decode steps: not used.) Each run reports the decode step's wall time (p50, p99) and
 trained tokens/s over the micro-batches finished in the run's window. The decode batch's
@@ -125,6 +126,44 @@ class TrainLoop:
         return (len(ends) - 1) * self.tokens / (ends[-1] - ends[0])
 
 
+class Hog:
+    """Work of one kind beside the decode steps, on a thread, in place of the trainer: to
+    tell which of the trainer's demands slows them. "gemm": bf16 4096^3 matmuls (compute,
+    ~6% of the memory bandwidth); "copy": copies of 1 GiB (memory bandwidth only)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        if kind == "gemm":
+            self.a, self.b = (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+                              for _ in range(2))
+            self.c = torch.empty_like(self.a)
+        else:
+            self.a = torch.empty(1 << 29, device="cuda", dtype=torch.bfloat16)
+            self.c = torch.empty_like(self.a)
+
+    def _op(self):
+        if self.kind == "gemm":
+            torch.mm(self.a, self.b, out=self.c)
+        else:
+            self.c.copy_(self.a)
+
+    def start(self, stream):
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _loop(self, stream):
+        with torch.cuda.stream(stream):
+            while not self.stop.is_set():
+                for _ in range(8):
+                    self._op()
+                stream.synchronize()
+
+    def finish(self, t0: float, t1: float) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 GREEN_CONTEXTS = []  # kept alive while their streams are in use
 
 
@@ -175,7 +214,9 @@ def measure(label, decoder, loop, seconds, decode_stream, train_stream) -> dict:
         time.sleep(seconds)
     t1 = time.perf_counter()
     if loop is not None:
-        row["train_tokens_per_s"] = loop.finish(t0, t1)
+        rate = loop.finish(t0, t1)
+        if rate is not None:
+            row["train_tokens_per_s"] = rate
     torch.cuda.synchronize()
     print(json.dumps(row), flush=True)
     return row
@@ -191,6 +232,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--sms", type=int, nargs="*", default=[16, 32, 64],
                    help="SMs of the trainer's green context, one set of runs each")
     p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--switch-ms", type=float, nargs="*", default=[5.0],
+                   help="Python's thread switch interval (sys.setswitchinterval; 5 ms is its "
+                        "default), one set of shared runs each: how long the decode thread "
+                        "may wait for the GIL that the trainer's thread holds")
+    p.add_argument("--hogs", nargs="*", default=[], choices=["gemm", "copy"],
+                   help="also run decode beside each kind of work alone (class Hog), on "
+                        "each --sms green context")
     p.add_argument("--out")
     args = p.parse_args(argv)
     runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
@@ -204,14 +252,28 @@ def main(argv=None) -> list[dict]:
     s, rows = args.seconds, []
     rows.append(measure("decode alone", decoder, None, s, high, None))
     rows.append(measure("train alone", None, loop, s, None, low))
-    rows.append(measure("both, train on a low-priority stream", decoder, loop, s, high, low))
+    greens = {}
     for k in args.sms:
-        train = green_stream(k)
-        used = sms_used(train)
+        greens[k] = green_stream(k)
+        used = sms_used(greens[k])
         rows.append(measure(f"train alone on {k} SMs ({used} used)", None, loop, s, None,
-                            train))
-        rows.append(measure(f"both, training on {k} SMs ({used} used)", decoder, loop, s, high,
-                            train))
+                            greens[k]))
+    for ms in args.switch_ms:
+        sys.setswitchinterval(ms / 1e3)
+        at = f", switch {ms:g} ms"
+        rows.append(measure("both, train on a low-priority stream" + at, decoder, loop, s,
+                            high, low))
+        for k, train in greens.items():
+            rows.append(measure(f"both, training on {k} SMs" + at, decoder, loop, s, high,
+                                train))
+    sys.setswitchinterval(0.005)
+    for kind in args.hogs:
+        hog = Hog(kind)
+        where = [("a low-priority stream", low)] + [(f"{k} SMs", g) for k, g in greens.items()]
+        for name, stream in where:
+            rows.append(measure(f"both, a {kind} loop on {name} instead", decoder, hog, s,
+                                high, stream))
+        del hog
     rows.append(measure("decode alone, again", decoder, None, s, high, None))
     base, base_p99 = rows[0]["decode_p50_ms"], rows[0]["decode_p99_ms"]
     dedicated = rows[1]["train_tokens_per_s"]  # on the whole GPU
