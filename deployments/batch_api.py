@@ -49,10 +49,8 @@ class BatchAPI:
             body = await frontend.parse(request, BatchSubmit)
             info = await frontend.ready()
             limit = info.max_model_len
-            queue = frontend.cfg.max_queued_requests
-            if len(body.requests) > queue:  # refused before tokenizing them all
-                raise APIError(400, f"{len(body.requests)} requests do not fit the queue of "
-                                    f"{queue}; split the batch", "requests", "batch_too_large")
+            frontend.refuse_over_queue(len(body.requests), f"{len(body.requests)} requests",
+                                       "requests")
             requests = []
             for i, item in enumerate(body.requests):
                 ids = await frontend.prompt_ids(item.prompt, info, f"requests.{i}.prompt")

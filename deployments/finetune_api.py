@@ -1,6 +1,7 @@
-"""Fine-tuning jobs, shaped like OpenAI's: POST /v1/files (multipart, purpose "fine-tune"),
-GET and DELETE /v1/files/{id}; POST /v1/fine_tuning/jobs,
-GET /v1/fine_tuning/jobs[/{id}[/events]], POST /v1/fine_tuning/jobs/{id}/cancel. Files and
+"""Fine-tuning jobs, shaped like OpenAI's: POST and GET /v1/files (multipart, purpose
+"fine-tune"), GET and DELETE /v1/files/{id}, GET /v1/files/{id}/content;
+POST /v1/fine_tuning/jobs, GET /v1/fine_tuning/jobs[/{id}[/events]],
+POST /v1/fine_tuning/jobs/{id}/cancel. Files and
 jobs live in the scheduler actor (every replica sees the same); the training file is checked
 and tokenized here, where the tokenizer is, when a job is created. Jobs run in the GPU's
 idle time (engine_actors/finetune_jobs.py) and their adapters are served under
@@ -11,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.frontend import Frontend
@@ -78,7 +79,9 @@ class FineTuningAPI:
     def routes(self) -> list[Route]:
         jobs = "/v1/fine_tuning/jobs"
         return [Route("/v1/files", self.upload, methods=["POST"]),
+                Route("/v1/files", self.list_files, methods=["GET"]),
                 Route("/v1/files/{file_id}", self.file, methods=["GET"]),
+                Route("/v1/files/{file_id}/content", self.file_content, methods=["GET"]),
                 Route("/v1/files/{file_id}", self.delete_file, methods=["DELETE"]),
                 Route(jobs, self.create, methods=["POST"]),
                 Route(jobs, self.list_jobs, methods=["GET"]),
@@ -126,8 +129,25 @@ class FineTuningAPI:
         except APIError as e:
             return e.response()
 
+    async def list_files(self, request: Request):
+        try:
+            return JSONResponse({"object": "list", "data": await self._call("list_files"),
+                                 "has_more": False})
+        except APIError as e:
+            return e.response()
+
     async def file(self, request: Request):
         return await self._file(request, "file")
+
+    async def file_content(self, request: Request):
+        file_id = request.path_params["file_id"]
+        try:
+            content = await self._call("file", file_id, True)
+            if content is None:
+                raise _not_found("file", file_id)
+            return Response(content, media_type="application/octet-stream")
+        except APIError as e:
+            return e.response()
 
     async def delete_file(self, request: Request):
         return await self._file(request, "delete_file")

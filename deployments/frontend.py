@@ -122,6 +122,14 @@ class Frontend:
                                 f"`{self.cfg.model_name}`.", "model", "model_not_found")
         return req
 
+    def refuse_over_queue(self, count: int, what: str, param: str) -> None:
+        """APIError 400 when one body brings more requests than the queue holds (checked
+        before they are all tokenized)."""
+        queue = self.cfg.max_queued_requests
+        if count > queue:
+            raise APIError(400, f"{what} are more requests than the queue of {queue} holds; "
+                                "split them", param, "batch_too_large")
+
     def adapter(self, req) -> str | None:
         """The LoRA adapter a request names in `model` (None: the base model)."""
         model = getattr(req, "model", None)
@@ -146,6 +154,24 @@ class Frontend:
     def _tokenize_on_thread(self, fn):
         with self._thread_lock:
             return fn(self._thread_tokenizer)
+
+    async def chat_ids(self, messages: list, tools: list | None,
+                       add_generation_prompt: bool = True,
+                       add_special_tokens: bool = False) -> list[int]:
+        """Token ids of chat messages (ChatMessage) and tools (Tool) as the chat template
+        renders them; APIError 400 when it cannot."""
+        messages = [m.for_template() for m in messages]
+        tools = [t.model_dump(by_alias=True, exclude_none=True) for t in tools] \
+            if tools else None
+
+        def render(tokenizer) -> list[int]:
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return await self.tokenize(render, len(str(messages)) + len(str(tools or "")))
+        except Exception as e:
+            raise APIError(400, f"messages could not be formatted: {e}", "messages") from None
 
     async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,
                          param: str) -> list[int]:

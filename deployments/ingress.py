@@ -1,6 +1,7 @@
 """The HTTP ingress: a Starlette app inside a Ray Serve deployment.
 
 Routes: the OpenAI ones (`openai_api.py`), the models and LoRA adapters (`models_api.py`),
+vLLM's /tokenize and /detokenize (`tokenize_api.py`), fine-tuning (`finetune_api.py`),
 GET /health, GET /metrics, and the background batch endpoints under /orca/v1/batches
 (`batch_api.py`). This file holds the
 deployment itself: the app, start-up, draining and the operational routes.
@@ -34,6 +35,7 @@ from deployments.finetune_api import FineTuningAPI
 from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
+from deployments.tokenize_api import TokenizeAPI
 from engine_actors.config import EngineConfig
 
 logger = logging.getLogger("orca_serve.ingress")
@@ -64,6 +66,7 @@ class OpenAIIngress:
                   Route("/metrics", self.prometheus, methods=["GET"])]
         routes += OpenAIRoutes(self.frontend).routes() + BatchAPI(self.frontend).routes()
         routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
+        routes += TokenizeAPI(self.frontend).routes()
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
         # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
         handlers = {HTTPException: self._http_error, Exception: self._internal_error,

@@ -50,11 +50,8 @@ class OpenAIRoutes:
                 prompts = [prompts]
             if not prompts:
                 raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
-            queue = self.frontend.cfg.max_queued_requests
-            if len(prompts) * req.n > queue:  # refused before tokenizing them all
-                raise APIError(400, f"{len(prompts)} prompts with n={req.n} are more requests "
-                                    f"than the queue of {queue} holds; split them", "prompt",
-                               "batch_too_large")
+            self.frontend.refuse_over_queue(len(prompts) * req.n,
+                                            f"{len(prompts)} prompts with n={req.n}", "prompt")
             prompts = [(p if isinstance(p, str) else None,
                         await self.frontend.prompt_ids(p, info, "prompt")) for p in prompts]
             return await self._generate(req, prompts, req.max_tokens, info, False, arrival,
@@ -67,19 +64,8 @@ class OpenAIRoutes:
         try:
             req = await self.frontend.parse(request, ChatCompletionRequest)
             info = await self.frontend.ready()
-            messages = [m.for_template() for m in req.messages]
-            tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] \
-                if req.uses_tools else None
-            try:
-                ids = await self.frontend.tokenize(
-                    lambda t: t.apply_chat_template(messages, tools=tools, tokenize=True,
-                                                    add_generation_prompt=True,
-                                                    return_dict=False),
-                    len(str(messages)) + len(str(tools or "")))
-            except Exception as e:
-                raise APIError(400, f"messages could not be formatted: {e}", "messages") from None
-            if hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding
-                ids = ids["input_ids"]
+            ids = await self.frontend.chat_ids(req.messages,
+                                               req.tools if req.uses_tools else None)
             grammar = grammar_for(req)
             parser = self.frontend.tool_parser(info) if req.uses_tools else None
             forced = tool_grammar(req.tools, req.tool_choice, parser) if parser else None

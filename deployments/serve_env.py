@@ -26,7 +26,7 @@ SERVE_ENV = {
     # The ingress's code runs on the replica's own event loop rather than on a second loop
     # in another thread, which handed every ASGI message (every streamed event) across
     # threads. Our routes never block the loop: engine calls are async, and the work done
-    # inline (validation, tokenization, JSON) is short.
+    # inline (validation, JSON, tokenization of text up to 64K characters) is short.
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
 

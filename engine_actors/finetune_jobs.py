@@ -86,6 +86,9 @@ class FineTuning(TrainingSteps):
         entry = self.files.get(file_id)
         return None if entry is None else entry[1] if content else entry[0]
 
+    def list_files(self) -> list[dict]:
+        return sorted((meta for meta, _ in self.files.values()), key=lambda m: -m["created_at"])
+
     def delete_file(self, file_id: str) -> dict | None:
         """Forget a file (jobs made from it keep their parsed examples)."""
         if self.files.pop(file_id, None) is None:

@@ -207,8 +207,8 @@ class SchedulerActor:
         return getattr(self.adapters, method)(*args)
 
     async def finetune_call(self, method: str, *args):
-        """FineTuning's add_file, file, delete_file, create, job, list_jobs, events,
-        cancel."""
+        """FineTuning's add_file, list_files, file, delete_file, create, job, list_jobs,
+        events, cancel."""
         await self.ready()
         if method == "create":
             self.engine.wake()  # an idle loop starts training at once

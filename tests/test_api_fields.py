@@ -1,5 +1,5 @@
 """The OpenAI fields tools send, over HTTP with the official client: logprobs (echo
-included), penalties and logit_bias, nulls, GET /v1/models/{id}."""
+included), penalties and logit_bias, nulls, GET /v1/models/{id}, /tokenize and /detokenize."""
 from __future__ import annotations
 
 import httpx
@@ -214,3 +214,38 @@ def test_multi_turn_load_client_sends_whole_histories_that_hit_the_cache(url):
     # token (sampled, never computed): at least (history - 16) of each
     floor = sum(p - m - 16 for p, m in zip(prompts, messages) if p != m)
     assert res["cached_prompt_fraction"] >= floor / sum(prompts)
+
+
+def test_tokenize_as_the_tokenizer_and_the_chat_template_do(url, client):
+    from transformers import AutoTokenizer
+
+    from engine_actors.checkpoint import resolve_model_path
+    from engine_actors.config import EngineConfig
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(EngineConfig().model))
+    text = "Hello, world"
+    r = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": text,
+                                            "return_token_strs": True}).json()
+    limit = httpx.get(f"{url}/v1/models/{MODEL}").json()["max_model_len"]
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == limit
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    bare = httpx.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False})
+    assert bare.json()["tokens"] == tok.encode(text, add_special_tokens=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    r = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+    assert r["tokens"] == list(expected) and r["token_strs"] is None
+    used = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert used.usage.prompt_tokens == r["count"]
+
+
+def test_detokenize_and_bad_token_bodies(url):
+    ids = [72, 101, 108, 108, 111]  # byte-level: "Hello"
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"prompt": "Hello"}
+    for body, param in [({"tokens": [10 ** 9]}, "tokens"), ({"tokens": "abc"}, "tokens"),
+                        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+                         "prompt"), ({}, "prompt")]:
+        route = "/detokenize" if "tokens" in body else "/tokenize"
+        r = httpx.post(f"{url}{route}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

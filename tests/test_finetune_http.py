@@ -135,13 +135,20 @@ def test_bad_requests_are_refused_clearly(url):
     assert httpx.get(f"{url}/v1/fine_tuning/jobs/ftjob-nope").status_code == 404
 
 
-def test_a_deleted_file_is_gone(url):
-    file_id = upload(url, [json.dumps({"prompt": "a", "completion": "b"})])
+def test_files_are_listed_and_read_back_then_a_deleted_file_is_gone(url):
+    lines = [json.dumps({"prompt": "a", "completion": "b"})]
+    file_id = upload(url, lines)
+    listed = httpx.get(f"{url}/v1/files", timeout=30).json()
+    assert listed["object"] == "list" and file_id in [f["id"] for f in listed["data"]]
+    content = httpx.get(f"{url}/v1/files/{file_id}/content", timeout=30)
+    assert content.status_code == 200 and content.content == "\n".join(lines).encode()
     deleted = httpx.delete(f"{url}/v1/files/{file_id}", timeout=30)
     assert deleted.status_code == 200
     assert deleted.json() == {"id": file_id, "object": "file", "deleted": True}
     assert httpx.get(f"{url}/v1/files/{file_id}", timeout=30).status_code == 404
     assert httpx.delete(f"{url}/v1/files/{file_id}", timeout=30).status_code == 404
+    assert httpx.get(f"{url}/v1/files/{file_id}/content", timeout=30).status_code == 404
+    assert file_id not in [f["id"] for f in httpx.get(f"{url}/v1/files").json()["data"]]
     assert create_job(url, file_id).json()["error"]["code"] == "file_not_found"
 
 
