@@ -12,11 +12,22 @@ generated tokens.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import re
 
 import torch
 
 from engine_actors.messages import StepResult
+
+logger = logging.getLogger("orca_serve.worker")
+# The character classes xgrammar 0.2.8 writes for a JSON string's characters, with a length
+# limit and without, and what they become here. The first lets control characters other than
+# CR and LF in unescaped (the output is then not JSON); both let in UTF-8 encoded surrogates
+# (U+D800-DFFF), which are not text: decoded, each of their bytes becomes U+FFFD, so a
+# string over its maxLength.
+STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 class Grammars:
@@ -70,17 +81,30 @@ class Grammars:
 
 
 def _compiled(compiler, spec: tuple[str, str]):
-    """The compiled grammar (xgrammar's compiler caches them by spec)."""
+    """The compiled grammar (xgrammar's compiler caches them by grammar text)."""
     kind, value = spec
-    if kind == "json_schema":  # whitespace bounded: weak models loop on it otherwise
-        return compiler.compile_json_schema(value, max_whitespace_cnt=1)
+    if kind in ("json_schema", "structural_tag"):
+        return compiler.compile_grammar(json_grammar(kind, value))
     if kind == "json_object":
         return compiler.compile_builtin_json_grammar()
     if kind == "regex":
         return compiler.compile_regex(value)
-    if kind == "structural_tag":
-        return compiler.compile_structural_tag(value)
     raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def json_grammar(kind: str, value: str) -> str:
+    """The EBNF of a JSON schema or a structural tag (tool calls: JSON schemas inside),
+    whose JSON strings hold only what JSON and UTF-8 allow (STRING_CHARS)."""
+    import xgrammar as xgr
+    if kind == "json_schema":  # whitespace bounded: weak models loop on it otherwise
+        grammar = xgr.Grammar.from_json_schema(value, max_whitespace_cnt=1)
+    else:
+        grammar = xgr.Grammar.from_structural_tag(value)
+    text = str(grammar)
+    for chars in STRING_CHARS:
+        text = text.replace(chars, JSON_STRING_CHAR)
+    return text
 
 
 def check_grammar(spec: tuple[str, str]) -> None:
@@ -89,12 +113,10 @@ def check_grammar(spec: tuple[str, str]) -> None:
     import xgrammar as xgr
     kind, value = spec
     try:
-        if kind == "json_schema":
-            xgr.Grammar.from_json_schema(value)
+        if kind in ("json_schema", "structural_tag"):  # as the engine will compile it
+            xgr.Grammar.from_ebnf(json_grammar(kind, value))
         elif kind == "regex":
             xgr.Grammar.from_regex(value)
-        elif kind == "structural_tag":
-            xgr.Grammar.from_structural_tag(value)
     except Exception as e:  # xgrammar raises RuntimeError("[time] file.cc:line: message")
         message = str(e).strip().splitlines()[-1]
         raise ValueError(re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message)) from None
@@ -103,8 +125,10 @@ def check_grammar(spec: tuple[str, str]) -> None:
 def advance(matchers: list[object | None], result: StepResult) -> StepResult:
     """A step's tokens reached the host: the matchers of its grammar rows accept them."""
     for m, token in zip(matchers, result.token_ids):
-        if m is not None and not m.is_terminated():
-            m.accept_token(token)
+        if m is not None and not m.is_terminated() and not m.accept_token(token):
+            # the mask allowed it, so this is a bug; the request's output may not follow its
+            # grammar from here
+            logger.error("orca-serve: a grammar matcher rejected sampled token %d", token)
     return result
 
 

@@ -29,15 +29,18 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]},
                  "maxItems": 3},
         "active": {"type": "boolean"},
+        # a length limit: xgrammar 0.2.8 let control characters into such strings
+        "nick": {"type": "string", "minLength": 1, "maxLength": 6},
     },
-    "required": ["name", "age", "address", "tags"],
+    "required": ["name", "age", "address", "tags", "nick"],
     "additionalProperties": False,
 }
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer"}}, "required": ["city", "days"],
+        "days": {"type": "integer"}, "unit": {"type": "string", "maxLength": 4}},
+        "required": ["city", "days", "unit"],
         "additionalProperties": False}}}
 
 
@@ -184,3 +187,42 @@ def test_grammars_hold_across_overlap_chunks_and_preemption(engine_args):
             assert matcher.is_terminated(), rid
             text = tokenizer.decode(outputs[rid], skip_special_tokens=True)
             jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "tool call"])
+def test_a_string_with_a_length_limit_takes_only_what_json_allows(kind):
+    """Each ASCII character alone as a limited string's value: the grammar accepts it only
+    where json.loads takes the result (no raw control characters)."""
+    import xgrammar as xgr
+
+    from deployments.chat_protocol import Tool
+    from deployments.structured import tool_grammar
+    from engine_actors.grammar import Grammars
+    params = {"type": "object", "properties": {"b": {"type": "string", "maxLength": 3}},
+              "required": ["b"], "additionalProperties": False}
+    if kind == "json_schema":
+        spec, wrap = ("json_schema", json.dumps(params)), '{{"b": "{}"}}'
+    else:
+        tool = Tool.model_validate({"type": "function",
+                                    "function": {"name": "f", "parameters": params}})
+        spec = tool_grammar([tool], "required", "hermes")
+        wrap = '<tool_call>\n{{"name": "f", "arguments": {{"b": "{}"}}}}\n</tool_call>'
+    path = resolve_model_path(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(path)
+    grammars = Grammars(path, len(tokenizer))
+    compiled = grammars._compile(spec)
+    head, tail = (tokenizer.encode(part, add_special_tokens=False)
+                  for part in wrap.format("\0").split("\0"))
+
+    def takes(value: bytes) -> bool:  # the byte-level tokenizer's ids are the bytes
+        matcher = xgr.GrammarMatcher(compiled)
+        return all(matcher.accept_token(t) for t in head + list(value) + tail) \
+            and matcher.accept_token(tokenizer.eos_token_id)
+    accepted = [code for code in range(128) if takes(bytes([code]))]
+    for code in accepted:
+        text = wrap.format(chr(code))
+        json.loads(text if kind == "json_schema" else text.split("\n")[1])  # strict
+    assert set(range(32, 127)) - {ord('"'), ord("\\")} <= set(accepted)
+    assert not set(range(32)) & set(accepted)
+    # UTF-8: a two-byte letter is one character; an encoded surrogate is not text
+    assert takes("Ś".encode()) and not takes(b"\xed\xa0\x80")
