@@ -116,6 +116,7 @@ class ChatCompletionRequest(SamplingFields):
         return {"logprobs": self.top_logprobs or 0}
 
     def check_supported(self) -> None:
+        super().check_supported()
         for i, m in enumerate(self.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 part.check_supported(f"messages.{i}.content.{j}")

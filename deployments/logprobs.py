@@ -1,6 +1,7 @@
 """Log-probabilities in OpenAI's response shapes.
 
-Completions: {"tokens", "token_logprobs", "top_logprobs" ({token: logprob}), "text_offset"},
+Completions: {"tokens", "token_logprobs", "top_logprobs" ({token: logprob}: the k likeliest and
+the chosen token, so up to k + 1), "text_offset"},
 the prompt's tokens first with `echo` (the first one has no log-probability: null).
 Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}]}]}. Tokens are shown as their own decoded text; log-probabilities are of the
@@ -55,6 +56,7 @@ class LogprobsWriter:
                 top = {}
                 for i, v in zip(lp[1], lp[2]):
                     top.setdefault(self._token(i), v)
+                top.setdefault(text, lp[0])  # the chosen token too, as OpenAI and vLLM
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)

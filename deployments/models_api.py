@@ -4,6 +4,8 @@ POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST /v1/unload_lora_a
 {"lora_name"}. The scheduler actor keeps the adapters, so every replica sees the same."""
 from __future__ import annotations
 
+import time
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
@@ -31,6 +33,7 @@ class ModelsAPI:
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
         self.cfg = frontend.cfg
+        self.created = int(time.time())  # when this replica started serving the models
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self.models, methods=["GET"]),
@@ -40,7 +43,7 @@ class ModelsAPI:
 
     async def _cards(self) -> list[dict]:
         info = await self.frontend.ready()
-        base = {"id": self.cfg.model_name, "object": "model", "created": 0,
+        base = {"id": self.cfg.model_name, "object": "model", "created": self.created,
                 "owned_by": "orca-serve", "root": self.cfg.model, "parent": None,
                 "max_model_len": info.max_model_len}
         adapters = await self.frontend.call("adapter_call", "paths") \

@@ -154,6 +154,11 @@ class SamplingFields(SamplingOptions):
     timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
     user: str | None = None
 
+    def check_supported(self) -> None:
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
+            raise APIError(400, "stream_options is only allowed with stream: true",
+                           "stream_options", "invalid_value")
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -169,6 +174,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
     def check_supported(self) -> None:
+        super().check_supported()
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix",
                            "unsupported_parameter")

@@ -22,12 +22,27 @@ def _error(line: int, message: str) -> APIError:
 
 def parse_training_file(content: bytes, tokenizer, max_tokens: int
                         ) -> list[tuple[list[int], list[bool]]]:
+    examples = []
+    for number, row in read_rows(content):
+        if "messages" in row:
+            tokens, mask = _chat(row["messages"], tokenizer, number)
+        else:
+            tokens, mask = _completion(row["prompt"], row["completion"], tokenizer)
+        if len(tokens) > max_tokens:
+            raise _error(number, f"{len(tokens)} tokens, over the limit of {max_tokens}")
+        examples.append((tokens, mask))
+    return examples
+
+
+def read_rows(content: bytes) -> list[tuple[int, dict]]:
+    """The examples of a training file as (line number, row), each of a known shape (no
+    tokenizer needed: the CLI checks a file with this before it sends it)."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError:
         raise APIError(400, "training_file is not UTF-8 text", "training_file",
                        "invalid_training_file") from None
-    examples = []
+    rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -43,24 +58,31 @@ def parse_training_file(content: bytes, tokenizer, max_tokens: int
             except APIError as e:
                 raise _error(number, e.message) from None
         if "messages" in row:
-            tokens, mask = _chat(row["messages"], tokenizer, number)
+            _check_messages(row["messages"], number)
         elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-            tokens, mask = _completion(row["prompt"], row["completion"], tokenizer, number)
+            if not row["completion"]:
+                raise _error(number, "completion must not be empty")
         else:
             raise _error(number, 'expected {"prompt": string, "completion": string} or '
                                  '{"messages": [...]}')
-        if len(tokens) > max_tokens:
-            raise _error(number, f"{len(tokens)} tokens, over the limit of {max_tokens}")
-        examples.append((tokens, mask))
-    if not examples:
+        rows.append((number, row))
+    if not rows:
         raise APIError(400, "training_file has no examples", "training_file",
                        "invalid_training_file")
-    return examples
+    return rows
 
 
-def _completion(prompt: str, completion: str, tokenizer, number: int):
-    if not completion:
-        raise _error(number, "completion must not be empty")
+def _check_messages(messages, number: int) -> None:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in messages):
+        raise _error(number, "messages must be a non-empty list of {\"role\": one of "
+                             f"{', '.join(ROLES)}, \"content\": string}}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise _error(number, "messages have no assistant message to train on")
+
+
+def _completion(prompt: str, completion: str, tokenizer):
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
     target = tokenizer.encode(completion, add_special_tokens=False)
     if tokenizer.eos_token_id is not None:
@@ -69,13 +91,6 @@ def _completion(prompt: str, completion: str, tokenizer, number: int):
 
 
 def _chat(messages, tokenizer, number: int):
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-            for m in messages):
-        raise _error(number, "messages must be a non-empty list of {\"role\": one of "
-                             f"{', '.join(ROLES)}, \"content\": string}}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise _error(number, "messages have no assistant message to train on")
     tokens, mask = [], []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":

@@ -32,7 +32,11 @@ def test_completion_logprobs_with_echo_equal_transformers(client):
         assert abs(lps.token_logprobs[t] - ref[t - 1, full[t]].item()) < 1e-4, t
         top = ref[t - 1].topk(3).values.tolist()
         assert max(lps.top_logprobs[t].values()) == pytest.approx(top[0], abs=1e-4)
-        assert all(any(abs(v - w) < 1e-4 for w in top) for v in lps.top_logprobs[t].values())
+        # the 3 likeliest, and the chosen token itself (a prompt token may be neither)
+        own = ref[t - 1, full[t]].item()
+        assert all(any(abs(v - w) < 1e-4 for w in top + [own])
+                   for v in lps.top_logprobs[t].values())
+        assert lps.top_logprobs[t].get(lps.tokens[t]) is not None
     assert lps.text_offset == sorted(lps.text_offset) and lps.text_offset[0] == 0
     assert choice.text.startswith(client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=1, echo=True, temperature=0).choices[0].text[:5])
@@ -43,7 +47,8 @@ def test_logprobs_zero_returns_the_sampled_tokens_logprob(client):
                                     logprobs=0, extra_body=NO_EOS)
     lps = res.choices[0].logprobs
     assert len(lps.token_logprobs) == 4 and all(v <= 0 for v in lps.token_logprobs)
-    assert all(len(d) == 0 for d in lps.top_logprobs)
+    # only the chosen token (OpenAI: "up to logprobs + 1 elements")
+    assert lps.top_logprobs == [{t: v} for t, v in zip(lps.tokens, lps.token_logprobs)]
 
 
 def test_chat_logprobs_in_openai_shape_streamed_or_not(client):

@@ -237,3 +237,9 @@ def test_console_script_is_declared():
 def test_model_output_cannot_drive_the_terminal():
     # ESC, CR, DEL and C1 controls become visible symbols; newline and tab stay as they are
     assert printable("a\x1b[2Jb\rc\n\td\x7f\x9b") == "a\u241b[2Jb\u240dc\n\td\u2421\ufffd"
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://256.1.1.1"])
+def test_a_malformed_url_is_a_one_line_usage_error(monkeypatch, url):
+    code, _, err = run_cli(monkeypatch, "--url", url, "status", "batch-x")
+    assert code == 2 and "not a valid URL" in err and "Traceback" not in err

@@ -164,3 +164,14 @@ def test_cli_finetune_waits_and_prints_the_model(url, tmp_path, capsys):
     assert main(["--url", url, "finetune-status", out[0]]) == 0
     assert "succeeded" in capsys.readouterr().out
     assert main(["--url", url, "finetune", str(tmp_path / "missing.jsonl")]) == 2
+    files = len(httpx.get(f"{url}/v1/files").json()["data"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n')
+    capsys.readouterr()
+    assert main(["--url", url, "finetune", str(bad)]) == 2  # refused before it is sent
+    assert "bad.jsonl: training_file line 2" in capsys.readouterr().err
+    # refused by the server (one example over the length limit): the upload is deleted
+    bad.write_text(json.dumps({"prompt": "a" * 100_000, "completion": "b"}) + "\n")
+    assert main(["--url", url, "finetune", str(bad)]) == 2
+    assert "over the limit" in capsys.readouterr().err
+    assert len(httpx.get(f"{url}/v1/files").json()["data"]) == files

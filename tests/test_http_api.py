@@ -209,6 +209,8 @@ BAD_REQUESTS = [
      "unsupported_content", "messages.0.content.0"),
     ("/v1/chat/completions", {"messages": []}, None, "messages"),
     ("/v1/completions", {"prompt": [[1, 2]] * 300, "n": 16}, "batch_too_large", "prompt"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None,
+     "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None,
      "messages.0.role"),
     ("/v1/chat/completions", {"messages": "hello"}, None, "messages"),

@@ -7,7 +7,10 @@ import os
 import sys
 import time
 
+from deployments.cli.batch_input import USAGE_ERROR
 from deployments.cli.http import CLIError, Server, check, json_body, server_errors
+from deployments.protocol import APIError
+from deployments.training_data import read_rows
 
 POLL_S = 0.5
 
@@ -15,26 +18,43 @@ POLL_S = 0.5
 def run_finetune(server: Server, path: str, model: str | None, options: dict, wait: bool,
                  show_progress: bool) -> int:
     if not os.path.isfile(path):
-        raise CLIError(f"no such training file: {path}", 2)
+        raise CLIError(f"no such training file: {path}", USAGE_ERROR)
+    with open(path, "rb") as f:
+        content = f.read()
+    try:  # the shape of every line, before anything is sent (the server also tokenizes)
+        read_rows(content)
+    except APIError as e:
+        raise CLIError(f"{path}: {e.message}", USAGE_ERROR) from None
     with server_errors(server.url), server.client(60.0) as client:
         if model is None:
             resp = client.get("/v1/models")
             check(resp, "listing the models")
             model = json_body(resp, "listing the models")["data"][0]["id"]
-        with open(path, "rb") as f:
-            resp = client.post("/v1/files", data={"purpose": "fine-tune"},
-                               files={"file": (os.path.basename(path), f)})
+        resp = client.post("/v1/files", data={"purpose": "fine-tune"},
+                           files={"file": (os.path.basename(path), content)})
         check(resp, "uploading the training file")
         file_id = json_body(resp, "uploading the training file")["id"]
         resp = client.post("/v1/fine_tuning/jobs", json={"training_file": file_id,
                                                          "model": model, **options})
-        check(resp, "creating the fine-tuning job")
+        if resp.status_code != 200:  # the file would only take room on the server
+            client.delete(f"/v1/files/{file_id}")
+        try:
+            check(resp, "creating the fine-tuning job")
+        except CLIError as e:
+            raise CLIError(str(e), USAGE_ERROR if resp.status_code == 400 else e.exit_code) \
+                from None
         job = json_body(resp, "creating the fine-tuning job")
         print(job["id"])
         if not wait:
             print(f"follow it with: orca-serve finetune-status {job['id']}", file=sys.stderr)
             return 0
-        job = follow(client, job, show_progress)
+        try:
+            job = follow(client, job, show_progress)
+        except KeyboardInterrupt:
+            print(f"\nstopped following; the job keeps running on the server.\n"
+                  f"  status: orca-serve finetune-status {job['id']}\n"
+                  f"  stop it: orca-serve finetune-cancel {job['id']}", file=sys.stderr)
+            return 130
     if job["status"] != "succeeded":
         error = (job.get("error") or {}).get("message", "")
         print(f"orca-serve: the job {job['status']}" + (f": {error}" if error else ""),

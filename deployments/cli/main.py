@@ -22,6 +22,8 @@ import argparse
 import os
 import sys
 
+import httpx
+
 from deployments.cli.batch import (ResultSink, Submitted, follow, get_status, status_line,
                                    submit)
 from deployments.cli.batch_input import REQUEST_FIELDS, USAGE_ERROR, read_sources
@@ -217,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.server.url.startswith(("http://", "https://")):
             raise CLIError(f"--url must start with http:// or https://, got {args.url!r}",
                            USAGE_ERROR)
+        try:
+            httpx.URL(args.server.url)
+        except httpx.InvalidURL as e:
+            raise CLIError(f"--url {args.url!r} is not a valid URL: {e}", USAGE_ERROR) from None
         return COMMANDS[args.command](args)
     except CLIError as e:
         print(f"orca-serve: {e}", file=sys.stderr)
