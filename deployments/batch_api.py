@@ -52,8 +52,10 @@ class BatchAPI:
             frontend.refuse_over_queue(len(body.requests), f"{len(body.requests)} requests",
                                        "requests")
             requests = []
-            for i, item in enumerate(body.requests):
-                ids = await frontend.prompt_ids(item.prompt, info, f"requests.{i}.prompt")
+            all_ids = await frontend.prompt_ids(
+                [item.prompt for item in body.requests], info,
+                [f"requests.{i}.prompt" for i in range(len(body.requests))])
+            for i, (item, ids) in enumerate(zip(body.requests, all_ids)):
                 if len(ids) + item.max_tokens > limit:
                     raise APIError(400, f"request {i}: prompt ({len(ids)} tokens) + max_tokens "
                                         f"({item.max_tokens}) exceeds the context length {limit}",

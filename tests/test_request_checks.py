@@ -124,7 +124,7 @@ def test_long_text_is_tokenized_on_a_thread_and_the_event_loop_goes_on():
     from engine_actors.config import EngineConfig
 
     class Tokenizer:  # slow on long text, as a 4 MB prompt is (seconds)
-        def encode(self, text):
+        def encode(self, text, add_special_tokens=True):
             time.sleep(0.5 if len(text) > LONG_TEXT_CHARS else 0)
             return threading.current_thread(), self
 
@@ -143,7 +143,11 @@ def test_long_text_is_tokenized_on_a_thread_and_the_event_loop_goes_on():
         short = await frontend.tokenize(lambda t: t.encode("a"), 1)
         long = await frontend.tokenize(lambda t: t.encode("a" * (LONG_TEXT_CHARS + 1)),
                                        LONG_TEXT_CHARS + 1)
+        # many prompts, each short, long in all: their request is tokenized on the thread
+        halves = await frontend.prompt_ids(["a" * (LONG_TEXT_CHARS // 2 + 1)] * 2, None,
+                                           ["prompt"] * 2)
         ticker.cancel()
+        assert all(ids[0] is not threading.main_thread() for ids in halves)
         return short, long, ticks
     short, long, ticks = asyncio.run(main())
     assert short == (threading.main_thread(), frontend.tokenizer)
