@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 from pydantic_core import PydanticCustomError
 
 from deployments.protocol import MAX_LOGPROBS, APIError, SamplingFields, _Base
@@ -132,6 +132,13 @@ class ChatCompletionRequest(SamplingFields):
     def uses_tools(self) -> bool:
         """Tools are rendered, and the output is parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    # the Responses API's max_tool_calls (chat completions have no such field)
+    _call_limit: int | None = PrivateAttr(None)
+
+    def max_tool_calls(self) -> int | None:
+        """How many calls one answer may hold (None: any number)."""
+        return 1 if not self.parallel_tool_calls else self._call_limit
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

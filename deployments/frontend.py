@@ -61,10 +61,13 @@ class Frontend:
 
     async def _start(self) -> None:
         try:
-            if self.tokenizer is None:
-                self.tokenizer = await asyncio.to_thread(load_tokenizer,
-                                                         resolve_model_path(self.cfg.model))
-            await self.client.connect()
+            # the tokenizer loads (transformers' imports: seconds on a small CPU) while the
+            # engine's actors start
+            outcomes = await asyncio.gather(self._load_tokenizer(), self.client.connect(),
+                                            return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except asyncio.CancelledError:
             raise
         except EngineFailed as e:
@@ -74,6 +77,11 @@ class Frontend:
         if self.failure is None and self.on_ready is not None:
             callback, self.on_ready = self.on_ready, None
             await callback()
+
+    async def _load_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer,
+                                                     resolve_model_path(self.cfg.model))
 
     def _fail(self, cause: str) -> None:
         self.failure = cause

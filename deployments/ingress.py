@@ -1,10 +1,10 @@
 """The HTTP ingress: a Starlette app inside a Ray Serve deployment.
 
-Routes: the OpenAI ones (`openai_api.py`), the models and LoRA adapters (`models_api.py`),
-vLLM's /tokenize and /detokenize (`tokenize_api.py`), fine-tuning (`finetune_api.py`),
-GET /health, GET /metrics, and the background batch endpoints under /orca/v1/batches
-(`batch_api.py`). This file holds the
-deployment itself: the app, start-up, draining and the operational routes.
+Routes: the OpenAI ones (`openai_api.py`; the Responses API, `responses_api.py`), the models
+and LoRA adapters (`models_api.py`), vLLM's /tokenize and /detokenize (`tokenize_api.py`),
+fine-tuning (`finetune_api.py`), GET /health, GET /metrics, and the background batch
+endpoints under /orca/v1/batches (`batch_api.py`). This file holds the deployment itself:
+the app, start-up, draining and the operational routes.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from deployments.finetune_api import FineTuningAPI
 from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
+from deployments.responses_api import ResponsesAPI
 from deployments.tokenize_api import TokenizeAPI
 from engine_actors.config import EngineConfig
 
@@ -64,7 +65,9 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"])]
-        routes += OpenAIRoutes(self.frontend).routes() + BatchAPI(self.frontend).routes()
+        openai = OpenAIRoutes(self.frontend)
+        routes += openai.routes() + ResponsesAPI(openai).routes()
+        routes += BatchAPI(self.frontend).routes()
         routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
         routes += TokenizeAPI(self.frontend).routes()
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;

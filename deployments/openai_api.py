@@ -1,4 +1,5 @@
-"""The OpenAI routes: POST /v1/completions and POST /v1/chat/completions.
+"""The OpenAI routes: POST /v1/completions and POST /v1/chat/completions (and, through
+`submit`, `collect` and `stream_response`, the Responses API of responses_api.py).
 
 A request is validated and tokenized (`Frontend`), its choices are submitted to the
 scheduler actor in one call, and their token streams are turned back into text
@@ -22,9 +23,9 @@ from deployments.protocol import (APIError, CompletionRequest,
                                   refusal_error)
 from deployments.logprobs import LogprobsWriter
 from deployments.structured import grammar_for, tool_grammar
-from deployments.tool_parsers import ToolCallStream, make_parser
-from deployments.responses import (Choice, SSEResponse, SSEWriter, deadline_error,
-                                   response_body, timeout_error, usage)
+from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
+from deployments.responses import (Choice, SSEResponse, SSEWriter, StreamWriter,
+                                   deadline_error, response_body, timeout_error)
 from engine_actors.checkpoint import ModelInfo
 from engine_actors.detokenizer import TextStream
 from engine_actors.messages import EngineRequest
@@ -64,26 +65,46 @@ class OpenAIRoutes:
         try:
             req = await self.frontend.parse(request, ChatCompletionRequest)
             info = await self.frontend.ready()
-            ids = await self.frontend.chat_ids(req.messages,
-                                               req.tools if req.uses_tools else None)
-            grammar = grammar_for(req)
-            parser = self.frontend.tool_parser(info) if req.uses_tools else None
-            forced = tool_grammar(req.tools, req.tool_choice, parser) if parser else None
-            if grammar is not None and forced is not None:
-                raise APIError(400, "a tool_choice that forces a call cannot be combined with "
-                                    "response_format or guided_*", "tool_choice",
-                               "invalid_value")
-            return await self._generate(req, [(None, list(ids))], req.max_new_tokens(), info,
-                                        True, arrival, grammar or forced, parser)
+            ids, grammar, parser = await self.chat_prompt(req, info)
+            return await self._generate(req, [(None, ids)], req.max_new_tokens(), info,
+                                        True, arrival, grammar, parser)
         except APIError as e:
             return e.response()
+
+    async def chat_prompt(self, req: ChatCompletionRequest, info: ModelInfo
+                          ) -> tuple[list[int], tuple[str, str] | None, str | None]:
+        """A chat request's prompt token ids, the grammar its output must follow (its
+        response_format, or a forced tool call), and the tool-call parser (with tools)."""
+        ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None)
+        grammar = grammar_for(req)
+        parser = self.frontend.tool_parser(info) if req.uses_tools else None
+        forced = tool_grammar(req.tools, req.tool_choice, parser, req.max_tool_calls() != 1) \
+            if parser else None
+        if grammar is not None and forced is not None:
+            raise APIError(400, "a tool_choice that forces a call cannot be combined with "
+                                "response_format or guided_*", "tool_choice", "invalid_value")
+        return list(ids), grammar or forced, parser
 
     async def _generate(self, req, prompts, max_tokens, info: ModelInfo, chat: bool,
                         arrival: float, grammar: tuple[str, str] | None = None,
                         tool_parser: str | None = None):
+        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        group, choices, timeout = await self.submit(base_id, req, prompts, max_tokens, info,
+                                                    chat, arrival, grammar, tool_parser)
+        model = req.model or self.model_name
+        if req.stream:
+            return self.stream_response(group, choices, SSEWriter(base_id, model, chat, req),
+                                        req, timeout)
+        await self.collect(group, choices, req, timeout)
+        return JSONResponse(response_body(base_id, model, chat, choices, req.return_token_ids))
+
+    async def submit(self, base_id: str, req, prompts, max_tokens, info: ModelInfo,
+                     chat: bool, arrival: float, grammar: tuple[str, str] | None = None,
+                     tool_parser: str | None = None):
+        """Submit the request's choices to the engine: (their RequestGroup, their Choice
+        by engine request id, the time limit in s or None)."""
         limit = info.max_model_len
         subs = []  # (engine request, choice index, prompt text, prompt ids)
-        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         for p_idx, (text, ids) in enumerate(prompts):
             if len(ids) >= limit:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. "
@@ -120,15 +141,22 @@ class OpenAIRoutes:
                                         RequestTimer(self.metrics, arrival),
                                         LogprobsWriter(tokenizer, chat)
                                         if r.sampling.logprobs is not None else None,
-                                        ToolCallStream(make_parser(tool_parser))
+                                        self._tool_calls(req, tool_parser)
                                         if tool_parser else None)
                    for r, index, text, ids in subs}
         limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
         timeout = min(limits) if limits else None  # a request may only shorten the limit
-        if req.stream:
-            sse = SSEWriter(base_id, req.model or self.model_name, chat, req)
-            return SSEResponse(self._stream(group, choices, sse, req, timeout),
-                               on_close=group.close)
+        return group, choices, timeout
+
+    def stream_response(self, group, choices, writer, req, timeout: float | None):
+        """The submitted request as server-sent events that `writer` (SSEWriter, or
+        responses_api.ResponseEvents) formats; its requests end however the response does."""
+        return SSEResponse(self._stream(group, choices, writer, req, timeout),
+                           on_close=group.close)
+
+    async def collect(self, group, choices, req, timeout: float | None) -> None:
+        """Wait for every choice to finish (non-streamed); APIError when one failed, the
+        time ran out, or every choice missed its deadline."""
         try:
             async for rid, update in within(group, timeout):
                 choice = choices[rid]
@@ -152,21 +180,23 @@ class OpenAIRoutes:
             raise unavailable(f"request failed: {failed}")
         if all(c.finish_reason == "deadline" for c in choices.values()):
             raise deadline_error(req.deadline_ms)
-        return JSONResponse(response_body(base_id, req.model or self.model_name, chat, choices,
-                                          req.return_token_ids))
+
+    @staticmethod
+    def _tool_calls(req, parser: str) -> ToolCallStream:
+        """The parser of one choice's tool calls, as many as the request allows."""
+        forced = req.tool_choice not in (None, "none", "auto")
+        return ToolCallStream(make_parser(parser), req.max_tool_calls(),
+                              CALL_SEPARATORS[parser] if forced else None)
 
     def _echo_text(self, req, text: str | None, ids: list[int]) -> str | None:
         if not req.echo:
             return None
         return text if text is not None else self.frontend.tokenizer.decode(ids)
 
-    async def _stream(self, group, choices, sse: SSEWriter, req, timeout: float | None):
+    async def _stream(self, group, choices, sse: StreamWriter, req, timeout: float | None):
         try:
-            for choice in choices.values():
-                if sse.chat:
-                    yield sse.chunk(choice.index, "", None, role=True)
-                elif choice.echo:
-                    yield sse.chunk(choice.index, choice.echo, None)
+            for event in sse.start(choices):
+                yield event
             # the time limit applies to waiting for the engine, not to writing to the client
             async for rid, update in within(group, timeout):
                 choice = choices[rid]
@@ -177,19 +207,12 @@ class OpenAIRoutes:
                     self.metrics.failure("engine_failure")
                     yield sse.error(choice.error)
                     continue
-                if choice.tool_calls and choice.finish_reason:
-                    yield sse.chunk(choice.index, delta, None,
-                                    tool_calls=choice.tool_call_deltas(), logprobs=choice.take_logprobs(),
-                                    token_ids=choice.take_token_ids())
-                    delta = ""
-                if delta or choice.finish_reason:
-                    yield sse.chunk(choice.index, delta, choice.finish_reason,
-                                    logprobs=choice.take_logprobs(),
-                                    token_ids=choice.take_token_ids())
+                for event in sse.update(choice, delta):
+                    yield event
                 if choice.finish_reason == "deadline":
                     yield sse.error_event(deadline_error(req.deadline_ms))
-            if sse.include_usage:
-                yield sse.usage(usage(choices))
+            for event in sse.finish(choices):
+                yield event
         except TimeoutError:
             self.metrics.failure("timeout")
             yield sse.error_event(timeout_error(timeout))
@@ -201,7 +224,8 @@ class OpenAIRoutes:
             raise
         finally:
             group.close()
-        yield sse.done()
+        for event in sse.done():
+            yield event
 
 
 async def within(group, timeout_s: float | None):

@@ -238,13 +238,20 @@ def parse_body(raw: bytes, schema: type[_Base]) -> Any:
     try:
         req = schema.model_validate(data)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
-        code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
-        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param,
-                       code) from None
+        raise validation_error(e) from None
     req.check_supported()
     return req
+
+
+def validation_error(e: ValidationError, prefix: str | None = None) -> APIError:
+    """APIError(400) for pydantic's first error, naming its param (under `prefix`, for a
+    part of the body validated on its own)."""
+    err = e.errors(include_url=False)[0]
+    names = [prefix] if prefix else []
+    names += [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    param = ".".join(names) or None
+    code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
+    return APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param, code)
 
 
 def check_unicode(data) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Protocol
 
 from ray.exceptions import TaskCancelledError
 from sse_starlette.sse import EventSourceResponse
@@ -193,8 +194,32 @@ def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choic
             "usage": usage(choices)}
 
 
+class StreamWriter(Protocol):
+    """What openai_api's stream hands its events to: SSEWriter (completions and chat
+    completions) or responses_api.ResponseEvents (the Responses API). Each method returns
+    the events to send (an event: a string of data, or a dict of sse-starlette fields)."""
+
+    def start(self, choices: dict[str, Choice]) -> list: ...
+
+    def update(self, choice: Choice, delta: str) -> list:
+        """After each update of a choice, with the text it added."""
+        ...
+
+    def finish(self, choices: dict[str, Choice]) -> list:
+        """At the normal end, every choice finished."""
+        ...
+
+    def error(self, message: str): ...
+
+    def error_event(self, error: APIError): ...
+
+    def done(self) -> list:
+        """Last, however the stream ended."""
+        ...
+
+
 class SSEWriter:
-    """Server-sent events in OpenAI's streaming format."""
+    """Server-sent events in the streaming format of completions and chat completions."""
 
     def __init__(self, base_id: str, model: str, chat: bool, req: SamplingFields):
         self.base_id, self.model, self.chat = base_id, model, chat
@@ -232,6 +257,30 @@ class SSEWriter:
     def usage(self, usage: dict) -> str:
         return self._event([], usage)
 
+    def start(self, choices: dict[str, Choice]) -> list[str]:
+        if self.chat:
+            return [self.chunk(c.index, "", None, role=True) for c in choices.values()]
+        return [self.chunk(c.index, c.echo, None) for c in choices.values() if c.echo]
+
+    def update(self, choice: Choice, delta: str) -> list[str]:
+        """The chunks for a choice's update: its new text, at the end its tool calls (a
+        chunk of their own) and its finish reason."""
+        events = []
+        if choice.tool_calls and choice.finish_reason:
+            events.append(self.chunk(choice.index, delta, None,
+                                     tool_calls=choice.tool_call_deltas(),
+                                     logprobs=choice.take_logprobs(),
+                                     token_ids=choice.take_token_ids()))
+            delta = ""
+        if delta or choice.finish_reason:
+            events.append(self.chunk(choice.index, delta, choice.finish_reason,
+                                     logprobs=choice.take_logprobs(),
+                                     token_ids=choice.take_token_ids()))
+        return events
+
+    def finish(self, choices: dict[str, Choice]) -> list[str]:
+        return [self.usage(usage(choices))] if self.include_usage else []
+
     @staticmethod
     def error(message: str) -> str:
         return SSEWriter.error_event(APIError(503, message, err_type="service_unavailable"))
@@ -241,5 +290,5 @@ class SSEWriter:
         return json.dumps(error.body())
 
     @staticmethod
-    def done() -> str:
-        return "[DONE]"
+    def done() -> list[str]:
+        return ["[DONE]"]

@@ -3,9 +3,11 @@ enforces (engine_actors/grammar.py), and the tool-call format of the served mode
 
 Grammars: OpenAI's `response_format` (`json_object`, `json_schema`), or vLLM's extensions
 `guided_json`, `guided_regex`, `guided_choice` (one of them per request). Tool calls: with
-`tool_choice: "required"` or a named function the output is forced to be one call in the
-model family's format (an xgrammar structural tag); with `"auto"` the model chooses and
-the text is parsed afterwards (deployments/tool_parsers.py).
+`tool_choice: "required"` the output is forced to be one or more calls (one with
+`parallel_tool_calls: false`), with a named function one call of it, in the model family's
+format (an xgrammar structural tag); with `"auto"` the model chooses and the text is parsed
+afterwards (deployments/tool_parsers.py), only its first call kept with
+`parallel_tool_calls: false`.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import re
 
 from deployments.protocol import APIError
+from deployments.tool_parsers import CALL_SEPARATORS
 
 MAX_JSON_DEPTH = 64  # objects and arrays nested in a schema (a level of properties is 2)
 MAX_GRAMMAR_CHARS = 128 * 1024  # compiling takes ~2 ms per KB of schema on this CPU
@@ -51,9 +54,11 @@ def grammar_for(req) -> tuple[str, str] | None:
     return spec
 
 
-def tool_grammar(tools, tool_choice, parser_name: str) -> tuple[str, str] | None:
-    """With tool_choice "required" or a named function: exactly one call, in the format of
-    `parser_name`, its arguments valid against the function's parameters."""
+def tool_grammar(tools, tool_choice, parser_name: str,
+                 parallel: bool = True) -> tuple[str, str] | None:
+    """With tool_choice "required": one call of any of the tools, or with `parallel` one or
+    more; with a named function: one call of it. In the format of `parser_name`, the
+    arguments valid against the function's parameters, nothing else."""
     if tool_choice in (None, "none", "auto"):
         return None
     import xgrammar as xgr
@@ -69,7 +74,11 @@ def tool_grammar(tools, tool_choice, parser_name: str) -> tuple[str, str] | None
                                                tool_choice=choice, reasoning=False,
                                                max_whitespace_cnt=1)
             tags.append(tag.model_dump()["format"])
-    fmt_json = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    if parallel and isinstance(tool_choice, str):
+        fmt_json = {"type": "tags_with_separator", "tags": tags, "at_least_one": True,
+                    "separator": CALL_SEPARATORS[parser_name], "stop_after_first": False}
+    else:
+        fmt_json = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     spec = ("structural_tag", json.dumps({"type": "structural_tag", "format": fmt_json}))
     _check(spec, "tools")
     return spec

@@ -139,6 +139,8 @@ class Llama3JsonParser:
 
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+# what a forcing grammar writes between calls (deployments/structured.py)
+CALL_SEPARATORS = {"hermes": "\n", "llama3_json": "; "}
 
 
 def make_parser(name: str) -> ToolParser:
@@ -157,8 +159,13 @@ class ToolCallStream:
     is held until something follows it, as parse strips both.
     """
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, max_calls: int | None = None,
+                 forced_separator: str | None = None):
         self.parser = parser
+        self.max_calls = max_calls  # later calls are dropped (parallel_tool_calls: false -> 1)
+        # calls forced by a grammar (tool_choice "required" or named): the text is nothing
+        # but calls joined by this separator, unless max_tokens cut the last one
+        self.forced_separator = forced_separator
         self.text = ""
         self.num_sent = 0  # text[:num_sent] is decided: sent, or leading whitespace dropped
         self.num_chars_sent = 0
@@ -181,6 +188,20 @@ class ToolCallStream:
     def finish(self) -> tuple[str | None, list[ToolCall]]:
         """(the content not yet sent, or None if there is none; the calls)."""
         content, calls = self.parser.parse(self.text)
+        if content is not None and self.forced_separator is not None:
+            content, calls = None, self._whole_calls()
+        if self.max_calls is not None:
+            calls = calls[:self.max_calls]
         # Invariant: what was sent is a prefix of content (it was text before any call).
         rest = (content or "")[self.num_chars_sent:]
         return rest or None, calls
+
+    def _whole_calls(self) -> list[ToolCall]:
+        """The calls before the one that max_tokens cut (forced calls only: a separator
+        may also be inside a call's arguments, so cut at each one from the end)."""
+        end = len(self.text)
+        while (end := self.text.rfind(self.forced_separator, 0, end)) > 0:
+            content, calls = self.parser.parse(self.text[:end])
+            if content is None:
+                return calls
+        return []

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from engine_actors.layers.lora import MODULES
-from engine_actors.training_ops import (VARLEN_ATTENTION, VARLEN_GQA, CopyToRanks,
-                                        SumOverRanks, causal_attention, rms_norm, rotary_tables,
-                                        rotate, row_parallel)
+from engine_actors.training_ops import (CopyToRanks, SumOverRanks, causal_attention,
+                                        rms_norm, rotary_tables, rotate, row_parallel,
+                                        varlen_attention, varlen_gqa)
 from kernels.silu_mul import silu_mul_ref
 
 class Trainer:
@@ -48,7 +48,7 @@ class Trainer:
         self.model, self.rank, self.alpha, self.targets = model, rank, alpha, list(targets)
         # one flash call per layer for all sequences (CUDA, half precision): far fewer host
         # ops than a call per sequence, the step being host-bound
-        self.varlen = VARLEN_ATTENTION is not None
+        self.varlen = varlen_attention() is not None
         self.parallel, self.scale = parallel, alpha / rank
         gen = torch.Generator().manual_seed(seed)  # the same draws on every rank
         self.params: dict[tuple[str, str], tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
@@ -203,7 +203,7 @@ class Trainer:
         q = rotate(q.reshape(-1, attn.num_heads, d), *tables)
         k = rotate(k.reshape(-1, attn.num_kv_heads, d), *tables)
         v = v.reshape(-1, attn.num_kv_heads, d)
-        if cu is None or not VARLEN_GQA:  # KV heads repeated for each query head
+        if cu is None or not varlen_gqa():  # KV heads repeated for each query head
             group = attn.num_heads // attn.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = causal_attention(q, k, v, lens, cu)

@@ -16,9 +16,12 @@ ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
                       SDPBackend.MATH]
 
 
-def _varlen_causal():
+@functools.cache
+def varlen_attention():
     """torch's variable-length flash attention (torch.nn.attention.varlen, 2.9 and later),
-    causal: one call for all sequences of a micro-batch; None where torch lacks it."""
+    causal: one call for all sequences of a micro-batch; None where torch lacks it.
+    Imported at the first training step: the module pulls in torch._dynamo, ~1.5 s of
+    every worker's start on a small CPU."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -31,11 +34,11 @@ def _varlen_causal():
     return None
 
 
-VARLEN_ATTENTION = _varlen_causal()
-# fewer key/value heads than query heads in the varlen call itself (2.12 and later), not
-# repeated first
-VARLEN_GQA = VARLEN_ATTENTION is not None and \
-    "enable_gqa" in inspect.signature(VARLEN_ATTENTION.func).parameters
+def varlen_gqa() -> bool:
+    """Whether the varlen call takes fewer key/value heads than query heads itself (2.12
+    and later), not repeated first."""
+    fn = varlen_attention()
+    return fn is not None and "enable_gqa" in inspect.signature(fn.func).parameters
 
 
 def rms_norm(x, weight, eps: float, residual=None):
@@ -98,7 +101,7 @@ def causal_attention(q, k, v, lens: list[int], cu: torch.Tensor | None):
     None: a call per sequence."""
     if cu is not None:
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        return VARLEN_ATTENTION(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu,
+        return varlen_attention()(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu,
                                 max(lens), max(lens), **gqa)
     outs, start = [], 0
     with sdpa_kernel(ATTENTION_BACKENDS):  # not cuDNN: it plans each new length anew

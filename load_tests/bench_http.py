@@ -12,6 +12,9 @@ EOS ignored, every request sent at t=0):
                  http-r2 and http-r4)
   ...-proxy      through Serve's Python proxy instead of HAProxy (RAY_SERVE_ENABLE_HA_PROXY=0:
                  what a plain `serve run` gives), e.g. http-proxy, http-stream-proxy
+  ...-chat       POST /v1/chat/completions instead, and ...-responses POST /v1/responses
+                 (e.g. http-stream-chat, http-stream-responses): one user message whose text
+                 is the prompt's ids as letters (one letter per id), the same for both routes
 Each HTTP system checks every response's usage.completion_tokens against the trace and
 reports elapsed seconds and its ratio to `orca`. Systems that differ only in streaming share
 one server, one after the other; prefix caching is off for every system (a second run would
@@ -93,29 +96,48 @@ async def _wait_healthy(session, url: str, timeout_s: float = 600.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
-async def _one(session, url: str, r: TraceRequest, stream: bool) -> int:
-    """Completion tokens of one request (from usage; streamed: the last usage chunk)."""
-    body = {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
+def _body(r: TraceRequest, stream: bool, route: str) -> dict:
+    """The request of `route` for one trace request (greedy, EOS ignored)."""
+    common = {"temperature": 0, "ignore_eos": True, "stream": stream}
+    if stream and route != "responses":
+        common["stream_options"] = {"include_usage": True}
+    if route == "completions":
+        return {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, **common}
+    text = "".join(chr(ord("a") + t % 26) for t in r.prompt_token_ids)
+    if route == "chat":
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": r.max_tokens,
+                **common}
+    return {"input": text, "max_output_tokens": r.max_tokens, **common}
+
+
+async def _one(session, url: str, r: TraceRequest, stream: bool, route: str) -> int:
+    """Completion tokens of one request (from usage; streamed: the last usage chunk, or the
+    Responses API's final event)."""
+    path = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+            "responses": "/v1/responses"}[route]
+    async with session.post(url + path, json=_body(r, stream, route)) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
         if not stream:
-            return (await resp.json())["usage"]["completion_tokens"]
+            return _output_tokens((await resp.json())["usage"])
         usage, buf = None, b""
         async for chunk in resp.content.iter_any():
             buf += chunk
             *events, buf = buf.split(b"\n\n")
             for event in events:
-                data = event.removeprefix(b"data: ")
+                data = event[event.find(b"data: ") + 6:]
                 if data.startswith(b"{") and b'"usage": {' in data:
-                    usage = json.loads(data)["usage"]
-        return usage["completion_tokens"]
+                    body = json.loads(data)
+                    usage = body["response"]["usage"] if "response" in body else body["usage"]
+        return _output_tokens(usage)
 
 
-HTTP_SYSTEM = re.compile(r"http(?P<stream>-stream)?(?:-r(?P<replicas>\d+))?(?P<proxy>-proxy)?")
+def _output_tokens(usage: dict) -> int:
+    return usage["completion_tokens"] if "completion_tokens" in usage else usage["output_tokens"]
+
+
+HTTP_SYSTEM = re.compile(r"http(?P<stream>-stream)?(?:-(?P<route>chat|responses))?"
+                         r"(?:-r(?P<replicas>\d+))?(?P<proxy>-proxy)?")
 PROCESSES = {"proxy": "ProxyActor", "replica": "ServeReplica", "scheduler": "SchedulerActor"}
 
 
@@ -165,9 +187,9 @@ async def _open_connections(session, url: str, n: int) -> None:
 
 
 async def _replay(url: str, trace: list[TraceRequest], warmup: list[TraceRequest],
-                  modes: list[bool], profile_dirs: list[str | None],
+                  modes: list[tuple[bool, str]], profile_dirs: list[str | None],
                   cold_connections: bool = False) -> list[tuple[float, float]]:
-    """For each mode (stream or not), in turn: (elapsed s, the client's own CPU s) of the
+    """For each mode ((stream or not, route)), in turn: (elapsed s, the client's own CPU s) of the
     timed trace, after a warm-up in that mode. A client whose CPU time nears the elapsed
     time is what limits the run."""
     import aiohttp
@@ -176,15 +198,16 @@ async def _replay(url: str, trace: list[TraceRequest], warmup: list[TraceRequest
     results = []
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await _wait_healthy(session, url)
-        for stream, profile_dir in zip(modes, profile_dirs):
+        for (stream, route), profile_dir in zip(modes, profile_dirs):
             start = time.perf_counter()
-            await asyncio.gather(*[_one(session, url, r, stream) for r in warmup])
+            await asyncio.gather(*[_one(session, url, r, stream, route) for r in warmup])
             if not cold_connections:
                 await _open_connections(session, url, len(trace))
             profiles = _start_profiles(profile_dir, 3 * (time.perf_counter() - start) + 2)
             await asyncio.sleep(0.5 if profiles else 0.0)  # py-spy attaches
             start, cpu = time.perf_counter(), time.process_time()
-            tokens = await asyncio.gather(*[_one(session, url, r, stream) for r in trace])
+            tokens = await asyncio.gather(*[_one(session, url, r, stream, route)
+                                            for r in trace])
             results.append((time.perf_counter() - start, time.process_time() - cpu))
             for p in profiles:
                 p.wait()
@@ -194,10 +217,10 @@ async def _replay(url: str, trace: list[TraceRequest], warmup: list[TraceRequest
     return results
 
 
-def run_http(engine_args: dict, trace, warmup, modes: list[bool], replicas: int,
+def run_http(engine_args: dict, trace, warmup, modes: list[tuple[bool, str]], replicas: int,
              port: int = 8000, profile_dirs: list[str | None] | None = None,
              server_env: dict | None = None, cold_connections: bool = False) -> list[dict]:
-    """One server (`deployments.launch`), the trace once per mode (stream or not)."""
+    """One server (`deployments.launch`), the trace once per mode (stream or not, route)."""
     started = time.perf_counter()
     with launched(engine_args, replicas, port, server_env):
         runs = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, warmup, modes,
@@ -206,8 +229,9 @@ def run_http(engine_args: dict, trace, warmup, modes: list[bool], replicas: int,
     print(f"server up and runs {stopping - started:.0f} s, stop "
           f"{time.perf_counter() - stopping:.0f} s", file=sys.stderr)
     return [{"elapsed_s": elapsed, "client_cpu_s": cpu, "replicas": replicas, "stream": stream,
-             "server_env": server_env or {}, "cold_connections": cold_connections}
-            for stream, (elapsed, cpu) in zip(modes, runs)]
+             "route": route, "server_env": server_env or {},
+             "cold_connections": cold_connections}
+            for (stream, route), (elapsed, cpu) in zip(modes, runs)]
 
 
 def main(argv=None) -> dict:
@@ -259,7 +283,8 @@ def main(argv=None) -> dict:
         servers.setdefault((int(m["replicas"] or 1), bool(m["proxy"])), []).append(name)
     for (replicas, proxy), names in servers.items():
         env = {**server_env, "RAY_SERVE_ENABLE_HA_PROXY": "0"} if proxy else server_env
-        modes = [bool(HTTP_SYSTEM.fullmatch(n)["stream"]) for n in names]
+        modes = [(bool(m["stream"]), m["route"] or "completions")
+                 for m in map(HTTP_SYSTEM.fullmatch, names)]
         profiles = [os.path.join(args.profile, n + args.label) if args.profile else None
                     for n in names]
         runs = run_http(engine_args, trace, warmup, modes, replicas, profile_dirs=profiles,

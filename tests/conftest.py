@@ -20,7 +20,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def uses_shared_server(item) -> bool:
+    """Whether the test takes the session's `url` (not one its module defines)."""
+    return "url" in item.fixturenames and not hasattr(item.module, "url")
+
+
 def pytest_collection_modifyitems(config, items):
+    # the tests on the shared server run last, one after another: it starts once, and no
+    # other Ray cluster or server of a later test runs beside it (ports, CPUs)
+    items.sort(key=uses_shared_server)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -29,10 +37,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def url():
-    """serve_config.yaml's application, started for the test module (a module may define
-    its own `url` with other args)."""
+    """serve_config.yaml's application, started once for all the tests that take it (they
+    run last: pytest_collection_modifyitems). A module may define its own `url` with other
+    args."""
     from tests.serve_fixture import app_config, start_app, stop_app
     base = start_app(app_config())
     yield base

@@ -197,8 +197,8 @@ def test_training_file_masks_completions_and_assistant_turns():
 def test_varlen_attention_gives_the_per_sequence_gradients(base):
     """bf16 on CUDA: one variable-length flash call per layer trains as the call per
     sequence does (same loss and LoRA gradients, within bf16 rounding)."""
-    from engine_actors.finetune import VARLEN_ATTENTION
-    if not torch.cuda.is_available() or VARLEN_ATTENTION is None:
+    from engine_actors.training_ops import varlen_attention
+    if not torch.cuda.is_available() or varlen_attention() is None:
         pytest.skip("needs a GPU and torch.nn.attention.varlen")
     engine = InProcessEngine("cuda", model=base, dtype="bfloat16", max_num_tokens=4096)
     results = []

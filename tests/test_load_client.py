@@ -23,9 +23,10 @@ TTFT_S, ITL_S = 0.25, 0.05
 
 
 class FakeStreamingServer:
-    """/v1/completions that streams one token every ITL_S after TTFT_S; prompt [999] fails."""
+    """/v1/completions that streams one token every `itl_s` after TTFT_S; prompt [999] fails."""
 
-    def __init__(self):
+    def __init__(self, itl_s: float = ITL_S):
+        self.itl_s = itl_s
         self.arrivals: list[float] = []
         self.prompts: list[list[int]] = []
         self.app = Starlette(routes=[Route("/v1/completions", self.completions,
@@ -48,7 +49,7 @@ class FakeStreamingServer:
             await asyncio.sleep(TTFT_S)
             for i in range(body["max_tokens"]):
                 if i:
-                    await asyncio.sleep(ITL_S)
+                    await asyncio.sleep(self.itl_s)
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f'w{i}'}]})}\n\n"
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -126,7 +127,7 @@ def test_schedule_respects_duration_and_caps():
 def test_each_run_of_a_sweep_sends_prompts_no_earlier_run_sent(capsys):
     """A repeated prompt would be served from the server's prefix cache: the runs of one
     sweep take the trace's next requests, and a generated trace covers every run."""
-    server = FakeStreamingServer()
+    server = FakeStreamingServer(itl_s=0.001)  # ORCA's long outputs: only arrivals count
     orca = ["--trace", "orca", "--duration", "0.5", "--warmup", "0", "--no-progress"]
     with ServerThread(server.app) as url:
         main(["--url", url, *orca, "--vocab-size", "50000", "--rates", "20,30"])

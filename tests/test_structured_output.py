@@ -103,8 +103,10 @@ def test_a_bad_grammar_is_a_400_naming_the_field(url, field, value, param):
 
 
 def test_required_and_named_tool_calls_streamed_or_not(url):
+    # one call: a random-weight model would go on calling (parallel calls' grammar:
+    # test_forced_calls_are_one_or_more_only_with_parallel_tool_calls)
     body = {"messages": [{"role": "user", "content": "weather in Rome?"}], "max_tokens": 200,
-            "temperature": 1.0, "tools": [WEATHER]}
+            "temperature": 1.0, "tools": [WEATHER], "parallel_tool_calls": False}
     for seed, choice in enumerate(["required", {"type": "function",
                                                 "function": {"name": "get_weather"}}] * 2):
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
@@ -149,7 +151,8 @@ def test_langchain_bind_tools_and_structured_output(url):
 
     llm = langchain_openai.ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model=MODEL,
                                       max_tokens=200, temperature=1.0, max_retries=0)
-    message = llm.bind_tools([WEATHER], tool_choice="required").invoke("weather in Oslo?")
+    message = llm.bind_tools([WEATHER], tool_choice="required",
+                             parallel_tool_calls=False).invoke("weather in Oslo?")
     call = message.tool_calls[0]
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
@@ -226,3 +229,45 @@ def test_a_string_with_a_length_limit_takes_only_what_json_allows(kind):
     assert not set(range(32)) & set(accepted)
     # UTF-8: a two-byte letter is one character; an encoded surrogate is not text
     assert takes("Ś".encode()) and not takes(b"\xed\xa0\x80")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_forced_calls_are_one_or_more_only_with_parallel_tool_calls(parser):
+    """tool_choice "required": two calls in a row are accepted with parallel_tool_calls
+    (the default), only one without; a named function is always one call; nothing else."""
+    import xgrammar as xgr
+
+    from deployments.chat_protocol import NamedToolChoice, Tool
+    from deployments.structured import tool_grammar
+    from engine_actors.grammar import Grammars
+    tools = [Tool.model_validate(WEATHER), Tool.model_validate(
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}})]
+    weather = {"city": "Rome", "days": 2, "unit": "C"}
+    if parser == "hermes":
+        calls = ['<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(weather)
+                 + '}\n</tool_call>', '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>']
+        separator = "\n"
+    else:
+        calls = ['{"name": "get_weather", "parameters": ' + json.dumps(weather) + "}",
+                 '{"name": "now", "parameters": {}}']
+        separator = "; "
+    path = resolve_model_path(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(path)
+    grammars = Grammars(path, len(tokenizer))
+
+    def takes(spec, text: str) -> bool:  # the whole text, then the end
+        matcher = xgr.GrammarMatcher(grammars._compile(spec))
+        return all(matcher.accept_token(t)
+                   for t in tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.accept_token(tokenizer.eos_token_id)
+
+    jsonschema.validate(weather, WEATHER["function"]["parameters"])
+    parallel = tool_grammar(tools, "required", parser)
+    single = tool_grammar(tools, "required", parser, parallel=False)
+    named = tool_grammar(tools, NamedToolChoice.model_validate(
+        {"type": "function", "function": {"name": "now"}}), parser)
+    two = calls[0] + separator + calls[1]
+    assert takes(parallel, calls[0]) and takes(parallel, two)
+    assert takes(single, calls[0]) and takes(single, calls[1]) and not takes(single, two)
+    assert takes(named, calls[1]) and not takes(named, calls[0]) and not takes(named, two)
+    assert not takes(parallel, "") and not takes(parallel, "hi " + calls[0])

@@ -231,3 +231,36 @@ def test_make_parser_names():
 def test_make_parser_unknown_name():
     with pytest.raises(ValueError, match=r"'mistral'.*hermes, llama3_json"):
         make_parser("mistral")
+
+
+@pytest.mark.parametrize("parser_name,text", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"location": "Paris"}}'
+               '</tool_call>\n<tool_call>{"name": "b", "arguments": {}}</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"location": "Paris"}}; '
+                    '{"name": "b", "parameters": {}}')])
+def test_without_parallel_tool_calls_only_the_first_call_is_kept(parser_name, text):
+    stream = ToolCallStream(make_parser(parser_name), max_calls=1)
+    assert stream.add(text) == ""
+    assert stream.finish() == (None, [WEATHER])
+
+
+@pytest.mark.parametrize("parser_name,calls", [
+    ("hermes", ['<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n'
+                '</tool_call>', '<tool_call>\n{"name": "b", "arguments": {"s": "x\\ny"}}\n'
+                                '</tool_call>']),
+    ("llama3_json", ['{"name": "get_weather", "parameters": {"location": "Paris"}}',
+                     '{"name": "b", "parameters": {"s": "x; y"}}'])])
+def test_forced_calls_cut_by_max_tokens_keep_the_whole_ones(parser_name, calls):
+    """A grammar forced the calls; max_tokens cut the third (a separator also inside the
+    second's arguments): the two whole calls come back, no content."""
+    from deployments.tool_parsers import CALL_SEPARATORS
+    sep = CALL_SEPARATORS[parser_name]
+    text = sep.join(calls + [calls[0][:25]])
+    second = make_parser(parser_name).parse(calls[1])[1]
+    for cut in (text, text[:len(sep.join(calls)) + len(sep)]):
+        stream = ToolCallStream(make_parser(parser_name), forced_separator=sep)
+        assert stream.add(cut) == ""
+        assert stream.finish() == (None, [WEATHER] + second)
+    stream = ToolCallStream(make_parser(parser_name), forced_separator=sep)
+    stream.add(calls[0][:25])
+    assert stream.finish() == (None, [])

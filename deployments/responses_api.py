@@ -1,0 +1,233 @@
+"""OpenAI's Responses API: POST /v1/responses, non-streamed and streamed.
+
+The request becomes a chat completion request (responses_protocol.py) and runs through the
+chat route's machinery (OpenAIRoutes: template, grammars and tool calls, submission, time
+limits, disconnects, metrics); only the output differs. It is a `response` object whose
+`output` holds a `message` item (the text) and `function_call` items, or, streamed, typed
+events numbered by `sequence_number` that build those items and end with the whole response
+(`response.completed`, `response.incomplete`, or `response.failed`). Nothing is stored:
+every response says `"store": false`.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from deployments.openai_api import OpenAIRoutes
+from deployments.protocol import APIError
+from deployments.responses import Choice, usage
+from deployments.responses_protocol import RESPONSES_PARAMS, ResponsesRequest
+
+# a choice's finish reason -> the response's status "incomplete" and its
+# incomplete_details.reason: None when the server cut the request short ("abort": while
+# draining), for which OpenAI's API has no reason
+INCOMPLETE = {"length": "max_output_tokens", "abort": None}
+
+
+class ResponsesAPI:
+    def __init__(self, openai: OpenAIRoutes):
+        self.openai = openai
+        self.frontend = openai.frontend
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/responses", self.create, methods=["POST"])]
+
+    async def create(self, request: Request):
+        arrival = time.monotonic()
+        try:
+            req = await self.frontend.parse(request, ResponsesRequest)
+            chat = req.to_chat()
+            info = await self.frontend.ready()
+            ids, grammar, parser = await self.openai.chat_prompt(chat, info)
+            defaults = info.sampling_defaults or {}
+            cfg = self.frontend.cfg
+            response = ResponseObject(req, req.model or self.openai.model_name,
+                                      _pick(req.temperature, defaults, "temperature"),
+                                      _pick(req.top_p, defaults, "top_p"),
+                                      cfg.block_size if cfg.enable_prefix_caching else None)
+            group, choices, timeout = await self.openai.submit(
+                response.id, chat, [(None, ids)], chat.max_tokens, info, chat=True,
+                arrival=arrival, grammar=grammar, tool_parser=parser)
+            if chat.stream:
+                return self.openai.stream_response(group, choices, ResponseEvents(response),
+                                                   chat, timeout)
+            await self.openai.collect(group, choices, chat, timeout)
+            return JSONResponse(response.final(next(iter(choices.values()))))
+        except APIError as e:
+            # the chat machinery names the chat request's params
+            e.param = RESPONSES_PARAMS.get(e.param, e.param)
+            return e.response()
+
+
+def _pick(value: float | None, defaults: dict, name: str) -> float:
+    """The value sampling uses: the request's, else the checkpoint's, else OpenAI's (1)."""
+    return value if value is not None else defaults.get(name, 1.0)
+
+
+class ResponseObject:
+    """One request's `response` object: its id, the settings it echoes, and its output
+    items built from the finished choice (with the ids the streamed events used)."""
+
+    def __init__(self, req: ResponsesRequest, model: str, temperature: float, top_p: float,
+                 cache_block_size: int | None = None):
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.cache_block_size = cache_block_size  # None: no prefix caching
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.settings = {
+            "model": model, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "temperature": temperature,
+            "top_p": top_p, "tools": req.echoed_tools(),
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "parallel_tool_calls": req.parallel_tool_calls, "text": req.echoed_text(),
+            "max_tool_calls": req.max_tool_calls, "top_logprobs": 0,
+            "metadata": req.metadata or {}, "store": False, "background": False,
+            "previous_response_id": None, "reasoning": None, "truncation": "disabled",
+            "user": req.user}
+
+    def body(self, status: str, output: list[dict], usage: dict | None = None,
+             error: dict | None = None, details: dict | None = None) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": status, "error": error, "incomplete_details": details,
+                "output": output, "usage": usage, **self.settings}
+
+    def final(self, choice: Choice) -> dict:
+        """The response of a finished choice."""
+        status = "incomplete" if choice.finish_reason in INCOMPLETE else "completed"
+        output = [self.message(choice.text, status)] if has_message(choice) else []
+        output += self.calls(choice)
+        details = {"reason": INCOMPLETE[choice.finish_reason]} if status == "incomplete" \
+            else None
+        return self.body(status, output, self.usage(choice), details=details)
+
+    def usage(self, choice: Choice) -> dict:
+        counts = usage({"": choice})
+        details = counts["prompt_tokens_details"]
+        # with prefix caching the engine keeps every full block of the prompt that it
+        # computed (not found cached) for later requests: those tokens are written
+        written = 0
+        if self.cache_block_size:
+            size = self.cache_block_size
+            written = max(0, choice.num_prompt_tokens // size * size - details["cached_tokens"])
+        return {"input_tokens": counts["prompt_tokens"],
+                "input_tokens_details": {**details, "cache_write_tokens": written},
+                "output_tokens": counts["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": counts["total_tokens"]}
+
+    def message(self, text: str, status: str) -> dict:
+        content = [output_text(text)] if status != "in_progress" else []
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant", "content": content}
+
+    @staticmethod
+    def calls(choice: Choice) -> list[dict]:
+        return [{"type": "function_call", "id": f"fc_{call_id.removeprefix('call_')}",
+                 "call_id": call_id, "name": call.name, "arguments": call.arguments,
+                 "status": "completed"}
+                for call, call_id in zip(choice.tool_calls, choice.call_ids)]
+
+
+def has_message(choice: Choice) -> bool:
+    """A finished choice has a message item if it has text, or nothing else."""
+    return bool(choice.text) or not choice.tool_calls
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class ResponseEvents:
+    """The Responses stream of one request: the writer that openai_api's stream drives (as
+    it drives SSEWriter), one choice. Text opens the message item at its first delta; tool
+    calls arrive whole when the choice ends (deployments/tool_parsers.py holds them back),
+    each an item with its arguments in one delta."""
+
+    def __init__(self, response: ResponseObject):
+        self.response = response
+        self.num_events = 0  # the next sequence_number
+        self.is_message_open = False
+        self.has_failed = False
+
+    def _event(self, kind: str, **fields) -> dict:
+        data = {"type": kind, "sequence_number": self.num_events, **fields}
+        self.num_events += 1
+        # ASCII-only JSON, as SSEWriter's: one event per line for every client
+        return {"event": kind, "data": json.dumps(data)}
+
+    def start(self, choices: dict[str, Choice]) -> list[dict]:
+        body = self.response.body("in_progress", [])
+        return [self._event("response.created", response=body),
+                self._event("response.in_progress", response=body)]
+
+    def update(self, choice: Choice, delta: str) -> list[dict]:
+        events = []
+        item = {"item_id": self.response.message_id, "output_index": 0}
+        if delta:
+            events += self._open_message()
+            events.append(self._event("response.output_text.delta", **item, content_index=0,
+                                      delta=delta, logprobs=[]))
+        if choice.finish_reason in (None, "deadline"):  # a missed deadline is an error
+            return events
+        if has_message(choice):
+            events += self._open_message()
+            status = "incomplete" if choice.finish_reason in INCOMPLETE else "completed"
+            part = output_text(choice.text)
+            events += [self._event("response.output_text.done", **item, content_index=0,
+                                   text=choice.text, logprobs=[]),
+                       self._event("response.content_part.done", **item, content_index=0,
+                                   part=part),
+                       self._event("response.output_item.done", output_index=0,
+                                   item=self.response.message(choice.text, status))]
+        first = int(has_message(choice))
+        for index, call in enumerate(self.response.calls(choice), first):
+            ids = {"item_id": call["id"], "output_index": index}
+            events += [self._event("response.output_item.added", output_index=index,
+                                   item={**call, "arguments": "", "status": "in_progress"}),
+                       self._event("response.function_call_arguments.delta", **ids,
+                                   delta=call["arguments"]),
+                       self._event("response.function_call_arguments.done", **ids,
+                                   arguments=call["arguments"]),
+                       self._event("response.output_item.done", output_index=index,
+                                   item=call)]
+        return events
+
+    def _open_message(self) -> list[dict]:
+        if self.is_message_open:
+            return []
+        self.is_message_open = True
+        item = {"item_id": self.response.message_id, "output_index": 0}
+        return [self._event("response.output_item.added", output_index=0,
+                            item=self.response.message("", "in_progress")),
+                self._event("response.content_part.added", **item, content_index=0,
+                            part=output_text(""))]
+
+    def finish(self, choices: dict[str, Choice]) -> list[dict]:
+        if self.has_failed:
+            return []
+        body = self.response.final(next(iter(choices.values())))
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        return [self._event(kind, response=body)]
+
+    def error(self, message: str) -> dict:
+        return self._failed(message)
+
+    def error_event(self, error: APIError) -> dict:
+        return self._failed(error.message)
+
+    def _failed(self, message: str) -> dict:
+        """OpenAI's codes of a failed response name no timeouts or missed deadlines: every
+        failure here is a "server_error" whose message says what happened."""
+        self.has_failed = True
+        body = self.response.body("failed", [],
+                                  error={"code": "server_error", "message": message})
+        return self._event("response.failed", response=body)
+
+    @staticmethod
+    def done() -> list[dict]:
+        return []  # the Responses stream has no [DONE]: its last event is the response

@@ -1,0 +1,243 @@
+"""The Responses API's request schema, and its conversion into a chat completion request.
+
+A Responses request is a chat request in other clothes: `input` items become chat
+messages (`instructions` a system message first, a `function_call` an assistant tool call,
+a `function_call_output` a tool message), `tools` and `tool_choice` lose a level of nesting,
+`text.format` is `response_format`. The chat route's machinery then serves it as it is.
+Items, tools and content parts are checked one at a time, so that an error names its
+place (`input.2.content.0`). What needs stored responses (`previous_response_id`,
+`conversation`, `background`) is refused: this server keeps none.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError
+
+from deployments.chat_protocol import (ChatCompletionRequest, ChatMessage, FunctionCall,
+                                       FunctionDefinition, NamedFunction, NamedToolChoice,
+                                       Tool, ToolCallMessage)
+from deployments.protocol import (APIError, JSONSchemaSpec, ResponseFormat, SamplingOptions,
+                                  _Base, validation_error)
+
+TEXT_PARTS = ("input_text", "output_text")
+# the chat request's params, as a Responses request names them (in error objects)
+RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
+                    "response_format": "text.format"}
+
+
+class TextPart(_Base):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class MessageItem(_Base):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Any]
+
+
+class FunctionCallItem(_Base):
+    """A call the model made earlier (its output item, sent back)."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON
+
+
+class FunctionCallOutputItem(_Base):
+    """The result of a call, for the model to read."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[Any]
+
+
+class FunctionTool(_Base):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Base):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(SamplingOptions):
+    model: str | None = None
+    input: str | list[Any]  # the items are checked in to_chat, each naming its index
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None  # checked in to_chat
+    parallel_tool_calls: bool = True
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True  # accepted; nothing is stored (the response says "store": false)
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict | None = None
+    background: bool = False
+    prompt: Any = None  # a stored prompt template: refused
+    truncation: Literal["auto", "disabled"] = "disabled"
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include: list[str] | None = None
+    # extensions, as on the chat route
+    priority: Annotated[int, Field(ge=-100, le=100)] | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
+
+    def check_supported(self) -> None:
+        for param in ("previous_response_id", "conversation"):
+            if getattr(self, param) is not None:
+                raise APIError(400, f"{param} is not supported: this server does not store "
+                                    "responses; send the whole conversation as input",
+                               param, "unsupported_parameter")
+        if self.background:
+            raise APIError(400, "background responses are not supported: this server does "
+                                "not store responses", "background", "unsupported_parameter")
+        if self.prompt is not None:
+            raise APIError(400, "prompt (a stored prompt template) is not supported: this "
+                                "server stores none; send the text as input", "prompt",
+                           "unsupported_parameter")
+        if self.truncation == "auto":
+            raise APIError(400, "truncation \"auto\" is not supported: an input over the "
+                                "context length is refused, never cut", "truncation",
+                           "unsupported_parameter")
+        if self.top_logprobs or "message.output_text.logprobs" in (self.include or []):
+            raise APIError(400, "log-probabilities are not supported on /v1/responses (chat "
+                                "completions and completions return them)",
+                           "top_logprobs" if self.top_logprobs else "include",
+                           "unsupported_parameter")
+
+    def function_tools(self) -> list[FunctionTool]:
+        tools = []
+        for i, tool in enumerate(self.tools or []):
+            _need_object(tool, f"tools.{i}")
+            if tool.get("type") != "function":
+                raise APIError(400, f"tools of type {tool.get('type')!r} are not supported: "
+                                    "this server runs function tools only",
+                               f"tools.{i}.type", "unsupported_tool")
+            tools.append(_validate(FunctionTool, tool, f"tools.{i}"))
+        return tools
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The equivalent chat completion request; APIError(400) naming the offending
+        Responses param."""
+        messages = [] if self.instructions is None else \
+            [ChatMessage(role="system", content=self.instructions)]
+        messages += input_messages(self.input)
+        if len(messages) == 0:
+            raise APIError(400, "input must not be empty", "input", "invalid_value")
+        tools = [Tool(type="function", function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
+            for t in self.function_tools()]
+        chat = ChatCompletionRequest(
+            messages=messages, max_tokens=self.max_output_tokens, tools=tools or None,
+            tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self._response_format(), model=self.model, stream=self.stream,
+            priority=self.priority, timeout_s=self.timeout_s, user=self.user,
+            **self.model_dump(include=set(SamplingOptions.model_fields)))
+        chat._call_limit = self.max_tool_calls
+        chat.check_supported()
+        return chat
+
+    def _tool_choice(self) -> str | NamedToolChoice | None:
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and \
+                isinstance(choice.get("name"), str):
+            return NamedToolChoice(type="function", function=NamedFunction(name=choice["name"]))
+        raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                            "{\"type\": \"function\", \"name\": ...}", "tool_choice",
+                       "invalid_value")
+
+    def _response_format(self) -> ResponseFormat | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type != "json_schema":
+            return ResponseFormat(type=fmt.type) if fmt is not None else None
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format.schema is required with type json_schema",
+                           "text.format.schema", "missing_required_parameter")
+        return ResponseFormat(type="json_schema", json_schema=JSONSchemaSpec(
+            name=fmt.name or "response", schema=fmt.schema_, strict=fmt.strict,
+            description=fmt.description))
+
+    def echoed_tools(self) -> list[dict]:
+        return [t.model_dump() for t in self.function_tools()]
+
+    def echoed_text(self) -> dict:
+        fmt = self.text.format if self.text is not None else None
+        return {"format": fmt.model_dump(by_alias=True, exclude_none=True)
+                if fmt is not None else {"type": "text"}}
+
+
+def input_messages(items: str | list) -> list[ChatMessage]:
+    """Responses input -> chat messages. Consecutive function calls (and the assistant
+    text before them) are one assistant turn, as the model produced them."""
+    if isinstance(items, str):
+        return [ChatMessage(role="user", content=items)]
+    messages: list[ChatMessage] = []
+    for i, item in enumerate(items):
+        _need_object(item, f"input.{i}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            msg = _validate(MessageItem, item, f"input.{i}")
+            messages.append(ChatMessage(role=msg.role,
+                                        content=_text(msg.content, f"input.{i}.content")))
+        elif kind == "function_call":
+            call = _validate(FunctionCallItem, item, f"input.{i}")
+            tool_call = ToolCallMessage(id=call.call_id, function=FunctionCall(
+                name=call.name, arguments=call.arguments))
+            if messages and messages[-1].role == "assistant":
+                messages[-1].tool_calls = (messages[-1].tool_calls or []) + [tool_call]
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[tool_call]))
+        elif kind == "function_call_output":
+            out = _validate(FunctionCallOutputItem, item, f"input.{i}")
+            messages.append(ChatMessage(role="tool", tool_call_id=out.call_id,
+                                        content=_text(out.output, f"input.{i}.output")))
+        else:
+            raise APIError(400, f"input items of type {kind!r} are not supported (this server "
+                                "takes message, function_call and function_call_output "
+                                "items)", f"input.{i}.type", "unsupported_item")
+    return messages
+
+
+def _text(content: str | list, param: str) -> str:
+    """A message's text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        _need_object(part, f"{param}.{j}")
+        if part.get("type") not in TEXT_PARTS:
+            raise APIError(400, f"content parts of type {part.get('type')!r} are not "
+                                "supported: this server serves text-only models",
+                           f"{param}.{j}", "unsupported_content")
+        texts.append(_validate(TextPart, part, f"{param}.{j}").text)
+    return "".join(texts)
+
+
+def _need_object(value, param: str) -> None:
+    if not isinstance(value, dict):
+        raise APIError(400, f"{param}: must be an object", param, "invalid_value")
+
+
+def _validate(schema: type[_Base], data: dict, param: str):
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e, param) from None
