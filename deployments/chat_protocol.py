@@ -125,13 +125,18 @@ class ChatCompletionRequest(SamplingFields):
                 self.tool_choice.function.name not in names:
             raise APIError(400, f"tool_choice names {self.tool_choice.function.name!r}, which "
                                 "is not among the tools", "tool_choice", "invalid_value")
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+        if self.forces_tool_calls and not self.tools:
             raise APIError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
 
     @property
     def uses_tools(self) -> bool:
         """Tools are rendered, and the output is parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice "required" or a named function: the output must be calls."""
+        return self.tool_choice not in (None, "none", "auto")
 
     # the Responses API's max_tool_calls (chat completions have no such field)
     _call_limit: int | None = PrivateAttr(None)

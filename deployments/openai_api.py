@@ -79,7 +79,7 @@ class OpenAIRoutes:
         grammar = grammar_for(req)
         parser = self.frontend.tool_parser(info) if req.uses_tools else None
         forced = tool_grammar(req.tools, req.tool_choice, parser, req.max_tool_calls() != 1) \
-            if parser else None
+            if parser and req.forces_tool_calls else None
         if grammar is not None and forced is not None:
             raise APIError(400, "a tool_choice that forces a call cannot be combined with "
                                 "response_format or guided_*", "tool_choice", "invalid_value")
@@ -184,9 +184,8 @@ class OpenAIRoutes:
     @staticmethod
     def _tool_calls(req, parser: str) -> ToolCallStream:
         """The parser of one choice's tool calls, as many as the request allows."""
-        forced = req.tool_choice not in (None, "none", "auto")
         return ToolCallStream(make_parser(parser), req.max_tool_calls(),
-                              CALL_SEPARATORS[parser] if forced else None)
+                              CALL_SEPARATORS[parser] if req.forces_tool_calls else None)
 
     def _echo_text(self, req, text: str | None, ids: list[int]) -> str | None:
         if not req.echo:
@@ -211,7 +210,7 @@ class OpenAIRoutes:
                     yield event
                 if choice.finish_reason == "deadline":
                     yield sse.error_event(deadline_error(req.deadline_ms))
-            for event in sse.finish(choices):
+            for event in await sse.finish(choices):
                 yield event
         except TimeoutError:
             self.metrics.failure("timeout")

@@ -205,7 +205,7 @@ class StreamWriter(Protocol):
         """After each update of a choice, with the text it added."""
         ...
 
-    def finish(self, choices: dict[str, Choice]) -> list:
+    async def finish(self, choices: dict[str, Choice]) -> list:
         """At the normal end, every choice finished."""
         ...
 
@@ -278,7 +278,7 @@ class SSEWriter:
                                      token_ids=choice.take_token_ids()))
         return events
 
-    def finish(self, choices: dict[str, Choice]) -> list[str]:
+    async def finish(self, choices: dict[str, Choice]) -> list[str]:
         return [self.usage(usage(choices))] if self.include_usage else []
 
     @staticmethod

@@ -5,8 +5,8 @@ chat route's machinery (OpenAIRoutes: template, grammars and tool calls, submiss
 limits, disconnects, metrics); only the output differs. It is a `response` object whose
 `output` holds a `message` item (the text) and `function_call` items, or, streamed, typed
 events numbered by `sequence_number` that build those items and end with the whole response
-(`response.completed`, `response.incomplete`, or `response.failed`). Nothing is stored:
-every response says `"store": false`.
+(`response.completed`, `response.incomplete`, or `response.failed`). Finished responses
+are stored unless the request says `"store": false` (stored_responses.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from starlette.routing import Route
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
 from deployments.responses import Choice, usage
-from deployments.responses_protocol import RESPONSES_PARAMS, ResponsesRequest
+from deployments.responses_protocol import RESPONSES_PARAMS, ResponsesRequest, normalize_input
+from deployments.stored_responses import StoredResponses
 
 # a choice's finish reason -> the response's status "incomplete" and its
 # incomplete_details.reason: None when the server cut the request short ("abort": while
@@ -33,15 +34,18 @@ class ResponsesAPI:
     def __init__(self, openai: OpenAIRoutes):
         self.openai = openai
         self.frontend = openai.frontend
+        self.stored = StoredResponses(self.frontend)
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/responses", self.create, methods=["POST"])]
+        return [Route("/v1/responses", self.create, methods=["POST"])] + self.stored.routes()
 
     async def create(self, request: Request):
         arrival = time.monotonic()
         try:
             req = await self.frontend.parse(request, ResponsesRequest)
-            chat = req.to_chat()
+            earlier, items = await self.stored.conversation(req.previous_response_id,
+                                                            normalize_input(req.input))
+            chat = req.to_chat(earlier + items)
             info = await self.frontend.ready()
             ids, grammar, parser = await self.openai.chat_prompt(chat, info)
             defaults = info.sampling_defaults or {}
@@ -49,15 +53,21 @@ class ResponsesAPI:
             response = ResponseObject(req, req.model or self.openai.model_name,
                                       _pick(req.temperature, defaults, "temperature"),
                                       _pick(req.top_p, defaults, "top_p"),
-                                      cfg.block_size if cfg.enable_prefix_caching else None)
+                                      cfg.block_size if cfg.enable_prefix_caching else None,
+                                      is_stored=req.store and self.stored.is_enabled)
+            save = (lambda body: self.stored.save(body, items)) \
+                if response.is_stored else None
             group, choices, timeout = await self.openai.submit(
                 response.id, chat, [(None, ids)], chat.max_tokens, info, chat=True,
                 arrival=arrival, grammar=grammar, tool_parser=parser)
             if chat.stream:
-                return self.openai.stream_response(group, choices, ResponseEvents(response),
-                                                   chat, timeout)
+                return self.openai.stream_response(
+                    group, choices, ResponseEvents(response, save), chat, timeout)
             await self.openai.collect(group, choices, chat, timeout)
-            return JSONResponse(response.final(next(iter(choices.values()))))
+            body = response.final(next(iter(choices.values())))
+            if save is not None:
+                await save(body)
+            return JSONResponse(body)
         except APIError as e:
             # the chat machinery names the chat request's params
             e.param = RESPONSES_PARAMS.get(e.param, e.param)
@@ -74,8 +84,9 @@ class ResponseObject:
     items built from the finished choice (with the ids the streamed events used)."""
 
     def __init__(self, req: ResponsesRequest, model: str, temperature: float, top_p: float,
-                 cache_block_size: int | None = None):
+                 cache_block_size: int | None = None, is_stored: bool = False):
         self.id = f"resp_{uuid.uuid4().hex}"
+        self.is_stored = is_stored
         self.cache_block_size = cache_block_size  # None: no prefix caching
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -85,9 +96,10 @@ class ResponseObject:
             "top_p": top_p, "tools": req.echoed_tools(),
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "parallel_tool_calls": req.parallel_tool_calls, "text": req.echoed_text(),
-            "max_tool_calls": req.max_tool_calls, "top_logprobs": 0,
-            "metadata": req.metadata or {}, "store": False, "background": False,
-            "previous_response_id": None, "reasoning": None, "truncation": "disabled",
+            "max_tool_calls": req.max_tool_calls, "top_logprobs": req.top_logprobs or 0,
+            "metadata": req.metadata or {}, "store": is_stored, "background": False,
+            "previous_response_id": req.previous_response_id, "reasoning": None,
+            "truncation": "disabled",
             "user": req.user}
 
     def body(self, status: str, output: list[dict], usage: dict | None = None,
@@ -99,7 +111,8 @@ class ResponseObject:
     def final(self, choice: Choice) -> dict:
         """The response of a finished choice."""
         status = "incomplete" if choice.finish_reason in INCOMPLETE else "completed"
-        output = [self.message(choice.text, status)] if has_message(choice) else []
+        output = [self.message(choice.text, status, all_logprobs(choice))] \
+            if has_message(choice) else []
         output += self.calls(choice)
         details = {"reason": INCOMPLETE[choice.finish_reason]} if status == "incomplete" \
             else None
@@ -120,8 +133,8 @@ class ResponseObject:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": counts["total_tokens"]}
 
-    def message(self, text: str, status: str) -> dict:
-        content = [output_text(text)] if status != "in_progress" else []
+    def message(self, text: str, status: str, logprobs: list[dict] = ()) -> dict:
+        content = [output_text(text, logprobs)] if status != "in_progress" else []
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}
 
@@ -138,8 +151,19 @@ def has_message(choice: Choice) -> bool:
     return bool(choice.text) or not choice.tool_calls
 
 
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict] = ()) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
+
+
+def all_logprobs(choice: Choice) -> list[dict]:
+    """Every generated token's log-probabilities (chat's entries), if the request asked."""
+    return choice.logprobs.result()["content"] if choice.logprobs is not None else []
+
+
+def _taken(choice: Choice) -> list[dict]:
+    """The log-probabilities of the tokens since the last delta (streamed with it)."""
+    taken = choice.take_logprobs()
+    return taken["content"] if taken else []
 
 
 class ResponseEvents:
@@ -148,8 +172,9 @@ class ResponseEvents:
     calls arrive whole when the choice ends (deployments/tool_parsers.py holds them back),
     each an item with its arguments in one delta."""
 
-    def __init__(self, response: ResponseObject):
+    def __init__(self, response: ResponseObject, save=None):
         self.response = response
+        self.save = save  # an async function of the final response, to store it
         self.num_events = 0  # the next sequence_number
         self.is_message_open = False
         self.has_failed = False
@@ -171,19 +196,21 @@ class ResponseEvents:
         if delta:
             events += self._open_message()
             events.append(self._event("response.output_text.delta", **item, content_index=0,
-                                      delta=delta, logprobs=[]))
+                                      delta=delta, logprobs=_taken(choice)))
         if choice.finish_reason in (None, "deadline"):  # a missed deadline is an error
             return events
         if has_message(choice):
             events += self._open_message()
             status = "incomplete" if choice.finish_reason in INCOMPLETE else "completed"
-            part = output_text(choice.text)
+            logprobs = all_logprobs(choice)
+            part = output_text(choice.text, logprobs)
             events += [self._event("response.output_text.done", **item, content_index=0,
-                                   text=choice.text, logprobs=[]),
+                                   text=choice.text, logprobs=logprobs),
                        self._event("response.content_part.done", **item, content_index=0,
                                    part=part),
                        self._event("response.output_item.done", output_index=0,
-                                   item=self.response.message(choice.text, status))]
+                                   item=self.response.message(choice.text, status,
+                                                              logprobs))]
         first = int(has_message(choice))
         for index, call in enumerate(self.response.calls(choice), first):
             ids = {"item_id": call["id"], "output_index": index}
@@ -207,10 +234,12 @@ class ResponseEvents:
                 self._event("response.content_part.added", **item, content_index=0,
                             part=output_text(""))]
 
-    def finish(self, choices: dict[str, Choice]) -> list[dict]:
+    async def finish(self, choices: dict[str, Choice]) -> list[dict]:
         if self.has_failed:
             return []
         body = self.response.final(next(iter(choices.values())))
+        if self.save is not None:  # before the client sees the end, and may continue from it
+            await self.save(body)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [self._event(kind, response=body)]
 

@@ -5,11 +5,13 @@ messages (`instructions` a system message first, a `function_call` an assistant 
 a `function_call_output` a tool message), `tools` and `tool_choice` lose a level of nesting,
 `text.format` is `response_format`. The chat route's machinery then serves it as it is.
 Items, tools and content parts are checked one at a time, so that an error names its
-place (`input.2.content.0`). What needs stored responses (`previous_response_id`,
-`conversation`, `background`) is refused: this server keeps none.
+place (`input.2.content.0`), and stored (stored_responses.py) with an id each, in one
+shape whatever form they came in. `conversation` (the Conversations API) and `background`
+are refused.
 """
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
@@ -52,6 +54,12 @@ class FunctionCallOutputItem(_Base):
     output: str | list[Any]
 
 
+class ItemReference(_Base):
+    """An item of a stored response (input or output), by its id."""
+    type: Literal["item_reference"]
+    id: str
+
+
 class FunctionTool(_Base):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1, max_length=128)]
@@ -83,7 +91,7 @@ class ResponsesRequest(SamplingOptions):
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     text: TextConfig | None = None
     stream: bool = False
-    store: bool = True  # accepted; nothing is stored (the response says "store": false)
+    store: bool = True
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     user: str | None = None
@@ -99,14 +107,15 @@ class ResponsesRequest(SamplingOptions):
     timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
 
     def check_supported(self) -> None:
-        for param in ("previous_response_id", "conversation"):
-            if getattr(self, param) is not None:
-                raise APIError(400, f"{param} is not supported: this server does not store "
-                                    "responses; send the whole conversation as input",
-                               param, "unsupported_parameter")
+        if self.conversation is not None:
+            raise APIError(400, "conversation is not supported: this server has no "
+                                "Conversations API; continue with previous_response_id, or "
+                                "send the whole conversation as input", "conversation",
+                           "unsupported_parameter")
         if self.background:
-            raise APIError(400, "background responses are not supported: this server does "
-                                "not store responses", "background", "unsupported_parameter")
+            raise APIError(400, "background responses are not supported: this server "
+                                "answers while it generates", "background",
+                           "unsupported_parameter")
         if self.prompt is not None:
             raise APIError(400, "prompt (a stored prompt template) is not supported: this "
                                 "server stores none; send the text as input", "prompt",
@@ -115,11 +124,11 @@ class ResponsesRequest(SamplingOptions):
             raise APIError(400, "truncation \"auto\" is not supported: an input over the "
                                 "context length is refused, never cut", "truncation",
                            "unsupported_parameter")
-        if self.top_logprobs or "message.output_text.logprobs" in (self.include or []):
-            raise APIError(400, "log-probabilities are not supported on /v1/responses (chat "
-                                "completions and completions return them)",
-                           "top_logprobs" if self.top_logprobs else "include",
-                           "unsupported_parameter")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """OpenAI's include names them; top_logprobs over 0 asks for them too."""
+        return bool(self.top_logprobs) or "message.output_text.logprobs" in (self.include or [])
 
     def function_tools(self) -> list[FunctionTool]:
         tools = []
@@ -132,12 +141,13 @@ class ResponsesRequest(SamplingOptions):
             tools.append(_validate(FunctionTool, tool, f"tools.{i}"))
         return tools
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The equivalent chat completion request; APIError(400) naming the offending
-        Responses param."""
+    def to_chat(self, items: list[dict]) -> ChatCompletionRequest:
+        """The equivalent chat completion request of the conversation `items` (stored
+        items: those of earlier responses, then this request's input, its references
+        resolved); APIError(400) naming the offending Responses param."""
         messages = [] if self.instructions is None else \
             [ChatMessage(role="system", content=self.instructions)]
-        messages += input_messages(self.input)
+        messages += item_messages(items)
         if len(messages) == 0:
             raise APIError(400, "input must not be empty", "input", "invalid_value")
         tools = [Tool(type="function", function=FunctionDefinition(
@@ -148,6 +158,7 @@ class ResponsesRequest(SamplingOptions):
             tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
             response_format=self._response_format(), model=self.model, stream=self.stream,
             priority=self.priority, timeout_s=self.timeout_s, user=self.user,
+            logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs,
             **self.model_dump(include=set(SamplingOptions.model_fields)))
         chat._call_limit = self.max_tool_calls
         chat.check_supported()
@@ -184,35 +195,70 @@ class ResponsesRequest(SamplingOptions):
                 if fmt is not None else {"type": "text"}}
 
 
-def input_messages(items: str | list) -> list[ChatMessage]:
-    """Responses input -> chat messages. Consecutive function calls (and the assistant
-    text before them) are one assistant turn, as the model produced them."""
+def normalize_input(items: str | list) -> list[dict]:
+    """The request's `input` as stored items, each checked (an error names its index) and
+    given an id if it has none: message items with their text in content parts,
+    function_call and function_call_output items; item_reference items are left for
+    the caller to resolve."""
     if isinstance(items, str):
-        return [ChatMessage(role="user", content=items)]
-    messages: list[ChatMessage] = []
+        return [_message_item("user", [{"type": "input_text", "text": items}])]
+    out = []
     for i, item in enumerate(items):
         _need_object(item, f"input.{i}")
         kind = item.get("type", "message")
         if kind == "message":
             msg = _validate(MessageItem, item, f"input.{i}")
-            messages.append(ChatMessage(role=msg.role,
-                                        content=_text(msg.content, f"input.{i}.content")))
+            text = _text(msg.content, f"input.{i}.content")
+            part = {"type": "output_text", "text": text, "annotations": []} \
+                if msg.role == "assistant" else {"type": "input_text", "text": text}
+            out.append(_message_item(msg.role, [part], item.get("id")))
         elif kind == "function_call":
             call = _validate(FunctionCallItem, item, f"input.{i}")
-            tool_call = ToolCallMessage(id=call.call_id, function=FunctionCall(
-                name=call.name, arguments=call.arguments))
-            if messages and messages[-1].role == "assistant":
-                messages[-1].tool_calls = (messages[-1].tool_calls or []) + [tool_call]
-            else:
-                messages.append(ChatMessage(role="assistant", tool_calls=[tool_call]))
+            out.append({**call.model_dump(), "id": _id(item, "fc"), "status": "completed"})
         elif kind == "function_call_output":
-            out = _validate(FunctionCallOutputItem, item, f"input.{i}")
-            messages.append(ChatMessage(role="tool", tool_call_id=out.call_id,
-                                        content=_text(out.output, f"input.{i}.output")))
+            result = _validate(FunctionCallOutputItem, item, f"input.{i}")
+            out.append({"type": kind, "id": _id(item, "fco"), "call_id": result.call_id,
+                        "output": _text(result.output, f"input.{i}.output"),
+                        "status": "completed"})
+        elif kind == "item_reference":
+            out.append(_validate(ItemReference, item, f"input.{i}").model_dump())
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported (this server "
-                                "takes message, function_call and function_call_output "
-                                "items)", f"input.{i}.type", "unsupported_item")
+                                "takes message, function_call, function_call_output and "
+                                "item_reference items)", f"input.{i}.type", "unsupported_item")
+    return out
+
+
+def _message_item(role: str, content: list[dict], item_id: str | None = None) -> dict:
+    return {"type": "message", "id": item_id if isinstance(item_id, str) else
+            f"msg_{uuid.uuid4().hex}", "role": role, "content": content, "status": "completed"}
+
+
+def _id(item: dict, prefix: str) -> str:
+    given = item.get("id")
+    return given if isinstance(given, str) else f"{prefix}_{uuid.uuid4().hex}"
+
+
+def item_messages(items: list[dict]) -> list[ChatMessage]:
+    """Stored items (normalize_input's, and output items) -> chat messages. Consecutive
+    function calls (and the assistant text before them) are one assistant turn, as the
+    model produced them."""
+    messages: list[ChatMessage] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            messages.append(ChatMessage(role=item["role"], content="".join(
+                part["text"] for part in item["content"])))
+        elif kind == "function_call":
+            call = ToolCallMessage(id=item["call_id"], function=FunctionCall(
+                name=item["name"], arguments=item["arguments"]))
+            if messages and messages[-1].role == "assistant":
+                messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif kind == "function_call_output":
+            messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"],
+                                        content=item["output"]))
     return messages
 
 

@@ -55,12 +55,11 @@ def grammar_for(req) -> tuple[str, str] | None:
 
 
 def tool_grammar(tools, tool_choice, parser_name: str,
-                 parallel: bool = True) -> tuple[str, str] | None:
-    """With tool_choice "required": one call of any of the tools, or with `parallel` one or
-    more; with a named function: one call of it. In the format of `parser_name`, the
-    arguments valid against the function's parameters, nothing else."""
-    if tool_choice in (None, "none", "auto"):
-        return None
+                 parallel: bool = True) -> tuple[str, str]:
+    """The grammar of a tool_choice that forces calls: with "required", one call of any of
+    the tools, or with `parallel` one or more; with a named function, one call of it. In the
+    format of `parser_name`, the arguments valid against the function's parameters, nothing
+    else."""
     import xgrammar as xgr
     fmt = XGRAMMAR_FORMATS[parser_name]
     named = [tool_choice.function.name] if not isinstance(tool_choice, str) \

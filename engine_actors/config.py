@@ -12,7 +12,7 @@ import json
 from typing import Annotated, Literal
 
 import pydantic
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 DEFAULT_MODEL = "tiny-random-llama"
 
@@ -43,6 +43,9 @@ class EngineConfig:
     # A request still unfinished after this many seconds ends with HTTP 408 (or an SSE error
     # event once streaming began); requests may set a shorter `timeout_s`. None: no limit.
     request_timeout_s: PositiveFloat | None = None
+    # The Responses API's stored responses (`store`, `previous_response_id`), kept in the
+    # scheduler actor's memory up to this size (least recently used go first); 0: none.
+    response_store_mib: NonNegativeInt = 256
     # On shutdown: requests still running after this many seconds end with finish_reason
     # "abort". Keep below the ingress deployment's graceful_shutdown_timeout_s.
     drain_timeout_s: NonNegativeFloat = 10.0

@@ -32,6 +32,7 @@ from engine_actors.messages import BatchRequest, EngineRequest, Refusal, Request
 from engine_actors.metrics import EngineMetrics
 from engine_actors.outbox import EarlyAborts, Outbox
 from engine_actors.request import FinishReason
+from engine_actors.response_store import ResponseStore
 
 logger = logging.getLogger("orca_serve.scheduler")
 NAMESPACE = "orca-serve"
@@ -53,6 +54,7 @@ class SchedulerActor:
         self.finetuning = FineTuning(cfg, self.adapters, self.metrics) \
             if cfg.enable_finetuning else None
         self.outboxes: dict[str, Outbox] = {}
+        self.responses = ResponseStore(cfg.response_store_mib * 2**20)
         self.batches = Batches(self._add, self.abort,
                                lambda: load_tokenizer(resolve_model_path(cfg.model)))
         self.draining = False
@@ -216,6 +218,10 @@ class SchedulerActor:
             return await self.finetuning.cancel(*args, self.engine.executor)
         return getattr(self.finetuning, method)(*args)
 
+    def response_call(self, method: str, *args):
+        """ResponseStore's put, get, chain, holding, delete."""
+        return getattr(self.responses, method)(*args)
+
     # ---- background batches -------------------------------------------------------------
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
                            priority: int = 0) -> Refusal | None:
@@ -237,6 +243,7 @@ class SchedulerActor:
             "recovering" if self.engine.is_recovering else "ready"
         return {"state": state, "num_clients": len(self.outboxes),
                 **(self.engine.stats() if self.engine else {}), **self.adapters.stats(),
+                **self.responses.stats(),
                 **(self.finetuning.stats() if self.finetuning else {})}
 
     async def health(self) -> dict:  # stats(), and whether every worker answers

@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from deployments.protocol import APIError, parse_body  # noqa: E402
 from deployments.responses import Choice  # noqa: E402
 from deployments.responses_api import ResponseEvents, ResponseObject  # noqa: E402
-from deployments.responses_protocol import ResponsesRequest  # noqa: E402
+from deployments.responses_protocol import ResponsesRequest, normalize_input  # noqa: E402
 from deployments.tool_parsers import ToolCallStream, make_parser  # noqa: E402
 from engine_actors.checkpoint import resolve_model_path  # noqa: E402
 from engine_actors.config import DEFAULT_MODEL  # noqa: E402
@@ -60,26 +60,31 @@ def parse(body: dict) -> ResponsesRequest:
     return parse_body(json.dumps(body).encode(), ResponsesRequest)
 
 
+def to_chat(body: dict):
+    """The chat request of a Responses body that references no stored response."""
+    req = parse(body)
+    return req.to_chat(normalize_input(req.input))
+
+
 # ---- without a server ----------------------------------------------------------------------
 def test_input_items_become_chat_messages():
-    chat = parse({"input": ROUND_TRIP, "instructions": "Be brief.", "tools": [TOOL],
+    chat = to_chat({"input": ROUND_TRIP, "instructions": "Be brief.", "tools": [TOOL],
                   "tool_choice": {"type": "function", "name": "get_weather"},
                   "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
                   "top_k": 5, "stop": ["x"], "priority": 2,
                   "text": {"format": {"type": "json_schema", "name": "p",
-                                      "schema": SCHEMA}}}).to_chat()
+                                      "schema": SCHEMA}}})
     assert [m.for_template() for m in chat.messages] == ROUND_TRIP_CHAT
     assert [t.model_dump(exclude_none=True) for t in chat.tools] == [WEATHER]
     assert chat.tool_choice.function.name == "get_weather"
     assert chat.response_format.json_schema.schema_ == SCHEMA
     assert (chat.max_tokens, chat.temperature, chat.top_p, chat.seed, chat.top_k, chat.stop,
             chat.priority) == (7, 0.5, 0.9, 3, 5, ["x"], 2)
-    assert [m.for_template() for m in parse({"input": "hi"}).to_chat().messages] == \
+    assert [m.for_template() for m in to_chat({"input": "hi"}).messages] == \
         [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"input": [{"role": "user", "content": [
@@ -90,7 +95,7 @@ def test_input_items_become_chat_messages():
      "input.0.content.0"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}]},
      "input.1.type"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
+    ({"input": [{"type": "item_reference"}]}, "input.0.id"),
     ({"tools": [TOOL, {"type": "web_search"}]}, "tools.1.type"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["vs"]}]}, "tools.0.type"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
@@ -104,22 +109,20 @@ def test_input_items_become_chat_messages():
     ({"tool_choice": ["auto"], "tools": [TOOL]}, "tool_choice"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
 ])
 def test_refusals_name_their_param(body, param):
     with pytest.raises(APIError) as info:
-        parse({"input": "hi", **body}).to_chat()
+        to_chat({"input": "hi", **body})
     assert (info.value.status, info.value.param) == (400, param)
 
 
-def test_unknown_fields_are_ignored_and_store_is_accepted():
-    req = parse({"input": "hi", "store": True, "reasoning": {"effort": "low"},
-                 "include": ["x"], "parallel_tool_calls": False, "metadata": {"k": "v"}})
-    assert req.to_chat().parallel_tool_calls is False and req.metadata == {"k": "v"}
-    assert req.to_chat().max_tool_calls() == 1
-    assert parse({"input": "hi", "max_tool_calls": 3}).to_chat().max_tool_calls() == 3
-    assert parse({"input": "hi"}).to_chat().max_tool_calls() is None
+def test_unknown_fields_are_ignored():
+    body = {"input": "hi", "store": True, "reasoning": {"effort": "low"}, "include": ["x"],
+            "parallel_tool_calls": False, "metadata": {"k": "v"}}
+    assert to_chat(body).parallel_tool_calls is False and parse(body).metadata == {"k": "v"}
+    assert to_chat(body).max_tool_calls() == 1
+    assert to_chat({"input": "hi", "max_tool_calls": 3}).max_tool_calls() == 3
+    assert to_chat({"input": "hi"}).max_tool_calls() is None
 
 
 def test_a_request_the_server_cut_short_is_incomplete_with_no_reason(tokenizer):
@@ -153,7 +156,7 @@ def test_streamed_events_are_valid_for_the_openai_client(tokenizer):
         is_last = start + 3 >= len(ids)
         delta = choice.consume(RequestUpdate(ids[start:start + 3], "stop" if is_last else None))
         events += writer.update(choice, delta)
-    events += writer.finish({"": choice}) + writer.done()
+    events += asyncio.run(writer.finish({"": choice})) + writer.done()
     data = [json.loads(e["data"]) for e in events]
     assert [d["type"] for d in data] == [e["event"] for e in events]
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
@@ -174,7 +177,7 @@ def test_a_function_call_round_trip_renders_as_the_chat_template(tokenizer):
     from engine_actors.config import EngineConfig
     frontend = Frontend(EngineConfig())
     frontend.tokenizer = tokenizer
-    chat = parse({"input": ROUND_TRIP, "instructions": "Be brief.", "tools": [TOOL]}).to_chat()
+    chat = to_chat({"input": ROUND_TRIP, "instructions": "Be brief.", "tools": [TOOL]})
     ids = asyncio.run(frontend.chat_ids(chat.messages, chat.tools))
     expected = tokenizer.apply_chat_template(ROUND_TRIP_CHAT, tools=[WEATHER],
                                              add_generation_prompt=True, tokenize=True,
@@ -200,7 +203,7 @@ def test_greedy_text_equals_transformers_and_max_output_tokens_cuts_it(client, t
     assert res.id.startswith("resp_") and res.object == "response" and res.model == MODEL
     assert res.output[0].type == "message" and res.output[0].id.startswith("msg_")
     assert (res.instructions, res.max_output_tokens, res.temperature, res.store,
-            res.metadata, res.error) == ("Be brief.", 12, 0, False, {"run": "1"}, None)
+            res.metadata, res.error) == ("Be brief.", 12, 0, True, {"run": "1"}, None)
 
 
 def test_streamed_deltas_join_to_the_non_streamed_text(client, url):
@@ -229,6 +232,32 @@ def test_streamed_deltas_join_to_the_non_streamed_text(client, url):
     assert text == final.output_text == full.output_text[:full.output_text.index(stop)]
     assert final.status == "completed"
     wait_idle(url)
+
+
+def test_logprobs_equal_transformers_streamed_or_not(client, tokenizer):
+    from tests.test_logits import hf_logprobs
+    kwargs = dict(model=MODEL, input="hi", max_output_tokens=5, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"], extra_body=NO_EOS)
+    res = client.responses.create(**kwargs)
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+    generated = hf_greedy(resolve_model_path(DEFAULT_MODEL), prompt, 5)
+    ref = hf_logprobs(prompt + generated)
+    entries = res.output[0].content[0].logprobs
+    assert [e.token for e in entries] == [tokenizer.decode([t]) for t in generated]
+    for t, entry in enumerate(entries):
+        row = ref[len(prompt) - 1 + t]
+        assert entry.logprob == pytest.approx(row[generated[t]].item(), abs=1e-4)
+        assert [x.logprob for x in entry.top_logprobs] == \
+            pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+    assert res.top_logprobs == 2
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    assert events[-1].response.output[0].content[0].logprobs == entries
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == []
 
 
 def test_json_schema_format_gives_json_that_validates(client):

@@ -1,0 +1,153 @@
+"""Stored responses of the Responses API: `store`, `previous_response_id`, `item_reference`
+input items, and GET /v1/responses/{id}, DELETE /v1/responses/{id},
+GET /v1/responses/{id}/input_items.
+
+The records live in the scheduler actor (engine_actors/response_store.py), so every
+ingress replica sees the same ones. A record is a response object and the input items of
+its own request; a conversation is the chain of records that `previous_response_id` links,
+and what a response continues from is every earlier record's input then output items.
+Responses are stored when they end (completed, or incomplete); one still generating, or
+one that failed, is not found. Instructions are not carried over, as in OpenAI's API.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from deployments.frontend import Frontend
+from deployments.protocol import APIError
+
+MAX_LIST = 100
+
+logger = logging.getLogger("orca_serve.ingress")
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id {response_id!r} not found.", None, "not_found",
+                    "not_found_error")
+
+
+class StoredResponses:
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.frontend.cfg.response_store_mib > 0
+
+    def routes(self) -> list[Route]:
+        one = "/v1/responses/{response_id}"
+        return [Route(one, self.retrieve, methods=["GET"]),
+                Route(one, self.delete, methods=["DELETE"]),
+                Route(one + "/input_items", self.input_items, methods=["GET"])]
+
+    # ---- used by POST /v1/responses -----------------------------------------------------
+    async def conversation(self, previous_id: str | None, items: list[dict]
+                           ) -> tuple[list[dict], list[dict]]:
+        """What a new response continues from: (its previous response's conversation, its
+        inputs then outputs; `items`, the request's input, with item_reference items
+        replaced by the stored items they name)."""
+        refs = [i for i, item in enumerate(items) if item["type"] == "item_reference"]
+        if (previous_id is not None or refs) and not self.is_enabled:
+            raise APIError(400, "this server stores no responses (response_store_mib is 0)",
+                           "previous_response_id" if previous_id is not None else
+                           f"input.{refs[0]}", "unsupported_parameter")
+        earlier = []
+        if previous_id is not None:
+            chain = await self._call("chain", previous_id)
+            if chain is None:
+                raise APIError(400, f"Previous response with id {previous_id!r} not found.",
+                               "previous_response_id", "previous_response_not_found")
+            for data in chain:
+                record = json.loads(data)
+                earlier += record["input"] + record["response"]["output"]
+        if refs:
+            found = await self._call("holding", [items[i]["id"] for i in refs])
+            items = list(items)
+            for i in refs:
+                item_id = items[i]["id"]
+                if item_id not in found:
+                    raise APIError(400, f"Item with id {item_id!r} not found.",
+                                   f"input.{i}.id", "item_not_found")
+                record = json.loads(found[item_id])
+                items[i] = next(item for item in record["input"] + record["response"]["output"]
+                                if item["id"] == item_id)
+        return earlier, items
+
+    async def save(self, response: dict, items: list[dict]) -> None:
+        """Keep a finished response with its request's input items (references resolved).
+        If the scheduler is gone, the response is still delivered, and not found later."""
+        data = json.dumps({"response": response, "input": items})  # ASCII: len is bytes
+        ids = [item["id"] for item in items + response["output"]]
+        try:
+            await self._call("put", response["id"], data, response["previous_response_id"],
+                             ids)
+        except APIError as e:
+            logger.warning("response %s not stored: %s", response["id"], e.message)
+
+    # ---- the routes ---------------------------------------------------------------------
+    async def retrieve(self, request: Request):
+        try:
+            response_id = request.path_params["response_id"]
+            if request.query_params.get("stream") in ("true", "1"):
+                raise APIError(400, "stream is not supported here: only finished responses "
+                                    "are stored", "stream", "unsupported_parameter")
+            data = await self._call("get", response_id)
+            if data is None:
+                raise not_found(response_id)
+            return JSONResponse(json.loads(data)["response"])
+        except APIError as e:
+            return e.response()
+
+    async def delete(self, request: Request):
+        try:
+            response_id = request.path_params["response_id"]
+            if not await self._call("delete", response_id):
+                raise not_found(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        except APIError as e:
+            return e.response()
+
+    async def input_items(self, request: Request):
+        """The items the response was generated from, newest first by default (OpenAI's
+        order), a page of `limit` after the item `after`."""
+        try:
+            response_id = request.path_params["response_id"]
+            query = request.query_params
+            limit = query.get("limit", "20")
+            if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST:
+                raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST}", "limit",
+                               "invalid_value")
+            order = query.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise APIError(400, "order must be \"asc\" or \"desc\"", "order",
+                               "invalid_value")
+            chain = await self._call("chain", response_id)
+            if chain is None:
+                raise not_found(response_id)
+            records = [json.loads(data) for data in chain]
+            items = [item for r in records[:-1] for item in r["input"] + r["response"]["output"]]
+            items += records[-1]["input"]
+            if order == "desc":
+                items.reverse()
+            if "after" in query:
+                ids = [item["id"] for item in items]
+                if query["after"] not in ids:
+                    raise APIError(400, f"after: no item {query['after']!r} in this "
+                                        "response's input", "after", "invalid_value")
+                items = items[ids.index(query["after"]) + 1:]
+            page = items[:int(limit)]
+            return JSONResponse({"object": "list", "data": page,
+                                 "first_id": page[0]["id"] if page else None,
+                                 "last_id": page[-1]["id"] if page else None,
+                                 "has_more": len(items) > len(page)})
+        except APIError as e:
+            return e.response()
+
+    async def _call(self, method: str, *args):
+        await self.frontend.ready()
+        return await self.frontend.call("response_call", method, *args)

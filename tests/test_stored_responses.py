@@ -1,0 +1,156 @@
+"""Stored responses: the store's bookkeeping (no server), then over HTTP with the official
+client: a conversation continued by previous_response_id or by item references renders as
+the chat template renders the whole conversation (greedy text equal to transformers'),
+retrieval, input items and their pages, deletion, and `store: false`."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine's image
+
+from deployments.responses_protocol import normalize_input  # noqa: E402
+from engine_actors.checkpoint import resolve_model_path  # noqa: E402
+from engine_actors.config import DEFAULT_MODEL  # noqa: E402
+from engine_actors.response_store import ResponseStore  # noqa: E402
+from tests.engine_harness import hf_greedy  # noqa: E402
+from tests.test_responses_api import MODEL, TOOL, tokenizer  # noqa: E402, F401
+from tests.test_structured_output import WEATHER  # noqa: E402
+
+NO_EOS = {"ignore_eos": True}
+
+
+# ---- the store, without a server -------------------------------------------------------------
+def test_the_store_keeps_chains_and_evicts_the_least_recently_used():
+    store = ResponseStore(max_bytes=30)
+    assert store.put("a", "x" * 10, None, ["i1"])
+    assert store.put("b", "y" * 10, "a", ["i2"])
+    assert store.chain("b") == ["x" * 10, "y" * 10]
+    assert store.holding(["i1", "i2", "nope"]) == {"i1": "x" * 10, "i2": "y" * 10}
+    store.put("c", "z" * 10, None, ["i3"])  # 30 bytes: all fit
+    store.chain("b")  # uses a and b: c is now the least recently used
+    store.put("d", "w" * 10, None, ["i4"])
+    assert store.get("c") is None and store.holding(["i3"]) == {}
+    assert store.get("a") == "x" * 10 and store.num_bytes == 30
+    assert not store.put("e", "v" * 31, None, [])  # over the whole store: not kept
+    assert store.delete("a") and not store.delete("a")
+    assert store.chain("b") is None  # a conversation through a deleted response is gone
+    assert store.get("b") == "y" * 10 and store.num_bytes == 20
+    assert store.stats() == {"stored_responses": 2, "stored_response_bytes": 20}
+
+
+def test_input_items_are_stored_in_one_shape_with_ids():
+    items = normalize_input([
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "id": "msg_given",
+         "content": [{"type": "output_text", "text": "a"}, {"type": "output_text", "text": "b"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1",
+         "output": [{"type": "input_text", "text": "ok"}]},
+        {"type": "item_reference", "id": "fc_1"}])
+    assert [i["type"] for i in items] == ["message", "message", "function_call",
+                                          "function_call_output", "item_reference"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    assert items[1]["id"] == "msg_given"
+    assert items[1]["content"] == [{"type": "output_text", "text": "ab", "annotations": []}]
+    assert items[3]["output"] == "ok" and items[4] == {"type": "item_reference", "id": "fc_1"}
+    assert all(i["id"] for i in items) and len({i["id"] for i in items}) == 5
+    assert normalize_input("hi")[0]["role"] == "user"
+
+
+# ---- over HTTP -------------------------------------------------------------------------------
+def template_ids(tokenizer, messages, tools=None) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
+def test_a_conversation_continued_from_a_stored_response(client, tokenizer):
+    """Turn 2 names turn 1: its prompt is turn 1's input and output, then its own input
+    (turn 1's instructions are not carried over), and its greedy text is transformers' on
+    that prompt. The same conversation by item references renders the same prompt."""
+    first = client.responses.create(model=MODEL, input="My name is Ada.", instructions="Hi.",
+                                    max_output_tokens=6, temperature=0, extra_body=NO_EOS)
+    second = client.responses.create(model=MODEL, input="What is my name?", temperature=0,
+                                     previous_response_id=first.id, max_output_tokens=8,
+                                     extra_body=NO_EOS)
+    messages = [{"role": "user", "content": "My name is Ada."},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "What is my name?"}]
+    prompt = template_ids(tokenizer, messages)
+    assert second.usage.input_tokens == len(prompt)
+    ref = hf_greedy(resolve_model_path(DEFAULT_MODEL), prompt, 8)
+    assert second.output_text == tokenizer.decode(ref, skip_special_tokens=True)
+    assert second.previous_response_id == first.id and second.store is True
+    # the same conversation by reference to the stored items, with no previous response
+    items = client.responses.input_items.list(first.id, order="asc").data
+    refs = [{"type": "item_reference", "id": i.id} for i in items + first.output]
+    third = client.responses.create(model=MODEL, input=refs + [messages[2]], temperature=0,
+                                    max_output_tokens=8, extra_body=NO_EOS)
+    assert (third.usage.input_tokens, third.output_text) == (len(prompt), second.output_text)
+
+
+def test_a_tool_call_round_trip_through_previous_response_id(client, tokenizer):
+    first = client.responses.create(model=MODEL, input="weather in Rome?", tools=[TOOL],
+                                    tool_choice="required", parallel_tool_calls=False,
+                                    max_output_tokens=200, extra_body={"seed": 1})
+    call = [item for item in first.output if item.type == "function_call"][0]
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=[TOOL], max_output_tokens=2,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    text = "".join(p.text for item in first.output if item.type == "message"
+                   for p in item.content)
+    messages = [{"role": "user", "content": "weather in Rome?"},
+                {"role": "assistant", "content": text, "tool_calls": [{
+                    "id": call.call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    assert second.usage.input_tokens == len(template_ids(tokenizer, messages, [WEATHER]))
+
+
+def test_retrieve_list_input_items_and_delete(client, url):
+    first = client.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "one"}, {"role": "user", "content": "two"}],
+        max_output_tokens=3)
+    second = client.responses.create(model=MODEL, input="three", max_output_tokens=3,
+                                     previous_response_id=first.id)
+    assert client.responses.retrieve(second.id) == second
+    page = client.responses.input_items.list(second.id)  # newest first, 20 at most
+    texts = [i.content[0].text for i in page.data]
+    assert texts == ["three", first.output_text, "two", "one"] and not page.has_more
+    asc = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.content[0].text for i in asc.data] == ["one", "two"] and asc.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=asc.last_id)
+    assert [i.content[0].text for i in rest.data] == [first.output_text, "three"]
+    assert [i.id for i in asc.data + rest.data] == [i.id for i in page.data][::-1]
+    client.responses.delete(first.id)
+    for call in (lambda: client.responses.retrieve(first.id),
+                 lambda: client.responses.delete(first.id),
+                 lambda: client.responses.input_items.list(second.id)):  # its chain broke
+        with pytest.raises(openai.NotFoundError):
+            call()
+    r = httpx.post(f"{url}/v1/responses", timeout=30, json={
+        "model": MODEL, "input": "x", "max_output_tokens": 2, "previous_response_id": first.id})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "previous_response_not_found"
+    r = httpx.post(f"{url}/v1/responses", timeout=30, json={
+        "model": MODEL, "max_output_tokens": 2, "input": [{"type": "item_reference",
+                                                           "id": "msg_nope"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.id"
+    r = httpx.get(f"{url}/v1/responses/{second.id}/input_items?limit=0", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+
+def test_store_false_keeps_nothing_and_a_stream_is_stored_before_it_ends(client):
+    res = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
+    assert res.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(res.id)
+    with client.responses.stream(model=MODEL, input="y", max_output_tokens=4) as stream:
+        for event in stream:
+            if event.type in ("response.completed", "response.incomplete"):
+                # the client may continue from it the moment it sees the end
+                assert client.responses.retrieve(event.response.id) == event.response
+                final = event.response
+    assert final.store is True and final.output_text
