@@ -72,6 +72,10 @@ class ChatMessage(_Base):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
+    # an assistant's earlier reasoning (vLLM's field, and its older name), which some chat
+    # templates render (Qwen3's, for the turns after the last user message)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -94,7 +98,24 @@ class ChatMessage(_Base):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning is not None or self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning or self.reasoning_content
         return out
+
+
+# apply_chat_template's own arguments: chat_template_kwargs adds variables, not these
+TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template",
+                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                 "truncation", "max_length", "return_tensors", "return_dict",
+                 "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    for key in kwargs or {}:
+        if key in TEMPLATE_ARGS:
+            raise APIError(400, f"chat_template_kwargs may not set {key!r} (an argument of "
+                                "the template call, not a template variable)",
+                           f"chat_template_kwargs.{key}", "invalid_value")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -106,6 +127,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None
 
     def logprob_fields(self) -> dict:
         if not self.logprobs:
@@ -117,6 +139,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_template_kwargs(self.chat_template_kwargs)
         for i, m in enumerate(self.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 part.check_supported(f"messages.{i}.content.{j}")

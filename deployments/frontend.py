@@ -12,12 +12,13 @@ import threading
 
 from starlette.requests import Request
 
+from deployments.chat_protocol import TEMPLATE_ARGS
 from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
 from deployments.http_metrics import HTTPMetrics
 from deployments.protocol import APIError, parse_body
 from deployments.structured import default_tool_parser
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
-from engine_actors.config import EngineConfig
+from engine_actors.config import ConfigError, EngineConfig
 
 logger = logging.getLogger("orca_serve.ingress")
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -30,6 +31,10 @@ def unavailable(message: str) -> APIError:
 
 class Frontend:
     def __init__(self, cfg: EngineConfig):
+        reserved = TEMPLATE_ARGS & set(cfg.default_chat_template_kwargs or {})
+        if reserved:
+            raise ConfigError(f"default_chat_template_kwargs may not set {sorted(reserved)}: "
+                              "arguments of the template call, not template variables")
         self.cfg = cfg
         self.client = EngineClient(cfg)
         self.metrics = HTTPMetrics(cfg.model_name)
@@ -167,17 +172,20 @@ class Frontend:
             return fn(tokenizer)
 
     async def chat_ids(self, messages: list, tools: list | None,
-                       add_generation_prompt: bool = True,
-                       add_special_tokens: bool = False) -> list[int]:
+                       add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                       template_kwargs: dict | None = None) -> list[int]:
         """Token ids of chat messages (ChatMessage) and tools (Tool) as the chat template
-        renders them; APIError 400 when it cannot."""
+        renders them, with the server's default_chat_template_kwargs and the request's
+        `template_kwargs` over them as template variables; APIError 400 when it cannot."""
         messages = [m.for_template() for m in messages]
         tools = [t.model_dump(by_alias=True, exclude_none=True) for t in tools] \
             if tools else None
+        variables = {**(self.cfg.default_chat_template_kwargs or {}), **(template_kwargs or {})}
 
         def render(tokenizer) -> list[int]:
             text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **variables)
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
         try:
             return await self.tokenize(render, len(str(messages)) + len(str(tools or "")))

@@ -22,7 +22,8 @@ from deployments.chat_protocol import ChatCompletionRequest
 from deployments.protocol import (APIError, CompletionRequest,
                                   refusal_error)
 from deployments.logprobs import LogprobsWriter
-from deployments.structured import grammar_for, tool_grammar
+from deployments.reasoning import ReasoningStream
+from deployments.structured import grammar_for, reasoning_grammar, tool_grammar
 from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
 from deployments.responses import (Choice, SSEResponse, SSEWriter, StreamWriter,
                                    deadline_error, response_body, timeout_error)
@@ -75,7 +76,8 @@ class OpenAIRoutes:
                           ) -> tuple[list[int], tuple[str, str] | None, str | None]:
         """A chat request's prompt token ids, the grammar its output must follow (its
         response_format, or a forced tool call), and the tool-call parser (with tools)."""
-        ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None)
+        ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None,
+                                           template_kwargs=req.chat_template_kwargs)
         grammar = grammar_for(req)
         parser = self.frontend.tool_parser(info) if req.uses_tools else None
         forced = tool_grammar(req.tools, req.tool_choice, parser, req.max_tool_calls() != 1) \
@@ -83,7 +85,10 @@ class OpenAIRoutes:
         if grammar is not None and forced is not None:
             raise APIError(400, "a tool_choice that forces a call cannot be combined with "
                                 "response_format or guided_*", "tool_choice", "invalid_value")
-        return list(ids), grammar or forced, parser
+        grammar = grammar or forced
+        if grammar is not None and self.frontend.cfg.reasoning_parser:
+            grammar = reasoning_grammar(grammar, self.frontend.cfg.reasoning_parser)
+        return list(ids), grammar, parser
 
     async def _generate(self, req, prompts, max_tokens, info: ModelInfo, chat: bool,
                         arrival: float, grammar: tuple[str, str] | None = None,
@@ -135,14 +140,8 @@ class OpenAIRoutes:
         except EngineUnavailable as e:
             self.metrics.failure("engine_unavailable")
             raise unavailable(str(e)) from None
-        tokenizer = self.frontend.tokenizer
-        choices = {r.request_id: Choice(index, index // req.n, TextStream(tokenizer, req.stop_list()),
-                                        ids, self._echo_text(req, text, ids) if not chat else None,
-                                        RequestTimer(self.metrics, arrival),
-                                        LogprobsWriter(tokenizer, chat)
-                                        if r.sampling.logprobs is not None else None,
-                                        self._tool_calls(req, tool_parser)
-                                        if tool_parser else None)
+        choices = {r.request_id: self._choice(req, index, text, ids, r, chat, arrival,
+                                              tool_parser)
                    for r, index, text, ids in subs}
         limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
         timeout = min(limits) if limits else None  # a request may only shorten the limit
@@ -180,6 +179,19 @@ class OpenAIRoutes:
             raise unavailable(f"request failed: {failed}")
         if all(c.finish_reason == "deadline" for c in choices.values()):
             raise deadline_error(req.deadline_ms)
+
+    def _choice(self, req, index: int, text: str | None, ids: list[int], r: EngineRequest,
+                chat: bool, arrival: float, tool_parser: str | None) -> Choice:
+        """What turns one choice's tokens into its text: stop strings, echo, log-
+        probabilities, tool calls and reasoning, as the request asks."""
+        tokenizer, reasoning = self.frontend.tokenizer, self.frontend.cfg.reasoning_parser
+        return Choice(index, index // req.n, TextStream(tokenizer, req.stop_list()), ids,
+                      self._echo_text(req, text, ids) if not chat else None,
+                      RequestTimer(self.metrics, arrival),
+                      LogprobsWriter(tokenizer, chat) if r.sampling.logprobs is not None
+                      else None,
+                      self._tool_calls(req, tool_parser) if tool_parser else None,
+                      ReasoningStream(reasoning) if chat and reasoning else None)
 
     @staticmethod
     def _tool_calls(req, parser: str) -> ToolCallStream:

@@ -10,6 +10,7 @@ from ray.exceptions import TaskCancelledError
 from sse_starlette.sse import EventSourceResponse
 
 from deployments.protocol import APIError, SamplingFields
+from deployments.reasoning import reasoning_tokens
 from engine_actors.detokenizer import TextStream
 from engine_actors.messages import RequestUpdate
 
@@ -69,7 +70,7 @@ class Choice:
 
     def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
                  prompt_ids: list[int], echo: str | None, timer=None, logprobs=None,
-                 tools=None):
+                 tools=None, reasoning=None):
         self.index = index
         self.prompt_index = prompt_index
         self.text_stream = text_stream
@@ -88,6 +89,9 @@ class Choice:
         self.tools = tools  # deployments.tool_parsers.ToolCallStream, with tools
         self.tool_calls: list = []  # parsed at the end
         self.call_ids: list[str] = []
+        self.reasoning = reasoning  # deployments.reasoning.ReasoningStream, with a parser
+        self.reasoning_text = ""
+        self.new_reasoning = ""  # added by the last update
 
     def consume(self, update: RequestUpdate,
                 arrivals: list[tuple[float, int]] | None = None) -> str:
@@ -102,6 +106,10 @@ class Choice:
         if not was_stopped:
             self.token_ids += update.token_ids
             del self.token_ids[self.text_stream.num_tokens_used:]  # after a stop string
+        if self.reasoning is not None:  # the answer, less the reasoning, goes on
+            self.new_reasoning, delta = self.reasoning.add(
+                delta, is_final or self.text_stream.is_stopped)
+            self.reasoning_text += self.new_reasoning
         if self.tools is not None:  # what may be a tool call is held until it is parsed
             delta = self.tools.add(delta)
             if is_final or self.text_stream.is_stopped:
@@ -142,11 +150,21 @@ class Choice:
                 for i, (call, call_id) in enumerate(zip(self.tool_calls, self.call_ids))]
 
     def message(self) -> dict:
-        if not self.tool_calls:
-            return {"role": "assistant", "content": self.text}
-        return {"role": "assistant", "content": self.text or None,
-                "tool_calls": [call.to_openai(call_id)
-                               for call, call_id in zip(self.tool_calls, self.call_ids)]}
+        out = {"role": "assistant", "content": self.text}
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning_text or None
+        if self.tool_calls:
+            out["content"] = self.text or None
+            out["tool_calls"] = [call.to_openai(call_id)
+                                 for call, call_id in zip(self.tool_calls, self.call_ids)]
+        return out
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        if self.reasoning is None:
+            return 0
+        return reasoning_tokens(self.text_stream.tokenizer, self.token_ids, self.reasoning_text,
+                                self.reasoning.is_ended)
 
     def take_token_ids(self) -> list[int]:
         """The generated token ids not streamed yet."""
@@ -239,10 +257,12 @@ class SSEWriter:
 
     def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False,
               logprobs: dict | None = None, tool_calls: list[dict] | None = None,
-              token_ids: list[int] | None = None) -> str:
+              token_ids: list[int] | None = None, reasoning: str = "") -> str:
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else (
                 {"content": text} if text else {})
+            if reasoning:
+                delta["reasoning"] = reasoning
             if tool_calls:
                 delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
@@ -263,19 +283,20 @@ class SSEWriter:
         return [self.chunk(c.index, c.echo, None) for c in choices.values() if c.echo]
 
     def update(self, choice: Choice, delta: str) -> list[str]:
-        """The chunks for a choice's update: its new text, at the end its tool calls (a
-        chunk of their own) and its finish reason."""
+        """The chunks for a choice's update: its new reasoning and text, at the end its
+        tool calls (a chunk of their own) and its finish reason."""
         events = []
+        reasoning = choice.new_reasoning
         if choice.tool_calls and choice.finish_reason:
             events.append(self.chunk(choice.index, delta, None,
                                      tool_calls=choice.tool_call_deltas(),
                                      logprobs=choice.take_logprobs(),
-                                     token_ids=choice.take_token_ids()))
-            delta = ""
-        if delta or choice.finish_reason:
+                                     token_ids=choice.take_token_ids(), reasoning=reasoning))
+            delta = reasoning = ""
+        if delta or reasoning or choice.finish_reason:
             events.append(self.chunk(choice.index, delta, choice.finish_reason,
                                      logprobs=choice.take_logprobs(),
-                                     token_ids=choice.take_token_ids()))
+                                     token_ids=choice.take_token_ids(), reasoning=reasoning))
         return events
 
     async def finish(self, choices: dict[str, Choice]) -> list[str]:

@@ -89,6 +89,7 @@ class ResponseObject:
         self.is_stored = is_stored
         self.cache_block_size = cache_block_size  # None: no prefix caching
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.settings = {
             "model": model, "instructions": req.instructions,
@@ -111,8 +112,9 @@ class ResponseObject:
     def final(self, choice: Choice) -> dict:
         """The response of a finished choice."""
         status = "incomplete" if choice.finish_reason in INCOMPLETE else "completed"
-        output = [self.message(choice.text, status, all_logprobs(choice))] \
-            if has_message(choice) else []
+        output = [self.reasoning(choice, status)] if choice.reasoning_text else []
+        if has_message(choice):
+            output.append(self.message(choice.text, status, all_logprobs(choice)))
         output += self.calls(choice)
         details = {"reason": INCOMPLETE[choice.finish_reason]} if status == "incomplete" \
             else None
@@ -130,13 +132,22 @@ class ResponseObject:
         return {"input_tokens": counts["prompt_tokens"],
                 "input_tokens_details": {**details, "cache_write_tokens": written},
                 "output_tokens": counts["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": choice.num_reasoning_tokens},
                 "total_tokens": counts["total_tokens"]}
 
     def message(self, text: str, status: str, logprobs: list[dict] = ()) -> dict:
         content = [output_text(text, logprobs)] if status != "in_progress" else []
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}
+
+    def reasoning(self, choice: Choice | None, status: str) -> dict:
+        """The reasoning item (None: one just opened); complete once </think> came."""
+        if choice is None:
+            return {"type": "reasoning", "id": self.reasoning_id, "status": status,
+                    "summary": [], "content": []}
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "status": "completed" if choice.reasoning.is_ended else status,
+                "content": [reasoning_text(choice.reasoning_text)]}
 
     @staticmethod
     def calls(choice: Choice) -> list[dict]:
@@ -148,7 +159,11 @@ class ResponseObject:
 
 def has_message(choice: Choice) -> bool:
     """A finished choice has a message item if it has text, or nothing else."""
-    return bool(choice.text) or not choice.tool_calls
+    return bool(choice.text) or not (choice.tool_calls or choice.reasoning_text)
+
+
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def output_text(text: str, logprobs: list[dict] = ()) -> dict:
@@ -168,15 +183,18 @@ def _taken(choice: Choice) -> list[dict]:
 
 class ResponseEvents:
     """The Responses stream of one request: the writer that openai_api's stream drives (as
-    it drives SSEWriter), one choice. Text opens the message item at its first delta; tool
-    calls arrive whole when the choice ends (deployments/tool_parsers.py holds them back),
-    each an item with its arguments in one delta."""
+    it drives SSEWriter), one choice. Reasoning opens its item at its first delta, and text
+    the message item at its first (closing the reasoning: it comes first); tool calls
+    arrive whole when the choice ends (deployments/tool_parsers.py holds them back), each
+    an item with its arguments in one delta."""
 
     def __init__(self, response: ResponseObject, save=None):
         self.response = response
         self.save = save  # an async function of the final response, to store it
         self.num_events = 0  # the next sequence_number
-        self.is_message_open = False
+        self.num_items = 0  # output items opened: the next one's output_index
+        self.reasoning_index: int | None = None  # of the reasoning item, while open
+        self.message_index: int | None = None  # of the message item, once open
         self.has_failed = False
 
     def _event(self, kind: str, **fields) -> dict:
@@ -192,47 +210,77 @@ class ResponseEvents:
 
     def update(self, choice: Choice, delta: str) -> list[dict]:
         events = []
-        item = {"item_id": self.response.message_id, "output_index": 0}
+        if choice.new_reasoning:
+            events += self._open_reasoning()
+            events.append(self._event("response.reasoning_text.delta", content_index=0,
+                                      delta=choice.new_reasoning, **self._reasoning_ids()))
         if delta:
-            events += self._open_message()
-            events.append(self._event("response.output_text.delta", **item, content_index=0,
-                                      delta=delta, logprobs=_taken(choice)))
+            events += self._close_reasoning(choice, "in_progress") + self._open_message()
+            events.append(self._event("response.output_text.delta", content_index=0,
+                                      delta=delta, logprobs=_taken(choice),
+                                      **self._message_ids()))
         if choice.finish_reason in (None, "deadline"):  # a missed deadline is an error
             return events
+        status = "incomplete" if choice.finish_reason in INCOMPLETE else "completed"
+        events += self._close_reasoning(choice, status)
         if has_message(choice):
             events += self._open_message()
-            status = "incomplete" if choice.finish_reason in INCOMPLETE else "completed"
             logprobs = all_logprobs(choice)
             part = output_text(choice.text, logprobs)
-            events += [self._event("response.output_text.done", **item, content_index=0,
-                                   text=choice.text, logprobs=logprobs),
-                       self._event("response.content_part.done", **item, content_index=0,
-                                   part=part),
-                       self._event("response.output_item.done", output_index=0,
+            events += [self._event("response.output_text.done", content_index=0,
+                                   text=choice.text, logprobs=logprobs, **self._message_ids()),
+                       self._event("response.content_part.done", content_index=0, part=part,
+                                   **self._message_ids()),
+                       self._event("response.output_item.done", output_index=self.message_index,
                                    item=self.response.message(choice.text, status,
                                                               logprobs))]
-        first = int(has_message(choice))
-        for index, call in enumerate(self.response.calls(choice), first):
-            ids = {"item_id": call["id"], "output_index": index}
-            events += [self._event("response.output_item.added", output_index=index,
+        for call in self.response.calls(choice):
+            ids = {"item_id": call["id"], "output_index": self.num_items}
+            self.num_items += 1
+            events += [self._event("response.output_item.added", output_index=ids["output_index"],
                                    item={**call, "arguments": "", "status": "in_progress"}),
                        self._event("response.function_call_arguments.delta", **ids,
                                    delta=call["arguments"]),
                        self._event("response.function_call_arguments.done", **ids,
                                    arguments=call["arguments"]),
-                       self._event("response.output_item.done", output_index=index,
+                       self._event("response.output_item.done", output_index=ids["output_index"],
                                    item=call)]
         return events
 
-    def _open_message(self) -> list[dict]:
-        if self.is_message_open:
+    def _reasoning_ids(self) -> dict:
+        return {"item_id": self.response.reasoning_id, "output_index": self.reasoning_index}
+
+    def _message_ids(self) -> dict:
+        return {"item_id": self.response.message_id, "output_index": self.message_index}
+
+    def _open_reasoning(self) -> list[dict]:
+        if self.reasoning_index is not None:
             return []
-        self.is_message_open = True
-        item = {"item_id": self.response.message_id, "output_index": 0}
-        return [self._event("response.output_item.added", output_index=0,
+        self.reasoning_index, self.num_items = self.num_items, self.num_items + 1
+        return [self._event("response.output_item.added", output_index=self.reasoning_index,
+                            item=self.response.reasoning(None, "in_progress")),
+                self._event("response.content_part.added", content_index=0,
+                            part=reasoning_text(""), **self._reasoning_ids())]
+
+    def _close_reasoning(self, choice: Choice, status: str) -> list[dict]:
+        if self.reasoning_index is None:
+            return []
+        ids, text = self._reasoning_ids(), choice.reasoning_text
+        self.reasoning_index = None
+        return [self._event("response.reasoning_text.done", content_index=0, text=text, **ids),
+                self._event("response.content_part.done", content_index=0,
+                            part=reasoning_text(text), **ids),
+                self._event("response.output_item.done", output_index=ids["output_index"],
+                            item=self.response.reasoning(choice, status))]
+
+    def _open_message(self) -> list[dict]:
+        if self.message_index is not None:
+            return []
+        self.message_index, self.num_items = self.num_items, self.num_items + 1
+        return [self._event("response.output_item.added", output_index=self.message_index,
                             item=self.response.message("", "in_progress")),
-                self._event("response.content_part.added", **item, content_index=0,
-                            part=output_text(""))]
+                self._event("response.content_part.added", content_index=0,
+                            part=output_text(""), **self._message_ids())]
 
     async def finish(self, choices: dict[str, Choice]) -> list[dict]:
         if self.has_failed:

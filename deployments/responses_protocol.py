@@ -29,7 +29,7 @@ RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
 
 
 class TextPart(_Base):
-    type: Literal["input_text", "output_text"]
+    type: str  # one of the kinds _text takes
     text: str
 
 
@@ -52,6 +52,14 @@ class FunctionCallOutputItem(_Base):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[Any]
+
+
+class ReasoningItem(_Base):
+    """A model's earlier reasoning (its output item, sent back): its text is in `content`
+    (reasoning_text parts), or only in `summary` (summary_text parts)."""
+    type: Literal["reasoning"]
+    summary: list[Any] = []
+    content: list[Any] | None = None
 
 
 class ItemReference(_Base):
@@ -103,6 +111,7 @@ class ResponsesRequest(SamplingOptions):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: list[str] | None = None
     # extensions, as on the chat route
+    chat_template_kwargs: dict | None = None
     priority: Annotated[int, Field(ge=-100, le=100)] | None = None
     timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
 
@@ -159,6 +168,7 @@ class ResponsesRequest(SamplingOptions):
             response_format=self._response_format(), model=self.model, stream=self.stream,
             priority=self.priority, timeout_s=self.timeout_s, user=self.user,
             logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs,
+            chat_template_kwargs=self.chat_template_kwargs,
             **self.model_dump(include=set(SamplingOptions.model_fields)))
         chat._call_limit = self.max_tool_calls
         chat.check_supported()
@@ -197,7 +207,7 @@ class ResponsesRequest(SamplingOptions):
 
 def normalize_input(items: str | list) -> list[dict]:
     """The request's `input` as stored items, each checked (an error names its index) and
-    given an id if it has none: message items with their text in content parts,
+    given a new id (new_id): message items with their text in content parts,
     function_call and function_call_output items; item_reference items are left for
     the caller to resolve."""
     if isinstance(items, str):
@@ -211,15 +221,22 @@ def normalize_input(items: str | list) -> list[dict]:
             text = _text(msg.content, f"input.{i}.content")
             part = {"type": "output_text", "text": text, "annotations": []} \
                 if msg.role == "assistant" else {"type": "input_text", "text": text}
-            out.append(_message_item(msg.role, [part], item.get("id")))
+            out.append(_message_item(msg.role, [part]))
         elif kind == "function_call":
             call = _validate(FunctionCallItem, item, f"input.{i}")
-            out.append({**call.model_dump(), "id": _id(item, "fc"), "status": "completed"})
+            out.append({**call.model_dump(), "id": new_id("fc"), "status": "completed"})
         elif kind == "function_call_output":
             result = _validate(FunctionCallOutputItem, item, f"input.{i}")
-            out.append({"type": kind, "id": _id(item, "fco"), "call_id": result.call_id,
+            out.append({"type": kind, "id": new_id("fco"), "call_id": result.call_id,
                         "output": _text(result.output, f"input.{i}.output"),
                         "status": "completed"})
+        elif kind == "reasoning":
+            reasoning = _validate(ReasoningItem, item, f"input.{i}")
+            parts, param, part_type = (reasoning.content, "content", "reasoning_text") \
+                if reasoning.content else (reasoning.summary, "summary", "summary_text")
+            text = _text(parts, f"input.{i}.{param}", (part_type,))
+            out.append({"type": kind, "id": new_id("rs"), "summary": [], "status": "completed",
+                        "content": [{"type": "reasoning_text", "text": text}]})
         elif kind == "item_reference":
             out.append(_validate(ItemReference, item, f"input.{i}").model_dump())
         else:
@@ -229,14 +246,15 @@ def normalize_input(items: str | list) -> list[dict]:
     return out
 
 
-def _message_item(role: str, content: list[dict], item_id: str | None = None) -> dict:
-    return {"type": "message", "id": item_id if isinstance(item_id, str) else
-            f"msg_{uuid.uuid4().hex}", "role": role, "content": content, "status": "completed"}
+def _message_item(role: str, content: list[dict]) -> dict:
+    return {"type": "message", "id": new_id("msg"), "role": role, "content": content,
+            "status": "completed"}
 
 
-def _id(item: dict, prefix: str) -> str:
-    given = item.get("id")
-    return given if isinstance(given, str) else f"{prefix}_{uuid.uuid4().hex}"
+def new_id(prefix: str) -> str:
+    """An input item's id. The ids items came with are not kept: a client sends back the
+    items of earlier responses with their ids, and an id must name one stored item."""
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def item_messages(items: list[dict]) -> list[ChatMessage]:
@@ -244,32 +262,39 @@ def item_messages(items: list[dict]) -> list[ChatMessage]:
     function calls (and the assistant text before them) are one assistant turn, as the
     model produced them."""
     messages: list[ChatMessage] = []
+    reasoning = None  # an assistant turn's reasoning, which comes before its text or calls
     for item in items:
         kind = item["type"]
+        if kind == "reasoning":
+            reasoning = "".join(part["text"] for part in item["content"])
+            continue
         if kind == "message":
             messages.append(ChatMessage(role=item["role"], content="".join(
                 part["text"] for part in item["content"])))
         elif kind == "function_call":
             call = ToolCallMessage(id=item["call_id"], function=FunctionCall(
                 name=item["name"], arguments=item["arguments"]))
-            if messages and messages[-1].role == "assistant":
+            if messages and messages[-1].role == "assistant" and reasoning is None:
                 messages[-1].tool_calls = (messages[-1].tool_calls or []) + [call]
             else:
                 messages.append(ChatMessage(role="assistant", tool_calls=[call]))
         elif kind == "function_call_output":
             messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"],
                                         content=item["output"]))
+        if reasoning is not None and messages[-1].role == "assistant":
+            messages[-1].reasoning = reasoning
+        reasoning = None
     return messages
 
 
-def _text(content: str | list, param: str) -> str:
-    """A message's text: a string, or its text parts joined."""
+def _text(content: str | list, param: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
+    """A message's text: a string, or its text parts (of these `kinds`) joined."""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
         _need_object(part, f"{param}.{j}")
-        if part.get("type") not in TEXT_PARTS:
+        if part.get("type") not in kinds:
             raise APIError(400, f"content parts of type {part.get('type')!r} are not "
                                 "supported: this server serves text-only models",
                            f"{param}.{j}", "unsupported_content")

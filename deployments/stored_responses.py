@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from deployments.frontend import Frontend
 from deployments.protocol import APIError
+from deployments.responses_protocol import new_id
 
 MAX_LIST = 100
 
@@ -29,6 +30,11 @@ logger = logging.getLogger("orca_serve.ingress")
 def not_found(response_id: str) -> APIError:
     return APIError(404, f"Response with id {response_id!r} not found.", None, "not_found",
                     "not_found_error")
+
+
+def record_items(record: dict) -> list[dict]:
+    """A stored response's conversation items: its request's input, then its output."""
+    return record["input"] + record["response"]["output"]
 
 
 class StoredResponses:
@@ -58,13 +64,16 @@ class StoredResponses:
                            f"input.{refs[0]}", "unsupported_parameter")
         earlier = []
         if previous_id is not None:
-            chain = await self._call("chain", previous_id)
-            if chain is None:
-                raise APIError(400, f"Previous response with id {previous_id!r} not found.",
-                               "previous_response_id", "previous_response_not_found")
+            chain, missing = await self._call("chain", previous_id)
+            if missing is not None:
+                raise APIError(400, f"Previous response with id {previous_id!r} not found."
+                               if missing == previous_id else
+                               f"Previous response with id {previous_id!r} can not be "
+                               f"continued: response {missing!r}, which it continues, is not "
+                               "stored any more.", "previous_response_id",
+                               "previous_response_not_found")
             for data in chain:
-                record = json.loads(data)
-                earlier += record["input"] + record["response"]["output"]
+                earlier += record_items(json.loads(data))
         if refs:
             found = await self._call("holding", [items[i]["id"] for i in refs])
             items = list(items)
@@ -73,9 +82,10 @@ class StoredResponses:
                 if item_id not in found:
                     raise APIError(400, f"Item with id {item_id!r} not found.",
                                    f"input.{i}.id", "item_not_found")
-                record = json.loads(found[item_id])
-                items[i] = next(item for item in record["input"] + record["response"]["output"]
-                                if item["id"] == item_id)
+                item = next(item for item in record_items(json.loads(found[item_id]))
+                            if item["id"] == item_id)
+                # a copy: an id names one stored item
+                items[i] = {**item, "id": new_id(item_id.split("_")[0])}
         return earlier, items
 
     async def save(self, response: dict, items: list[dict]) -> None:
@@ -84,8 +94,10 @@ class StoredResponses:
         data = json.dumps({"response": response, "input": items})  # ASCII: len is bytes
         ids = [item["id"] for item in items + response["output"]]
         try:
-            await self._call("put", response["id"], data, response["previous_response_id"],
-                             ids)
+            if not await self._call("put", response["id"], data,
+                                    response["previous_response_id"], ids):
+                logger.warning("response %s not stored: over response_store_mib by itself",
+                               response["id"])
         except APIError as e:
             logger.warning("response %s not stored: %s", response["id"], e.message)
 
@@ -119,18 +131,21 @@ class StoredResponses:
             response_id = request.path_params["response_id"]
             query = request.query_params
             limit = query.get("limit", "20")
-            if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST:
+            if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_LIST:
                 raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST}", "limit",
                                "invalid_value")
             order = query.get("order", "desc")
             if order not in ("asc", "desc"):
                 raise APIError(400, "order must be \"asc\" or \"desc\"", "order",
                                "invalid_value")
-            chain = await self._call("chain", response_id)
-            if chain is None:
-                raise not_found(response_id)
+            chain, missing = await self._call("chain", response_id)
+            if missing is not None:
+                raise not_found(response_id) if missing == response_id else APIError(
+                    404, f"The input items of response {response_id!r} are not stored any "
+                         f"more: response {missing!r}, which it continues, is not.", None,
+                    "not_found", "not_found_error")
             records = [json.loads(data) for data in chain]
-            items = [item for r in records[:-1] for item in r["input"] + r["response"]["output"]]
+            items = [item for r in records[:-1] for item in record_items(r)]
             items += records[-1]["input"]
             if order == "desc":
                 items.reverse()

@@ -7,7 +7,8 @@ Grammars: OpenAI's `response_format` (`json_object`, `json_schema`), or vLLM's e
 `parallel_tool_calls: false`), with a named function one call of it, in the model family's
 format (an xgrammar structural tag); with `"auto"` the model chooses and the text is parsed
 afterwards (deployments/tool_parsers.py), only its first call kept with
-`parallel_tool_calls: false`.
+`parallel_tool_calls: false`. With a reasoning parser, the grammar applies to the answer
+after the model's reasoning (reasoning_grammar).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import re
 
 from deployments.protocol import APIError
+from deployments.reasoning import END, START
 from deployments.tool_parsers import CALL_SEPARATORS
 
 MAX_JSON_DEPTH = 64  # objects and arrays nested in a schema (a level of properties is 2)
@@ -81,6 +83,27 @@ def tool_grammar(tools, tool_choice, parser_name: str,
     spec = ("structural_tag", json.dumps({"type": "structural_tag", "format": fmt_json}))
     _check(spec, "tools")
     return spec
+
+
+def reasoning_grammar(spec: tuple[str, str], parser: str) -> tuple[str, str]:
+    """The grammar of a reasoning model's whole output: its reasoning, any text up to
+    </think> (with the qwen3 parser, only if it starts with <think>: thinking may be off),
+    up to two newlines, then `spec` for the answer."""
+    from engine_actors.grammar import json_grammar
+    kind, value = spec
+    if kind == "structural_tag":
+        answer = json.loads(value)["format"]
+    elif kind == "regex":
+        answer = {"type": "regex", "pattern": value}
+    else:  # a JSON schema, by the engine's own rules (bounded whitespace, strict strings)
+        answer = {"type": "grammar", "grammar": json_grammar(kind, value)}
+    thinking = {"type": "tag", "begin": START if parser == "qwen3" else "",
+                "content": {"type": "any_text", "excludes": [END]}, "end": END}
+    if parser == "qwen3":
+        thinking = {"type": "optional", "content": thinking}
+    fmt = {"type": "sequence",
+           "elements": [thinking, {"type": "regex", "pattern": "\\n{0,2}"}, answer]}
+    return "structural_tag", json.dumps({"type": "structural_tag", "format": fmt})
 
 
 def default_tool_parser(tokenizer, architecture: str) -> str:

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from deployments.chat_protocol import ChatMessage, Tool
+from deployments.chat_protocol import ChatMessage, Tool, check_template_kwargs
 from deployments.frontend import Frontend
 from deployments.protocol import APIError, _Base
 
@@ -23,10 +23,12 @@ class TokenizeRequest(_Base):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # vLLM's defaults: prompt true, messages false
     return_token_strs: bool = False
+    chat_template_kwargs: dict | None = None
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt", "invalid_value")
+        check_template_kwargs(self.chat_template_kwargs)
         for i, m in enumerate(self.messages or []):
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 part.check_supported(f"messages.{i}.content.{j}")
@@ -59,7 +61,8 @@ class TokenizeAPI:
             else:
                 ids = await self.frontend.chat_ids(req.messages, req.tools,
                                                    req.add_generation_prompt,
-                                                   bool(req.add_special_tokens))
+                                                   bool(req.add_special_tokens),
+                                                   req.chat_template_kwargs)
             body = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
                     "token_strs": self.frontend.tokenizer.convert_ids_to_tokens(ids)
                     if req.return_token_strs else None}

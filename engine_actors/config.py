@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
@@ -17,7 +17,8 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 DEFAULT_MODEL = "tiny-random-llama"
 
 
-HTTP_ONLY = {"api_key", "request_timeout_s", "served_model_name", "tool_call_parser"}
+HTTP_ONLY = {"api_key", "request_timeout_s", "served_model_name", "tool_call_parser",
+             "reasoning_parser", "default_chat_template_kwargs"}
 
 
 class ConfigError(ValueError):
@@ -97,6 +98,11 @@ class EngineConfig:
     # Tool calls: the output format to parse ("auto": from the chat template, else the
     # architecture: hermes for Qwen and templates with <tool_call>, llama3_json for Llama).
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+    # The chat routes return <think>...</think> apart from the answer (deployments/reasoning.py).
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
+    # Template variables of every chat request (a request's chat_template_kwargs go over
+    # them), e.g. {"enable_thinking": false} to turn Qwen3's thinking off by default.
+    default_chat_template_kwargs: dict[str, Any] | None = None
 
     # Security: when set, every route but /health and /metrics needs this bearer token.
     # build_app also reads it from ORCA_SERVE_API_KEY.

@@ -14,31 +14,38 @@ openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machin
 from deployments.responses_protocol import normalize_input  # noqa: E402
 from engine_actors.checkpoint import resolve_model_path  # noqa: E402
 from engine_actors.config import DEFAULT_MODEL  # noqa: E402
-from engine_actors.response_store import ResponseStore  # noqa: E402
+from engine_actors.response_store import ITEM_BYTES, ResponseStore  # noqa: E402
 from tests.engine_harness import hf_greedy  # noqa: E402
-from tests.test_responses_api import MODEL, TOOL, tokenizer  # noqa: E402, F401
+from tests.test_responses_api import MODEL, TOOL  # noqa: E402
 from tests.test_structured_output import WEATHER  # noqa: E402
 
 NO_EOS = {"ignore_eos": True}
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    from engine_actors.checkpoint import load_tokenizer
+    return load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+
+
 # ---- the store, without a server -------------------------------------------------------------
 def test_the_store_keeps_chains_and_evicts_the_least_recently_used():
-    store = ResponseStore(max_bytes=30)
+    size = 10 + ITEM_BYTES + 2  # a record's JSON and its one item id
+    store = ResponseStore(max_bytes=3 * size)
     assert store.put("a", "x" * 10, None, ["i1"])
     assert store.put("b", "y" * 10, "a", ["i2"])
-    assert store.chain("b") == ["x" * 10, "y" * 10]
+    assert store.chain("b") == (["x" * 10, "y" * 10], None)
     assert store.holding(["i1", "i2", "nope"]) == {"i1": "x" * 10, "i2": "y" * 10}
-    store.put("c", "z" * 10, None, ["i3"])  # 30 bytes: all fit
+    store.put("c", "z" * 10, None, ["i3"])  # three records: all fit
     store.chain("b")  # uses a and b: c is now the least recently used
     store.put("d", "w" * 10, None, ["i4"])
     assert store.get("c") is None and store.holding(["i3"]) == {}
-    assert store.get("a") == "x" * 10 and store.num_bytes == 30
-    assert not store.put("e", "v" * 31, None, [])  # over the whole store: not kept
+    assert store.get("a") == "x" * 10 and store.num_bytes == 3 * size
+    assert not store.put("e", "v" * (3 * size + 1), None, [])  # over the whole store: not kept
     assert store.delete("a") and not store.delete("a")
-    assert store.chain("b") is None  # a conversation through a deleted response is gone
-    assert store.get("b") == "y" * 10 and store.num_bytes == 20
-    assert store.stats() == {"stored_responses": 2, "stored_response_bytes": 20}
+    assert store.chain("b") == ([], "a")  # a conversation through a deleted response
+    assert store.get("b") == "y" * 10 and store.num_bytes == 2 * size
+    assert store.stats() == {"stored_responses": 2, "stored_response_bytes": 2 * size}
 
 
 def test_input_items_are_stored_in_one_shape_with_ids():
@@ -53,7 +60,7 @@ def test_input_items_are_stored_in_one_shape_with_ids():
     assert [i["type"] for i in items] == ["message", "message", "function_call",
                                           "function_call_output", "item_reference"]
     assert items[0]["content"] == [{"type": "input_text", "text": "hi"}]
-    assert items[1]["id"] == "msg_given"
+    assert items[1]["id"] != "msg_given"  # an id names one stored item: given ones are not kept
     assert items[1]["content"] == [{"type": "output_text", "text": "ab", "annotations": []}]
     assert items[3]["output"] == "ok" and items[4] == {"type": "item_reference", "id": "fc_1"}
     assert all(i["id"] for i in items) and len({i["id"] for i in items}) == 5
@@ -124,6 +131,13 @@ def test_retrieve_list_input_items_and_delete(client, url):
     rest = client.responses.input_items.list(second.id, order="asc", after=asc.last_id)
     assert [i.content[0].text for i in rest.data] == [first.output_text, "three"]
     assert [i.id for i in asc.data + rest.data] == [i.id for i in page.data][::-1]
+    # output items sent back with the response they came from: stored anew, each id once,
+    # so the client's pages (one item each) go through them all
+    third = client.responses.create(model=MODEL, previous_response_id=second.id,
+                                    input=second.output + [{"role": "user", "content": "x"}],
+                                    max_output_tokens=2)
+    ids = [item.id for item in client.responses.input_items.list(third.id, limit=1)]
+    assert len(ids) == len(set(ids)) == 7
     client.responses.delete(first.id)
     for call in (lambda: client.responses.retrieve(first.id),
                  lambda: client.responses.delete(first.id),

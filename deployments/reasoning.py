@@ -1,0 +1,87 @@
+"""Reasoning models: the text a model writes between <think> and </think> is its reasoning,
+returned apart from the answer (vLLM's `reasoning` field on chat completions, a `reasoning`
+output item on the Responses API), when the server runs with a `reasoning_parser`:
+
+- `qwen3` (Qwen3, whose output starts with <think> while thinking is on, and has no
+  reasoning when a chat template turns it off: `chat_template_kwargs: {"enable_thinking":
+  false}`): reasoning only if the output starts with <think>;
+- `deepseek_r1` (DeepSeek-R1 and the models whose chat template ends the prompt in <think>,
+  such as QwQ and Qwen3's thinking-only releases): the output starts in reasoning (a
+  leading <think> is dropped).
+
+Reasoning ends at the first </think>; an output cut before it is all reasoning. The blank
+lines the model writes after </think> are not part of the answer. Tool calls are parsed
+from the answer only, and a grammar (structured output, forced tool calls) applies to the
+answer only (structured.reasoning_grammar).
+"""
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+PARSERS = ("qwen3", "deepseek_r1")
+
+
+class ReasoningStream:
+    """Splits one choice's text, as it streams, into reasoning and answer. Text that may be
+    the start of a tag, or newlines that may come before </think>, are held until the next
+    delta decides them, so the split does not depend on where deltas break."""
+
+    def __init__(self, parser: str):
+        self.starts_in_reasoning = parser == "deepseek_r1"
+        self.state = "start"  # "start" (no text yet), "reasoning" or "answer"
+        self.held = ""
+        self.is_skipping_newlines = True  # after a tag (and at the start): dropped
+        self.is_ended = False  # </think> came
+
+    def add(self, delta: str, is_final: bool = False) -> tuple[str, str]:
+        """(reasoning, answer) text of the next delta; `is_final`: nothing follows."""
+        text, self.held = self.held + delta, ""
+        thought = ""
+        if self.state == "start":
+            stripped = text.lstrip()
+            if stripped.startswith(START):
+                text, self.state = stripped[len(START):], "reasoning"
+            elif START.startswith(stripped) and not is_final:
+                self.held = text  # maybe the beginning of <think>
+                return "", ""
+            else:
+                self.state = "reasoning" if self.starts_in_reasoning else "answer"
+        if self.state == "reasoning":
+            text = self._skip_newlines(text)
+            end = text.find(END)
+            if end < 0:
+                if is_final:
+                    return text, ""
+                body = text[:len(text) - _partial_suffix(text, END)]
+                body = body.rstrip("\n")  # newlines that may come before </think>
+                self.held = text[len(body):]
+                return body, ""
+            thought, text, self.state = text[:end].rstrip("\n"), text[end + len(END):], "answer"
+            self.is_skipping_newlines = self.is_ended = True
+        return thought, self._skip_newlines(text)
+
+    def _skip_newlines(self, text: str) -> str:
+        if self.is_skipping_newlines:
+            text = text.lstrip("\n")
+            self.is_skipping_newlines = not text
+        return text
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def reasoning_tokens(tokenizer, token_ids: list[int], reasoning: str, is_ended: bool) -> int:
+    """How many generated tokens are reasoning (its tags included): up to the </think>
+    token where that is one token, else counted by tokenizing the reasoning text."""
+    if not reasoning and not is_ended:
+        return 0
+    if not is_ended:
+        return len(token_ids)
+    end_id = tokenizer.convert_tokens_to_ids(END)
+    if isinstance(end_id, int) and end_id != tokenizer.unk_token_id and end_id in token_ids:
+        return token_ids.index(end_id) + 1
+    return len(tokenizer.encode(f"{START}\n{reasoning}\n{END}", add_special_tokens=False))
