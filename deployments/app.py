@@ -5,8 +5,10 @@ import os
 
 from ray.serve import Application
 
+from deployments.chat_protocol import check_template_kwargs
 from deployments.ingress import OpenAIIngress
-from engine_actors.config import EngineConfig
+from deployments.protocol import APIError
+from engine_actors.config import ConfigError, EngineConfig
 
 
 def build_app(args: dict | None = None) -> Application:
@@ -18,6 +20,10 @@ def build_app(args: dict | None = None) -> Application:
     if "api_key" not in args and os.environ.get("ORCA_SERVE_API_KEY"):
         args["api_key"] = os.environ["ORCA_SERVE_API_KEY"]
     cfg = EngineConfig.from_args(args)
+    try:
+        check_template_kwargs(cfg.default_chat_template_kwargs, "default_chat_template_kwargs")
+    except APIError as e:
+        raise ConfigError(e.message) from None
     # Serve drains a stopping replica before its shutdown hook runs our own drain: leave
     # room for both before Serve gives up and kills it
     ingress = OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s + 15)

@@ -2,6 +2,8 @@
 fields shared with completions and the error objects)."""
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Annotated, Literal
 
 from pydantic import Field, PrivateAttr, field_validator
@@ -103,19 +105,26 @@ class ChatMessage(_Base):
         return out
 
 
-# apply_chat_template's own arguments: chat_template_kwargs adds variables, not these
-TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template",
-                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                 "truncation", "max_length", "return_tensors", "return_dict",
-                 "return_assistant_tokens_mask", "tokenizer_kwargs"}
+@functools.cache
+def template_call_args() -> frozenset[str]:
+    """The named arguments of transformers' apply_chat_template and of the template
+    rendering under it (this version's): chat_template_kwargs adds template variables, and
+    may not set these."""
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils import chat_template_utils
+    functions = [PreTrainedTokenizerBase.apply_chat_template,
+                 getattr(chat_template_utils, "render_jinja_template", None)]
+    return frozenset(name for f in functions if f is not None
+                     for name, p in inspect.signature(f).parameters.items()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self")
 
 
-def check_template_kwargs(kwargs: dict | None) -> None:
+def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs") -> None:
     for key in kwargs or {}:
-        if key in TEMPLATE_ARGS:
-            raise APIError(400, f"chat_template_kwargs may not set {key!r} (an argument of "
-                                "the template call, not a template variable)",
-                           f"chat_template_kwargs.{key}", "invalid_value")
+        if key in template_call_args():
+            raise APIError(400, f"{param} may not set {key!r} (an argument of the template "
+                                "call, not a template variable)", f"{param}.{key}",
+                           "invalid_value")
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -12,13 +12,12 @@ import threading
 
 from starlette.requests import Request
 
-from deployments.chat_protocol import TEMPLATE_ARGS
 from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
 from deployments.http_metrics import HTTPMetrics
 from deployments.protocol import APIError, parse_body
 from deployments.structured import default_tool_parser
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
-from engine_actors.config import ConfigError, EngineConfig
+from engine_actors.config import EngineConfig
 
 logger = logging.getLogger("orca_serve.ingress")
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -31,10 +30,6 @@ def unavailable(message: str) -> APIError:
 
 class Frontend:
     def __init__(self, cfg: EngineConfig):
-        reserved = TEMPLATE_ARGS & set(cfg.default_chat_template_kwargs or {})
-        if reserved:
-            raise ConfigError(f"default_chat_template_kwargs may not set {sorted(reserved)}: "
-                              "arguments of the template call, not template variables")
         self.cfg = cfg
         self.client = EngineClient(cfg)
         self.metrics = HTTPMetrics(cfg.model_name)
@@ -187,10 +182,13 @@ class Frontend:
                                                  add_generation_prompt=add_generation_prompt,
                                                  **variables)
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        size = len(str(messages)) + len(str(tools or "")) + len(str(variables))
         try:
-            return await self.tokenize(render, len(str(messages)) + len(str(tools or "")))
+            return await self.tokenize(render, size)
         except Exception as e:
-            raise APIError(400, f"messages could not be formatted: {e}", "messages") from None
+            with_variables = " (with chat_template_kwargs)" if template_kwargs else ""
+            raise APIError(400, f"messages could not be formatted{with_variables}: {e}",
+                           "messages") from None
 
     async def prompt_ids(self, prompts: list[str | list[int]], info: ModelInfo,
                          params: list[str]) -> list[list[int]]:

@@ -23,7 +23,7 @@ from deployments.protocol import (APIError, CompletionRequest,
                                   refusal_error)
 from deployments.logprobs import LogprobsWriter
 from deployments.reasoning import ReasoningStream
-from deployments.structured import grammar_for, reasoning_grammar, tool_grammar
+from deployments.structured import grammar_for, tool_grammar
 from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
 from deployments.responses import (Choice, SSEResponse, SSEWriter, StreamWriter,
                                    deadline_error, response_body, timeout_error)
@@ -78,17 +78,15 @@ class OpenAIRoutes:
         response_format, or a forced tool call), and the tool-call parser (with tools)."""
         ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None,
                                            template_kwargs=req.chat_template_kwargs)
-        grammar = grammar_for(req)
+        reasoning = self.frontend.cfg.reasoning_parser
+        grammar = grammar_for(req, reasoning)
         parser = self.frontend.tool_parser(info) if req.uses_tools else None
-        forced = tool_grammar(req.tools, req.tool_choice, parser, req.max_tool_calls() != 1) \
-            if parser and req.forces_tool_calls else None
+        forced = tool_grammar(req.tools, req.tool_choice, parser, req.max_tool_calls() != 1,
+                              reasoning) if parser and req.forces_tool_calls else None
         if grammar is not None and forced is not None:
             raise APIError(400, "a tool_choice that forces a call cannot be combined with "
                                 "response_format or guided_*", "tool_choice", "invalid_value")
-        grammar = grammar or forced
-        if grammar is not None and self.frontend.cfg.reasoning_parser:
-            grammar = reasoning_grammar(grammar, self.frontend.cfg.reasoning_parser)
-        return list(ids), grammar, parser
+        return list(ids), grammar or forced, parser
 
     async def _generate(self, req, prompts, max_tokens, info: ModelInfo, chat: bool,
                         arrival: float, grammar: tuple[str, str] | None = None,

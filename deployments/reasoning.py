@@ -74,14 +74,17 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def reasoning_tokens(tokenizer, token_ids: list[int], reasoning: str, is_ended: bool) -> int:
-    """How many generated tokens are reasoning (its tags included): up to the </think>
-    token where that is one token, else counted by tokenizing the reasoning text."""
-    if not reasoning and not is_ended:
-        return 0
-    if not is_ended:
-        return len(token_ids)
-    end_id = tokenizer.convert_tokens_to_ids(END)
-    if isinstance(end_id, int) and end_id != tokenizer.unk_token_id and end_id in token_ids:
-        return token_ids.index(end_id) + 1
-    return len(tokenizer.encode(f"{START}\n{reasoning}\n{END}", add_special_tokens=False))
+def reasoning_tokens(tokenizer, token_ids: list[int], stream: ReasoningStream) -> int:
+    """How many generated tokens are reasoning, its tags included: all of them while it has
+    not ended, up to the one that completes </think> once it has, none if there was none."""
+    if not stream.is_ended:
+        return len(token_ids) if stream.state == "reasoning" else 0
+    # the shortest prefix whose text holds </think> (the decoded text only grows)
+    low, high = 1, len(token_ids)
+    while low < high:
+        mid = (low + high) // 2
+        if END in tokenizer.decode(token_ids[:mid], skip_special_tokens=True):
+            high = mid
+        else:
+            low = mid + 1
+    return low

@@ -92,6 +92,7 @@ class Choice:
         self.reasoning = reasoning  # deployments.reasoning.ReasoningStream, with a parser
         self.reasoning_text = ""
         self.new_reasoning = ""  # added by the last update
+        self._num_reasoning_tokens: int | None = None  # kept once the reasoning ended
 
     def consume(self, update: RequestUpdate,
                 arrivals: list[tuple[float, int]] | None = None) -> str:
@@ -153,6 +154,8 @@ class Choice:
         out = {"role": "assistant", "content": self.text}
         if self.reasoning is not None:
             out["reasoning"] = self.reasoning_text or None
+            if self.reasoning_text and not self.text:  # vLLM's: no answer is null
+                out["content"] = None
         if self.tool_calls:
             out["content"] = self.text or None
             out["tool_calls"] = [call.to_openai(call_id)
@@ -161,10 +164,13 @@ class Choice:
 
     @property
     def num_reasoning_tokens(self) -> int:
+        """Of the generated tokens, those of the reasoning (its tags included)."""
         if self.reasoning is None:
             return 0
-        return reasoning_tokens(self.text_stream.tokenizer, self.token_ids, self.reasoning_text,
-                                self.reasoning.is_ended)
+        if self._num_reasoning_tokens is None or not self.reasoning.is_ended:
+            self._num_reasoning_tokens = reasoning_tokens(self.text_stream.tokenizer,
+                                                          self.token_ids, self.reasoning)
+        return self._num_reasoning_tokens
 
     def take_token_ids(self) -> list[int]:
         """The generated token ids not streamed yet."""

@@ -3,8 +3,9 @@
 The request becomes a chat completion request (responses_protocol.py) and runs through the
 chat route's machinery (OpenAIRoutes: template, grammars and tool calls, submission, time
 limits, disconnects, metrics); only the output differs. It is a `response` object whose
-`output` holds a `message` item (the text) and `function_call` items, or, streamed, typed
-events numbered by `sequence_number` that build those items and end with the whole response
+`output` holds a `reasoning` item (with a reasoning parser), a `message` item (the text)
+and `function_call` items, in that order, or, streamed, typed events numbered by
+`sequence_number` that build those items and end with the whole response
 (`response.completed`, `response.incomplete`, or `response.failed`). Finished responses
 are stored unless the request says `"store": false` (stored_responses.py).
 """
@@ -171,14 +172,22 @@ def output_text(text: str, logprobs: list[dict] = ()) -> dict:
 
 
 def all_logprobs(choice: Choice) -> list[dict]:
-    """Every generated token's log-probabilities (chat's entries), if the request asked."""
-    return choice.logprobs.result()["content"] if choice.logprobs is not None else []
+    """The log-probabilities (chat's entries) of the answer's tokens, if the request asked:
+    every generated token's but the reasoning's."""
+    if choice.logprobs is None:
+        return []
+    return choice.logprobs.result()["content"][choice.num_reasoning_tokens:]
 
 
 def _taken(choice: Choice) -> list[dict]:
-    """The log-probabilities of the tokens since the last delta (streamed with it)."""
+    """The log-probabilities of the answer's tokens since the last text delta (streamed
+    with it): the reasoning's are left out."""
+    if choice.logprobs is None:
+        return []
+    first = choice.logprobs.num_taken  # the index of the first entry taken now
     taken = choice.take_logprobs()
-    return taken["content"] if taken else []
+    skip = max(0, choice.num_reasoning_tokens - first)
+    return taken["content"][skip:] if taken else []
 
 
 class ResponseEvents:

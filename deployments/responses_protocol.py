@@ -208,8 +208,8 @@ class ResponsesRequest(SamplingOptions):
 def normalize_input(items: str | list) -> list[dict]:
     """The request's `input` as stored items, each checked (an error names its index) and
     given a new id (new_id): message items with their text in content parts,
-    function_call and function_call_output items; item_reference items are left for
-    the caller to resolve."""
+    function_call, function_call_output and reasoning items; item_reference items are left
+    for the caller to resolve."""
     if isinstance(items, str):
         return [_message_item("user", [{"type": "input_text", "text": items}])]
     out = []

@@ -25,8 +25,9 @@ MAX_GRAMMAR_CHARS = 128 * 1024  # compiling takes ~2 ms per KB of schema on this
 XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 
 
-def grammar_for(req) -> tuple[str, str] | None:
-    """The grammar spec a request asks for, checked (APIError 400 naming the field)."""
+def grammar_for(req, reasoning_parser: str | None = None) -> tuple[str, str] | None:
+    """The grammar spec a request asks for, checked (APIError 400 naming the field); with
+    a reasoning parser, for the answer after the reasoning (reasoning_grammar)."""
     specs = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":  # OpenAI's JSON mode: an object
@@ -53,11 +54,11 @@ def grammar_for(req) -> tuple[str, str] | None:
         return None
     param, spec = specs[0]
     _check(spec, param)
-    return spec
+    return reasoning_grammar(spec, reasoning_parser, param) if reasoning_parser else spec
 
 
-def tool_grammar(tools, tool_choice, parser_name: str,
-                 parallel: bool = True) -> tuple[str, str]:
+def tool_grammar(tools, tool_choice, parser_name: str, parallel: bool = True,
+                 reasoning_parser: str | None = None) -> tuple[str, str]:
     """The grammar of a tool_choice that forces calls: with "required", one call of any of
     the tools, or with `parallel` one or more; with a named function, one call of it. In the
     format of `parser_name`, the arguments valid against the function's parameters, nothing
@@ -82,13 +83,15 @@ def tool_grammar(tools, tool_choice, parser_name: str,
         fmt_json = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     spec = ("structural_tag", json.dumps({"type": "structural_tag", "format": fmt_json}))
     _check(spec, "tools")
-    return spec
+    return reasoning_grammar(spec, reasoning_parser, "tools") if reasoning_parser else spec
 
 
-def reasoning_grammar(spec: tuple[str, str], parser: str) -> tuple[str, str]:
+def reasoning_grammar(spec: tuple[str, str], parser: str,
+                      param: str | None = None) -> tuple[str, str]:
     """The grammar of a reasoning model's whole output: its reasoning, any text up to
     </think> (with the qwen3 parser, only if it starts with <think>: thinking may be off),
-    up to two newlines, then `spec` for the answer."""
+    up to two newlines, then `spec` for the answer. With `param`, checked as the engine
+    will compile it (APIError 400 naming `param`)."""
     from engine_actors.grammar import json_grammar
     kind, value = spec
     if kind == "structural_tag":
@@ -103,7 +106,10 @@ def reasoning_grammar(spec: tuple[str, str], parser: str) -> tuple[str, str]:
         thinking = {"type": "optional", "content": thinking}
     fmt = {"type": "sequence",
            "elements": [thinking, {"type": "regex", "pattern": "\\n{0,2}"}, answer]}
-    return "structural_tag", json.dumps({"type": "structural_tag", "format": fmt})
+    wrapped = "structural_tag", json.dumps({"type": "structural_tag", "format": fmt})
+    if param is not None:
+        _check(wrapped, param)
+    return wrapped
 
 
 def default_tool_parser(tokenizer, architecture: str) -> str:

@@ -79,7 +79,8 @@ class ResponseStore:
             return False
         self.num_bytes -= _size(record)
         for item_id in record.item_ids:
-            del self.item_owner[item_id]
+            if self.item_owner.get(item_id) == response_id:
+                del self.item_owner[item_id]
         return True
 
     def stats(self) -> dict:

@@ -47,6 +47,10 @@ VARIANTS = {
     "penalties": dict(processors=True),  # repetition, presence and frequency penalties
     # every other request under the JSON schema (structured output, issue 14)
     "json_half": dict(grammar=("json_schema", RECORDS_SCHEMA), every=2),
+    # the same schema after a reasoning model's thinking (deployments/structured.py's
+    # reasoning_grammar): the random model stays in the free text before </think>
+    "json_half_reasoning": dict(grammar=("json_schema", RECORDS_SCHEMA), every=2,
+                                reasoning="deepseek_r1"),
 }
 
 
@@ -55,8 +59,12 @@ def new_request(row: int, variant: str, context_len: int, lora_slot: int = -1) -
     if extra.pop("processors", False):
         extra["processors"] = ProcessorSettings(context_len, presence_penalty=0.5,
                                                 frequency_penalty=0.5, repetition_penalty=1.1)
+    parser = extra.pop("reasoning", None)
     if row % extra.pop("every", 1):
         extra.pop("grammar")
+    elif parser is not None:
+        from deployments.structured import reasoning_grammar
+        extra["grammar"] = reasoning_grammar(extra["grammar"], parser)
     return NewRequest(row, 0.0, 1.0, 0, None, lora_slot=lora_slot, **extra)
 
 
@@ -161,8 +169,10 @@ def _bench_worker_class():
                 if v == "json_half":  # only its steps count in the host times
                     spent = _time_grammar_host(runner.head)
                 variants[v] = time_decode(runner, batch, context_len, iters, v)
-            matchers = runner.head.grammars.matchers.values()
-            variants["json_rows_active"] = sum(not m.is_terminated() for m in matchers)
+                if v in ("json_half", "json_half_reasoning"):  # rows still under the grammar
+                    matchers = runner.head.grammars.matchers.values()
+                    key = "json_rows_active" if v == "json_half" else "json_reasoning_rows_active"
+                    variants[key] = sum(not m.is_terminated() for m in matchers)
             for key, (seconds, calls) in spent.items():  # per step that had grammar rows
                 variants[key] = seconds / max(calls, 1) * 1e3
             for threads in self.grammar_threads:  # the same with a set number of fill threads
@@ -246,7 +256,8 @@ def main(argv=None) -> dict:
               "eager_ms": r["eager_ms"], "graph_ms": r["graph_ms"],
               "graph_over_floor": r["graph_ms"] / floor_ms}
     variants = dict(r.get("variants_ms", {}))
-    for key in ("json_rows_active", "json_mask_host_ms", "json_fill_host_ms"):
+    for key in ("json_rows_active", "json_reasoning_rows_active", "json_mask_host_ms",
+                "json_fill_host_ms"):
         report[key] = variants.pop(key, None)  # rows active at the end; host ms per step
     for key in [k for k in variants if k.startswith("json_fill_host_ms_t")]:
         report[key] = variants.pop(key)

@@ -13,6 +13,7 @@ import pytest
 
 openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine's image
 
+from deployments.logprobs import LogprobsWriter  # noqa: E402
 from deployments.protocol import APIError  # noqa: E402
 from deployments.reasoning import ReasoningStream  # noqa: E402
 from deployments.responses import Choice, SSEWriter  # noqa: E402
@@ -92,11 +93,16 @@ def test_a_grammar_applies_to_the_answer_after_the_reasoning(parser, tokenizer):
 
 
 def _feed(choice: Choice, writer, tokenizer, text: str, step: int = 3) -> list:
+    """Events of `text` fed `step` tokens at a time (each token's log-probability: minus
+    its index, when the choice takes them)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     events = writer.start({"": choice})
     for start in range(0, len(ids), step):
         last = start + step >= len(ids)
-        delta = choice.consume(RequestUpdate(ids[start:start + step], "stop" if last else None))
+        chunk = ids[start:start + step]
+        logprobs = [(-float(start + k), [], []) for k in range(len(chunk))]
+        delta = choice.consume(RequestUpdate(chunk, "stop" if last else None,
+                                             logprobs=logprobs))
         events += writer.update(choice, delta)
     return events + asyncio.run(writer.finish({"": choice})) + writer.done()
 
@@ -105,10 +111,11 @@ OUTPUT = '<think>\nThe user wants Rome.\n</think>\n\nSure. <tool_call>\n{"name":
          '"get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 
 
-def _choice(tokenizer) -> Choice:
+def _choice(tokenizer, parser: str = "qwen3", logprobs: bool = False) -> Choice:
     return Choice(0, 0, TextStream(tokenizer), [1, 2, 3], None,
+                  logprobs=LogprobsWriter(tokenizer, True) if logprobs else None,
                   tools=ToolCallStream(make_parser("hermes")),
-                  reasoning=ReasoningStream("qwen3"))
+                  reasoning=ReasoningStream(parser))
 
 
 def test_chat_chunks_carry_reasoning_and_the_call_is_parsed_from_the_answer(tokenizer):
@@ -154,6 +161,35 @@ def test_responses_events_put_a_reasoning_item_first(tokenizer):
     assert added == [(0, "reasoning"), (1, "message"), (2, "function_call")]
 
 
+def test_the_answer_logprobs_leave_out_the_reasoning_tokens(tokenizer):
+    """deepseek_r1 (no <think> written) and a </think> of several tokens: the count of
+    reasoning tokens is found in the decoded text."""
+    reasoning = "a few thoughts\n</think>\n\n"
+    choice = _choice(tokenizer, "deepseek_r1", logprobs=True)
+    response = ResponseObject(parse({"input": "hi"}), MODEL, 1.0, 1.0)
+    data = [json.loads(e["data"]) for e in _feed(choice, ResponseEvents(response), tokenizer,
+                                                 reasoning + "Hello there")]
+    first = len(tokenizer.encode(reasoning.rstrip(), add_special_tokens=False))
+    assert choice.num_reasoning_tokens == first
+    final = data[-1]["response"]
+    entries = final["output"][1]["content"][0]["logprobs"]
+    assert "".join(e["token"] for e in entries) == "\n\nHello there"  # from the token after
+    assert entries[0]["logprob"] == -float(first)
+    streamed = [e for d in data if d["type"] == "response.output_text.delta" for e in d["logprobs"]]
+    assert streamed == entries
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == first
+
+
+def test_a_grammar_that_can_not_follow_reasoning_is_a_400_naming_its_field():
+    from deployments.chat_protocol import ChatCompletionRequest
+    from deployments.structured import grammar_for
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], guided_regex="")
+    assert grammar_for(req) == ("regex", "")  # fine alone
+    with pytest.raises(APIError) as info:
+        grammar_for(req, "qwen3")
+    assert (info.value.status, info.value.param) == (400, "guided_regex")
+
+
 def test_reasoning_items_sent_back_go_to_the_template_with_their_turn():
     chat = to_chat({"input": [
         {"role": "user", "content": "hi"},
@@ -169,6 +205,7 @@ def test_reasoning_items_sent_back_go_to_the_template_with_their_turn():
 
 def test_chat_template_kwargs_are_template_variables(tokenizer):
     from deployments.chat_protocol import ChatCompletionRequest, ChatMessage
+    from deployments.app import build_app
     from deployments.frontend import Frontend
     from engine_actors.config import ConfigError, EngineConfig
     template = tokenizer.chat_template + \
@@ -187,8 +224,9 @@ def test_chat_template_kwargs_are_template_variables(tokenizer):
         ChatCompletionRequest(messages=messages, chat_template_kwargs={"tokenize": True}) \
             .check_supported()
     assert info.value.param == "chat_template_kwargs.tokenize"
-    with pytest.raises(ConfigError):
-        Frontend(EngineConfig(default_chat_template_kwargs={"chat_template": "x"}))
+    for key in ("chat_template", "tokenize", "conversation"):
+        with pytest.raises(ConfigError, match=key):
+            build_app({"default_chat_template_kwargs": {key: "x"}})
 
 
 # ---- over HTTP, deepseek_r1: the tiny model never writes </think>, so all is reasoning -----
@@ -203,7 +241,7 @@ def test_the_greedy_output_is_reasoning_on_both_routes(url, tokenizer):
     kwargs = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                   extra_body=NO_EOS)
     message = client.chat.completions.create(**kwargs).choices[0].message
-    assert (message.reasoning, message.content) == (expected.lstrip("\n"), "")
+    assert (message.reasoning, message.content) == (expected.lstrip("\n"), None)
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     streamed = "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks
                        if c.choices)
