@@ -25,16 +25,33 @@ def uses_shared_server(item) -> bool:
     return "url" in item.fixturenames and not hasattr(item.module, "url")
 
 
+def server_group(item) -> int:
+    """0: no in-process server; 1: a module of its own server (marked `own_server`); 2: the
+    session's shared server."""
+    if uses_shared_server(item):
+        return 2
+    return 1 if item.get_closest_marker("own_server") else 0
+
+
 def pytest_collection_modifyitems(config, items):
-    # the tests on the shared server run last, one after another: it starts once, and no
-    # other Ray cluster or server of a later test runs beside it (ports, CPUs)
-    items.sort(key=uses_shared_server)
+    # The tests with servers run last, one module after another, the shared server's last:
+    # start_app's Ray and Serve instance stays up from the first to the end of the session
+    # (a start costs ~12 s), and no other Ray cluster of an earlier test runs beside it.
+    items.sort(key=server_group)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def serve_instance():
+    """Ends the Ray and Serve instance that the server tests shared."""
+    yield
+    from tests.serve_fixture import shutdown
+    shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -35,18 +35,25 @@ def write_config(tmp_path, **args) -> tuple[pathlib.Path, int]:
     return config_file, port
 
 
+_serve_url: str | None = None  # of the Ray and Serve instance that start_app keeps up
+
+
 def start_app(app: dict):
-    import ray
+    """Run the application; Ray and Serve start on the first call and stay up for the
+    next module's (stop_app deletes only the applications; shutdown ends them)."""
+    global _serve_url
     from ray import serve
 
     from deployments.app import build_app
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if _serve_url is None:
+        import ray
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        _serve_url = f"http://127.0.0.1:{port}"
     serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"])
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
-    return url
+    wait_healthy(_serve_url)
+    return _serve_url
 
 
 def wait_healthy(url: str, timeout: float = 180.0) -> dict:
@@ -73,11 +80,30 @@ def wait_idle(url: str, timeout: float = 20.0, headers: dict | None = None) -> d
     raise AssertionError(f"engine not back to baseline: {s}")
 
 
-def stop_app():
+def stop_app(timeout: float = 60.0):
+    """Delete every application and wait until their engines are gone (their workers'
+    placement groups free the CPUs the next application's workers need)."""
+    from ray import serve
+    from ray.util import placement_group_table
+    for name in serve.status().applications:
+        serve.delete(name)
+    deadline = time.monotonic() + timeout
+    while any(pg["state"] != "REMOVED" for pg in placement_group_table().values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("an engine's placement group outlived its application")
+        time.sleep(0.2)
+
+
+def shutdown():
+    """End the Ray and Serve instance of start_app, if it runs (the end of the session)."""
+    global _serve_url
+    if _serve_url is None:
+        return
     import ray
     from ray import serve
     serve.shutdown()
     ray.shutdown()
+    _serve_url = None
 
 
 def start_long_stream(url: str, prompt: str, events: list):

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.own_server  # conftest runs these modules last
+
 PROMPT, ANSWER = "orca, who?", "whale-42"  # 8 bytes: 8 tokens of the byte-level tokenizer
 BASE_PROMPTS = ["The quick brown", "1 2 3 4", "Once upon"]
 

@@ -11,6 +11,8 @@ from engine_actors.config import EngineConfig
 from engine_actors.scheduler_actor import NAMESPACE, actor_name
 from tests.serve_fixture import app_config, start_app, start_long_stream, stop_app, wait_healthy
 
+pytestmark = pytest.mark.own_server  # conftest runs these modules last
+
 
 @pytest.fixture(scope="module")
 def app():

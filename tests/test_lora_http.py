@@ -11,6 +11,8 @@ import pytest
 from engine_actors.checkpoint import save_random_llama
 from tests.test_lora import peft_greedy, save_adapter
 
+pytestmark = pytest.mark.own_server  # conftest runs these modules last
+
 pytest.importorskip("peft")
 BASE = "lora-base"
 

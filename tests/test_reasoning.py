@@ -27,6 +27,8 @@ from tests.engine_harness import hf_greedy  # noqa: E402
 from tests.test_responses_api import MODEL, parse, to_chat  # noqa: E402
 from tests.test_structured_output import SCHEMA, WEATHER  # noqa: E402
 
+pytestmark = pytest.mark.own_server  # conftest runs these modules last
+
 NO_EOS = {"ignore_eos": True}
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy, wait_idle
 
+pytestmark = pytest.mark.own_server  # conftest runs these modules last
+
 KEY = "test-key-123"
 QUEUE = 120  # max_queued_requests: room for 100 concurrent streams, still easy to fill
 AUTH = {"Authorization": f"Bearer {KEY}"}
