@@ -44,6 +44,9 @@ for part in $BENCH; do
         > "$OUT/$part${LABEL:-}.log" 2>&1; tail -8 "$OUT/$part${LABEL:-}.log"
       for f in /tmp/prof-$m${LABEL:-}/*/*.txt; do python3 -m load_tests.profile_summary --top 12 "$f"; done \
         > "$OUT/$part${LABEL:-}-profile.txt" 2>&1 ;;
+    conversations-1b|conversations-8b) m=llama-${part#conversations-}
+      python3 -m load_tests.bench_conversations --model $m ${CONV_ARGS:-} --out "$OUT/$part${LABEL:-}.json" \
+        > "$OUT/$part${LABEL:-}.log" 2>&1; tail -5 "$OUT/$part${LABEL:-}.log" ;;
     lora-decode) python3 -m load_tests.bench_lora --model llama-8b --batch-size 64 --adapters 1 2 8 32 --out "$OUT/lora-decode-8b.json" > "$OUT/lora-decode-8b.log" 2>&1; tail -8 "$OUT/lora-decode-8b.log" ;;
     lora-offline) python3 -m load_tests.bench_offline --model llama-8b --systems orca --adapters 0 8 --out "$OUT/lora-offline-8b.json" > "$OUT/lora-offline-8b.log" 2>&1; tail -5 "$OUT/lora-offline-8b.log" ;;
     prefix-8b) python3 -m load_tests.bench_prefix --model llama-8b --duration "${DURATION:-30}" --out "$OUT/prefix-8b.json" > "$OUT/prefix-8b.log" 2>&1; tail -14 "$OUT/prefix-8b.log" ;;
