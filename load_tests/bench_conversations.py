@@ -60,9 +60,9 @@ async def converse(session, url: str, mode: str, conversation: int, args) -> dic
         started = time.perf_counter()
         async with session.post(url + route, data=data,
                                 headers={"Content-Type": "application/json"}) as r:
-            res = await r.json()
             if r.status != 200:
-                raise RuntimeError(f"{mode} turn {turn}: HTTP {r.status}: {res}")
+                raise RuntimeError(f"{mode} turn {turn}: HTTP {r.status}: {await r.text()}")
+            res = await r.json()
         latencies.append(time.perf_counter() - started)
         sizes.append(len(data))
         if mode == "chat":
@@ -92,7 +92,7 @@ async def run(args) -> dict:
                    "max_batch_size": 256}
     results = {}
     with launched(engine_args, args.replicas, args.port):
-        timeout = aiohttp.ClientTimeout(total=None)
+        timeout = aiohttp.ClientTimeout(total=args.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await _wait_healthy(session, url)
             await converse(session, url, "chained", 10**6, args)  # warm-up
@@ -126,6 +126,7 @@ def main(argv=None) -> dict:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.modes = args.modes.split(",")
@@ -143,6 +144,8 @@ def main(argv=None) -> dict:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+    if not all(r["answers_equal_first_mode"] for r in results.values()):
+        raise SystemExit("the modes' greedy answers differ: they rendered different prompts")
     return report
 
 

@@ -166,15 +166,18 @@ def _bench_worker_class():
             runner.head.grammars.model_path = bpe_tokenizer_dir(runner.hf_config.vocab_size)
             variants, spent = {}, {}
             for v in [v for v in VARIANTS if v != "plain"]:
-                if v == "json_half":  # only its steps count in the host times
+                if v == "json_half":  # the grammar variants' steps count in the host times
                     spent = _time_grammar_host(runner.head)
+                for key in spent:  # each variant's own
+                    spent[key][:] = [0.0, 0]
                 variants[v] = time_decode(runner, batch, context_len, iters, v)
-                if v in ("json_half", "json_half_reasoning"):  # rows still under the grammar
-                    matchers = runner.head.grammars.matchers.values()
-                    key = "json_rows_active" if v == "json_half" else "json_reasoning_rows_active"
-                    variants[key] = sum(not m.is_terminated() for m in matchers)
-            for key, (seconds, calls) in spent.items():  # per step that had grammar rows
-                variants[key] = seconds / max(calls, 1) * 1e3
+                if v in ("json_half", "json_half_reasoning"):
+                    prefix = "json" if v == "json_half" else "json_reasoning"
+                    matchers = runner.head.grammars.matchers.values()  # still under it
+                    variants[f"{prefix}_rows_active"] = sum(not m.is_terminated()
+                                                            for m in matchers)
+                    for key, (seconds, calls) in spent.items():  # per step with grammar rows
+                        variants[key.replace("json", prefix, 1)] = seconds / max(calls, 1) * 1e3
             for threads in self.grammar_threads:  # the same with a set number of fill threads
                 runner.head.grammars.threads, runner.head.grammars._batch = threads, None
                 for key in spent:
@@ -256,8 +259,9 @@ def main(argv=None) -> dict:
               "eager_ms": r["eager_ms"], "graph_ms": r["graph_ms"],
               "graph_over_floor": r["graph_ms"] / floor_ms}
     variants = dict(r.get("variants_ms", {}))
-    for key in ("json_rows_active", "json_reasoning_rows_active", "json_mask_host_ms",
-                "json_fill_host_ms"):
+    for key in ("json_rows_active", "json_mask_host_ms", "json_fill_host_ms",
+                "json_reasoning_rows_active", "json_reasoning_mask_host_ms",
+                "json_reasoning_fill_host_ms"):
         report[key] = variants.pop(key, None)  # rows active at the end; host ms per step
     for key in [k for k in variants if k.startswith("json_fill_host_ms_t")]:
         report[key] = variants.pop(key)

@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from tests.serve_fixture import app_config, start_app, stop_app
+    from tests.serve_fixture import app_config, shutdown, start_app, stop_app
     url = start_app(app_config())
     try:
         trace = make_trace("tcb", 2000, 256, seed=0)
@@ -112,6 +112,7 @@ def main(argv=None) -> dict:
         after_mb = ray_memory_mb()
     finally:
         stop_app()
+        shutdown()
     report = {"date": time.strftime("%Y-%m-%d"), "duration_s": args.duration,
               "capacity_req_s": capacity, "offered_req_s": rate, "result": result,
               "num_5xx": count_5xx(result),

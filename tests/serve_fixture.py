@@ -42,17 +42,22 @@ def start_app(app: dict):
     """Run the application; Ray and Serve start on the first call and stay up for the
     next module's (stop_app deletes only the applications; shutdown ends them)."""
     global _serve_url
+    import ray
     from ray import serve
 
     from deployments.app import build_app
     if _serve_url is None:
-        import ray
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        if not ray.is_initialized():
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         _serve_url = f"http://127.0.0.1:{port}"
-    serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"])
-    wait_healthy(_serve_url)
+    try:
+        serve.run(build_app(app["args"]), name=app["name"], route_prefix=app["route_prefix"])
+        wait_healthy(_serve_url)
+    except BaseException:
+        stop_app()  # its engine must not hold the next module's CPUs
+        raise
     return _serve_url
 
 
@@ -83,23 +88,31 @@ def wait_idle(url: str, timeout: float = 20.0, headers: dict | None = None) -> d
 def stop_app(timeout: float = 60.0):
     """Delete every application and wait until their engines are gone (their workers'
     placement groups free the CPUs the next application's workers need)."""
+    import ray
     from ray import serve
     from ray.util import placement_group_table
+
+    from engine_actors.scheduler_actor import NAMESPACE
     for name in serve.status().applications:
         serve.delete(name)
+
+    def engine_left() -> bool:
+        # the scheduler (a named detached actor) goes after its workers' placement group
+        return any(pg["state"] != "REMOVED" for pg in placement_group_table().values()) or \
+            any(a["namespace"] == NAMESPACE for a in ray.util.list_named_actors(True))
     deadline = time.monotonic() + timeout
-    while any(pg["state"] != "REMOVED" for pg in placement_group_table().values()):
+    while engine_left():
         if time.monotonic() > deadline:
-            raise TimeoutError("an engine's placement group outlived its application")
+            raise TimeoutError("an engine outlived its application")
         time.sleep(0.2)
 
 
 def shutdown():
     """End the Ray and Serve instance of start_app, if it runs (the end of the session)."""
     global _serve_url
-    if _serve_url is None:
-        return
     import ray
+    if not ray.is_initialized():
+        return
     from ray import serve
     serve.shutdown()
     ray.shutdown()
