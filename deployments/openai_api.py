@@ -25,8 +25,9 @@ from deployments.logprobs import LogprobsWriter
 from deployments.reasoning import ReasoningStream
 from deployments.structured import grammar_for, tool_grammar
 from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
-from deployments.responses import (Choice, SSEResponse, SSEWriter, StreamWriter,
-                                   deadline_error, response_body, timeout_error)
+from deployments.choice import Choice
+from deployments.responses import (SSEResponse, SSEWriter, StreamWriter, deadline_error,
+                                   response_body, timeout_error)
 from engine_actors.checkpoint import ModelInfo
 from engine_actors.detokenizer import TextStream
 from engine_actors.messages import EngineRequest
@@ -147,7 +148,7 @@ class OpenAIRoutes:
 
     def stream_response(self, group, choices, writer, req, timeout: float | None):
         """The submitted request as server-sent events that `writer` (SSEWriter, or
-        responses_api.ResponseEvents) formats; its requests end however the response does."""
+        response_output.ResponseEvents) formats; its requests end however the response does."""
         return SSEResponse(self._stream(group, choices, writer, req, timeout),
                            on_close=group.close)
 

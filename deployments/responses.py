@@ -3,16 +3,13 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Protocol
 
 from ray.exceptions import TaskCancelledError
 from sse_starlette.sse import EventSourceResponse
 
+from deployments.choice import Choice
 from deployments.protocol import APIError, SamplingFields
-from deployments.reasoning import reasoning_tokens
-from engine_actors.detokenizer import TextStream
-from engine_actors.messages import RequestUpdate
 
 
 # OpenAI's client retries a 408 by itself; it would only run out of time again
@@ -65,127 +62,6 @@ class SSEResponse(EventSourceResponse):
             await super()._send_with_timeout(send, message)
 
 
-class Choice:
-    """One choice's accumulated text, token counts, log-probabilities and finish reason."""
-
-    def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
-                 prompt_ids: list[int], echo: str | None, timer=None, logprobs=None,
-                 tools=None, reasoning=None):
-        self.index = index
-        self.prompt_index = prompt_index
-        self.text_stream = text_stream
-        self.prompt_ids = prompt_ids
-        self.num_prompt_tokens = len(prompt_ids)
-        self.num_cached_tokens = 0  # of the prompt, found in the engine's prefix cache
-        self.token_ids: list[int] = []  # generated (return_token_ids)
-        self.num_ids_sent = 0
-        self.echo = echo
-        self.text = echo or ""
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.timer = timer  # deployments.http_metrics.RequestTimer, when measured
-        self.logprobs = logprobs  # deployments.logprobs.LogprobsWriter, when asked
-        self.num_prompt_entries = 0  # prompt tokens in self.logprobs (echo)
-        self.tools = tools  # deployments.tool_parsers.ToolCallStream, with tools
-        self.tool_calls: list = []  # parsed at the end
-        self.call_ids: list[str] = []
-        self.reasoning = reasoning  # deployments.reasoning.ReasoningStream, with a parser
-        self.reasoning_text = ""
-        self.new_reasoning = ""  # added by the last update
-        self._num_reasoning_tokens: int | None = None  # kept once the reasoning ended
-
-    def consume(self, update: RequestUpdate,
-                arrivals: list[tuple[float, int]] | None = None) -> str:
-        """Apply one update; returns the new text. `arrivals`: when its tokens reached this
-        replica, (time, count) pairs, if it merges several updates (RequestGroup)."""
-        is_final = update.finish_reason is not None
-        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
-        if update.error and update.finish_reason != "deadline":
-            self.error = update.error
-        was_stopped = self.text_stream.is_stopped
-        delta = self.text_stream.add(update.token_ids, is_final)
-        if not was_stopped:
-            self.token_ids += update.token_ids
-            del self.token_ids[self.text_stream.num_tokens_used:]  # after a stop string
-        if self.reasoning is not None:  # the answer, less the reasoning, goes on
-            self.new_reasoning, delta = self.reasoning.add(
-                delta, is_final or self.text_stream.is_stopped)
-            self.reasoning_text += self.new_reasoning
-        if self.tools is not None:  # what may be a tool call is held until it is parsed
-            delta = self.tools.add(delta)
-            if is_final or self.text_stream.is_stopped:
-                rest, self.tool_calls = self.tools.finish()
-                delta += rest or ""
-                self.call_ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in self.tool_calls]
-        self.text += delta
-        if self.text_stream.is_stopped:
-            self.finish_reason = "stop"
-        elif is_final:
-            self.finish_reason = update.finish_reason
-        if self.tool_calls and self.finish_reason == "stop":
-            self.finish_reason = "tool_calls"
-        if self.logprobs is not None and not was_stopped:
-            self._add_logprobs(update)
-        if self.timer is not None and not was_stopped:
-            for at, count in arrivals or [(None, len(update.token_ids))]:
-                self.timer.tokens(count, at)
-            if self.finish_reason is not None and not self.error:
-                self.timer.done(self.finish_reason)
-        return delta
-
-    def _add_logprobs(self, update: RequestUpdate) -> None:
-        if self.echo is not None and (update.prompt_logprobs or update.token_ids):
-            if self.num_prompt_entries == 0:  # the first prompt token has none
-                self.logprobs.entries.append((self.prompt_ids[0], None))
-                self.num_prompt_entries = 1
-            for lp in update.prompt_logprobs or ():
-                self.logprobs.entries.append((self.prompt_ids[self.num_prompt_entries], lp))
-                self.num_prompt_entries += 1
-        if update.logprobs:
-            self.logprobs.add(update.token_ids, update.logprobs)
-        if self.text_stream.is_stopped:  # nothing after the stop string
-            self.logprobs.cut(self.num_output_tokens, self.num_prompt_entries)
-
-    def tool_call_deltas(self) -> list[dict]:
-        return [{"index": i, **call.to_openai(call_id)}
-                for i, (call, call_id) in enumerate(zip(self.tool_calls, self.call_ids))]
-
-    def message(self) -> dict:
-        out = {"role": "assistant", "content": self.text}
-        if self.reasoning is not None:
-            out["reasoning"] = self.reasoning_text or None
-            if self.reasoning_text and not self.text:  # vLLM's: no answer is null
-                out["content"] = None
-        if self.tool_calls:
-            out["content"] = self.text or None
-            out["tool_calls"] = [call.to_openai(call_id)
-                                 for call, call_id in zip(self.tool_calls, self.call_ids)]
-        return out
-
-    @property
-    def num_reasoning_tokens(self) -> int:
-        """Of the generated tokens, those of the reasoning (its tags included)."""
-        if self.reasoning is None:
-            return 0
-        if self._num_reasoning_tokens is None or not self.reasoning.is_ended:
-            self._num_reasoning_tokens = reasoning_tokens(self.text_stream.tokenizer,
-                                                          self.token_ids, self.reasoning)
-        return self._num_reasoning_tokens
-
-    def take_token_ids(self) -> list[int]:
-        """The generated token ids not streamed yet."""
-        ids = self.token_ids[self.num_ids_sent:]
-        self.num_ids_sent = len(self.token_ids)
-        return ids
-
-    def take_logprobs(self) -> dict | None:
-        return self.logprobs.take() if self.logprobs is not None else None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.text_stream.num_tokens_used
-
-
 def usage(choices: dict[str, Choice]) -> dict:
     per_prompt = {c.prompt_index: c.num_prompt_tokens for c in choices.values()}
     cached: dict[int, int] = {}  # per prompt: its choices may have found different amounts
@@ -220,7 +96,7 @@ def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choic
 
 class StreamWriter(Protocol):
     """What openai_api's stream hands its events to: SSEWriter (completions and chat
-    completions) or responses_api.ResponseEvents (the Responses API). Each method returns
+    completions) or response_output.ResponseEvents (the Responses API). Each method returns
     the events to send (an event: a string of data, or a dict of sse-starlette fields)."""
 
     def start(self, choices: dict[str, Choice]) -> list: ...

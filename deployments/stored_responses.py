@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from deployments.frontend import Frontend
 from deployments.protocol import APIError
-from deployments.responses_protocol import new_id
+from deployments.responses_items import new_id
 
 MAX_LIST = 100
 

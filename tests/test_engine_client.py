@@ -123,7 +123,7 @@ def test_latency_metrics_of_a_deferred_reader_follow_when_tokens_came(tmp_path):
     """A non-streamed choice is consumed once, at its end; its TTFT, inter-token gaps and
     end-to-end latency still come from when each update reached the replica."""
     from deployments.http_metrics import HTTPMetrics, RequestTimer
-    from deployments.responses import Choice
+    from deployments.choice import Choice
     from engine_actors.checkpoint import load_tokenizer, save_byte_tokenizer
     from engine_actors.detokenizer import TextStream
     save_byte_tokenizer(str(tmp_path))

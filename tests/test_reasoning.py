@@ -16,8 +16,9 @@ openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machin
 from deployments.logprobs import LogprobsWriter  # noqa: E402
 from deployments.protocol import APIError  # noqa: E402
 from deployments.reasoning import ReasoningStream  # noqa: E402
-from deployments.responses import Choice, SSEWriter  # noqa: E402
-from deployments.responses_api import ResponseEvents, ResponseObject  # noqa: E402
+from deployments.choice import Choice  # noqa: E402
+from deployments.responses import SSEWriter  # noqa: E402
+from deployments.response_output import ResponseEvents, ResponseObject  # noqa: E402
 from deployments.tool_parsers import ToolCallStream, make_parser  # noqa: E402
 from engine_actors.checkpoint import load_tokenizer, resolve_model_path  # noqa: E402
 from engine_actors.config import DEFAULT_MODEL  # noqa: E402

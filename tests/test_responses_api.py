@@ -14,9 +14,10 @@ openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machin
 jsonschema = pytest.importorskip("jsonschema")
 
 from deployments.protocol import APIError, parse_body  # noqa: E402
-from deployments.responses import Choice  # noqa: E402
-from deployments.responses_api import ResponseEvents, ResponseObject  # noqa: E402
-from deployments.responses_protocol import ResponsesRequest, normalize_input  # noqa: E402
+from deployments.choice import Choice  # noqa: E402
+from deployments.response_output import ResponseEvents, ResponseObject  # noqa: E402
+from deployments.responses_items import normalize_input  # noqa: E402
+from deployments.responses_protocol import ResponsesRequest  # noqa: E402
 from deployments.tool_parsers import ToolCallStream, make_parser  # noqa: E402
 from engine_actors.checkpoint import resolve_model_path  # noqa: E402
 from engine_actors.config import DEFAULT_MODEL  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 
 openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine's image
 
-from deployments.responses_protocol import normalize_input  # noqa: E402
+from deployments.responses_items import normalize_input  # noqa: E402
 from engine_actors.checkpoint import resolve_model_path  # noqa: E402
 from engine_actors.config import DEFAULT_MODEL  # noqa: E402
 from engine_actors.response_store import ITEM_BYTES, ResponseStore  # noqa: E402
