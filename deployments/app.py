@@ -9,10 +9,12 @@ from deployments.chat_protocol import check_template_kwargs
 from deployments.ingress import OpenAIIngress
 from deployments.protocol import APIError
 from engine_actors.config import ConfigError, EngineConfig
+from engine_actors.scheduler_actor import start_engine_early
 
 
 def build_app(args: dict | None = None) -> Application:
-    """Validate the application args (a clear error names any bad one) and bind the ingress.
+    """Validate the application args (a clear error names any bad one), start the engine,
+    and bind the ingress.
 
     The API key may come from the ORCA_SERVE_API_KEY environment variable instead of the
     args (so it need not be written in the config file)."""
@@ -24,6 +26,7 @@ def build_app(args: dict | None = None) -> Application:
         check_template_kwargs(cfg.default_chat_template_kwargs, "default_chat_template_kwargs")
     except APIError as e:
         raise ConfigError(e.message) from None
+    start_engine_early(cfg)
     # Serve drains a stopping replica before its shutdown hook runs our own drain: leave
     # room for both before Serve gives up and kills it
     ingress = OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s + 15)

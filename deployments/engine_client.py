@@ -19,7 +19,7 @@ from engine_actors.checkpoint import ModelInfo
 from engine_actors.config import EngineConfig
 from engine_actors.messages import EngineRequest, Refusal, RequestUpdate
 from engine_actors.output_stream import OutputStream
-from engine_actors.scheduler_actor import NAMESPACE, SchedulerActor, actor_name
+from engine_actors.scheduler_actor import NAMESPACE, actor_name, scheduler_actor
 
 __all__ = ["EngineClient", "EngineFailed", "EngineUnavailable", "RequestGroup",
            "RequestRefused", "detached"]
@@ -72,14 +72,7 @@ class EngineClient:
                 # a fresh id per connection: a stale stream of an earlier one can not
                 # steal (or drop, when it ends) this connection's outputs
                 self.client_id = uuid.uuid4().hex
-                actor = ray.remote(SchedulerActor).options(
-                    name=actor_name(self.cfg), namespace=NAMESPACE, get_if_exists=True,
-                    lifetime="detached", num_cpus=0, max_concurrency=10_000,
-                    # like Serve's own actors: calls per iteration and per request each
-                    # left a task event in the GCS (its memory grew by 160 MB in a 10-minute
-                    # soak)
-                    enable_task_events=False,
-                ).remote(self.cfg)
+                actor = scheduler_actor(self.cfg)
                 try:
                     self.info = await actor.ready.remote()
                 except ray.exceptions.RayActorError:

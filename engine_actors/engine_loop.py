@@ -74,8 +74,10 @@ class EngineLoop:
             executor.shutdown()
             raise
         info = dataclasses.replace(info, max_model_len=scheduler.max_model_len)
-        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", info.name, device,
-                    num_blocks, cfg.block_size)
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in executor.start_phases.items())
+        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens; started in %.1f s (%s)",
+                    info.name, device, num_blocks, cfg.block_size,
+                    sum(executor.start_phases.values()), phases)
         return cls(cfg, info, executor, scheduler, metrics, deliver)
 
     def queue_full(self) -> Refusal | None:

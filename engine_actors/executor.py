@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (placement_group, placement_group_table,
+                                      remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine_actors.checkpoint import resolve_model_path
 from engine_actors.config import EngineConfig
 from engine_actors.messages import StepInput
+from engine_actors.prefetch import prefetch
 from engine_actors.worker import Worker
 
 # Every process we start inherits these; NVLink multicast must stay off on shared hosts.
@@ -41,6 +45,19 @@ def _remove_stale_placement_group(name: str) -> None:
     remove_placement_group(stale)
 
 
+class PhaseClock:
+    """Seconds spent in each named phase of a start, in order."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = now - self._last
+        self._last = now
+
+
 class Executor:
     def __init__(self, cfg: EngineConfig, device: str, max_model_len: int, name: str = ""):
         self.cfg = cfg
@@ -52,6 +69,7 @@ class Executor:
             raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
         self._step_ids = itertools.count()
         self.name = name
+        self.start_phases: dict[str, float] = {}  # seconds per phase of start(), for the log
         if name:
             _remove_stale_placement_group(name)
         self.placement_group = placement_group([bundle] * cfg.num_workers,
@@ -75,6 +93,7 @@ class Executor:
         Returns the number of KV blocks: `num_blocks` if given (a replacement group must
         match the scheduler's bookkeeping), else the smallest any worker can hold.
         """
+        clock = PhaseClock()
         timeout_s = self.cfg.placement_timeout_s
         try:
             await asyncio.wait_for(self.placement_group.ready(), timeout_s)
@@ -87,14 +106,27 @@ class Executor:
                 f"{self.placement_group.bundle_specs[0]}, {self.cfg.placement_strategy}) was not "
                 f"placed within placement_timeout_s={timeout_s:g}: the cluster has {have}. "
                 "Lower num_cpus_per_worker or the parallel sizes, or add nodes") from None
+        clock.lap("placement")
+        if self._places_a_worker_here():  # read the weights while the workers start
+            prefetch(resolve_model_path(self.cfg.model))
+        await asyncio.gather(*[w.__ray_ready__.remote() for w in self.workers])
+        clock.lap("workers")
         address = await self.workers[0].address.remote() if len(self.workers) > 1 else ""
         await asyncio.gather(*[w.setup.remote(address) for w in self.workers])
+        clock.lap("weights")
         if num_blocks is None:
             num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote()
                                                     for w in self.workers]))
+            clock.lap("KV profile")
         await asyncio.gather(*[w.init_kv_cache.remote(num_blocks) for w in self.workers])
+        clock.lap("KV pool and CUDA graphs" if self.device == "cuda" else "KV pool")
         await asyncio.gather(*[w.freeze_heap.remote() for w in self.workers])
+        self.start_phases = clock.phases
         return num_blocks
+
+    def _places_a_worker_here(self) -> bool:
+        nodes = placement_group_table(self.placement_group).get("bundles_to_node_id", {})
+        return ray.get_runtime_context().get_node_id() in nodes.values()
 
     async def execute(self, step: StepInput) -> list[int]:
         """Send one step to every worker (one shared copy of the message); wait for all of

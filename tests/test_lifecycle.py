@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -167,6 +168,28 @@ def test_deleting_the_application_drains_then_tears_the_engine_down(app):
         pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"]), live_pgs
     workers = [a for a in ray.util.list_named_actors(all_namespaces=True)]
     assert not [a for a in workers if a["namespace"] == NAMESPACE]
+
+
+def test_building_the_application_starts_the_engine(app):
+    """The engine starts as the application is built (its weights load while Serve starts
+    the ingress replicas), with no replica asking for it."""
+    import ray
+
+    from deployments.app import build_app
+    args = {**app[1]["args"], "served_model_name": "built-only"}  # a scheduler of its own
+    build_app(args)  # never deployed: no replica starts
+
+    def state():
+        try:
+            return ray.get(scheduler_handle({"args": args}).stats.remote())["state"]
+        except ValueError:  # no such actor
+            return None
+    try:
+        assert wait_until(lambda: state() == "ready", timeout=60), state()
+    finally:
+        with contextlib.suppress(ray.exceptions.RayActorError, ValueError):
+            ray.get(scheduler_handle({"args": args}).shutdown.remote())
+    assert wait_until(lambda: state() is None, timeout=30)
 
 
 def test_engine_that_cannot_start_reports_why_and_leaves_nothing(app, tmp_path):
