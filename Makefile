@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(PY) -m deployments.launch serve_config.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # On the GPU machine (torch and triton preinstalled there): GPU tests only.
 gpu-test:
