@@ -20,7 +20,7 @@ import ray
 from engine_actors import finetune_jobs
 from engine_actors.checkpoint import ModelInfo, model_info
 from engine_actors.config import EngineConfig
-from engine_actors.executor import Executor, resolve_device
+from engine_actors.executor import Executor, PhaseClock, resolve_device
 from engine_actors.messages import EngineRequest, Refusal, RequestOutput
 from engine_actors.metrics import EngineMetrics
 from engine_actors.request import Request
@@ -61,23 +61,26 @@ class EngineLoop:
 
     @classmethod
     async def start(cls, cfg: EngineConfig, workers_name: str, metrics: EngineMetrics,
-                    deliver: Deliver) -> EngineLoop:
-        """Start the workers, size the KV pool and build the scheduler."""
-        info = model_info(cfg)
+                    deliver: Deliver, clock: PhaseClock | None = None) -> EngineLoop:
+        """Start the workers, size the KV pool and build the scheduler. `clock` times the
+        phases for the "engine ready" line (it may hold earlier phases)."""
+        clock = clock or PhaseClock()
         device = resolve_device(cfg)
-        executor = Executor(cfg, device, info.max_model_len, name=workers_name)
+        executor = Executor(cfg, device, name=workers_name)  # their processes start meanwhile
         try:
-            num_blocks = await executor.start()
+            info = model_info(cfg)
+            clock.lap("model config")
+            num_blocks = await executor.start(info.max_model_len, clock=clock)
             scheduler = Scheduler.from_config(cfg, num_blocks, info.max_model_len,
                                               info.eos_token_ids)
         except BaseException:
             executor.shutdown()
             raise
         info = dataclasses.replace(info, max_model_len=scheduler.max_model_len)
-        phases = ", ".join(f"{k} {v:.1f} s" for k, v in executor.start_phases.items())
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items())
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens; started in %.1f s (%s)",
-                    info.name, device, num_blocks, cfg.block_size,
-                    sum(executor.start_phases.values()), phases)
+                    info.name, device, num_blocks, cfg.block_size, sum(clock.phases.values()),
+                    phases)
         return cls(cfg, info, executor, scheduler, metrics, deliver)
 
     def queue_full(self) -> Refusal | None:
@@ -211,9 +214,8 @@ class EngineLoop:
         try:
             name = self.executor.name
             self.executor.shutdown()
-            self.executor = Executor(self.cfg, resolve_device(self.cfg), self.info.max_model_len,
-                                     name=name)
-            await self.executor.start(num_blocks=self.scheduler.kv.num_blocks)
+            self.executor = Executor(self.cfg, resolve_device(self.cfg), name=name)
+            await self.executor.start(self.info.max_model_len, self.scheduler.kv.num_blocks)
         finally:
             self.is_recovering = False
             if self.finetuning is not None:

@@ -48,8 +48,8 @@ def _remove_stale_placement_group(name: str) -> None:
 class PhaseClock:
     """Seconds spent in each named phase of a start, in order."""
 
-    def __init__(self):
-        self.phases: dict[str, float] = {}
+    def __init__(self, phases: dict[str, float] | None = None):
+        self.phases: dict[str, float] = dict(phases or {})
         self._last = time.monotonic()
 
     def lap(self, name: str) -> None:
@@ -59,7 +59,8 @@ class PhaseClock:
 
 
 class Executor:
-    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int, name: str = ""):
+    def __init__(self, cfg: EngineConfig, device: str, name: str = ""):
+        """Place the workers and start their processes (start() then sets them up)."""
         self.cfg = cfg
         self.device = device
         bundle = {"CPU": cfg.num_cpus_per_worker}
@@ -69,7 +70,6 @@ class Executor:
             raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
         self._step_ids = itertools.count()
         self.name = name
-        self.start_phases: dict[str, float] = {}  # seconds per phase of start(), for the log
         if name:
             _remove_stale_placement_group(name)
         self.placement_group = placement_group([bundle] * cfg.num_workers,
@@ -82,18 +82,20 @@ class Executor:
                     self.placement_group, placement_group_bundle_index=i),
                 runtime_env={"env_vars": WORKER_ENV},
                 enable_task_events=False,  # see SchedulerActor's options
-            ).remote(cfg, device, max_model_len, i)
+            ).remote(cfg, device, i)
             for i in range(cfg.num_workers)]
         # the last stage's first rank returns the sampled tokens
         self.result_index = (cfg.pipeline_parallel_size - 1) * cfg.tensor_parallel_size
 
-    async def start(self, num_blocks: int | None = None) -> int:
+    async def start(self, max_model_len: int, num_blocks: int | None = None,
+                    clock: PhaseClock | None = None) -> int:
         """Wait for the workers to load the model; size and allocate the KV pool.
 
         Returns the number of KV blocks: `num_blocks` if given (a replacement group must
-        match the scheduler's bookkeeping), else the smallest any worker can hold.
+        match the scheduler's bookkeeping), else the smallest any worker can hold. `clock`
+        gets the time of each phase.
         """
-        clock = PhaseClock()
+        clock = clock or PhaseClock()
         timeout_s = self.cfg.placement_timeout_s
         try:
             await asyncio.wait_for(self.placement_group.ready(), timeout_s)
@@ -112,16 +114,15 @@ class Executor:
         await asyncio.gather(*[w.__ray_ready__.remote() for w in self.workers])
         clock.lap("workers")
         address = await self.workers[0].address.remote() if len(self.workers) > 1 else ""
-        await asyncio.gather(*[w.setup.remote(address) for w in self.workers])
+        await asyncio.gather(*[w.setup.remote(max_model_len, address) for w in self.workers])
         clock.lap("weights")
         if num_blocks is None:
             num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote()
                                                     for w in self.workers]))
             clock.lap("KV profile")
         await asyncio.gather(*[w.init_kv_cache.remote(num_blocks) for w in self.workers])
-        clock.lap("KV pool and CUDA graphs" if self.device == "cuda" else "KV pool")
         await asyncio.gather(*[w.freeze_heap.remote() for w in self.workers])
-        self.start_phases = clock.phases
+        clock.lap("KV pool and CUDA graphs" if self.device == "cuda" else "KV pool")
         return num_blocks
 
     def _places_a_worker_here(self) -> bool:

@@ -21,15 +21,43 @@ def weight_files(path: str) -> list[str]:
 
 
 def available_memory() -> int:
-    """MemAvailable of /proc/meminfo in bytes (0 where there is none)."""
+    """Bytes this process can still fill: MemAvailable of /proc/meminfo, or less what its
+    memory cgroup has left (a container sees the host's /proc/meminfo); 0 where unknown."""
+    free = _meminfo("MemAvailable")
+    left = _cgroup_left()
+    return free if left is None else min(free, left)
+
+
+def _meminfo(key: str) -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes",  # v1
+                 "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _cgroup_left(files=CGROUP_FILES) -> int | None:
+    """The cgroup's limit less its usage, or None without a limit."""
+    for limit_file, usage_file in files:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes a huge number for none
+            return None
+        return max(0, int(limit) - usage)
+    return None
 
 
 def prefetch(path: str) -> concurrent.futures.Future | None:

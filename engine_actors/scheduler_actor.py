@@ -7,8 +7,9 @@ where outputs go out to their requests' sinks. An ingress replica submits with
 `add_requests` and holds one `stream` call that yields, once per iteration, the updates of
 all its requests.
 
-Lifetime: created on first use by an ingress replica (a named, detached actor, one per
-distinct configuration); it tears itself down, workers and placement group included, when
+Lifetime: created when the application is built (`start_engine_early`; or by an ingress
+replica that finds none, after one died or left), a named, detached actor, one per distinct configuration, which
+starts its engine at once; it tears itself down, workers and placement group included, when
 its last client unregisters while the application is being deleted, when the last client
 leaves otherwise (a scale-down, a redeploy), its last stream breaks or none ever opens, and
 no client comes back within ORPHAN_GRACE_S, or when the engine fails in a way it cannot
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import time
 
 import ray
 
@@ -27,6 +29,7 @@ from engine_actors.batches import Batches
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
 from engine_actors.config import EngineConfig
 from engine_actors.engine_loop import EngineLoop, start_failure_cause
+from engine_actors.executor import PhaseClock
 from engine_actors.finetune_jobs import FineTuning
 from engine_actors.lora import Adapters
 from engine_actors.messages import BatchRequest, EngineRequest, Refusal, RequestOutput
@@ -54,7 +57,7 @@ def scheduler_actor(cfg: EngineConfig):
         # like Serve's own actors: calls per iteration and per request each left a task
         # event in the GCS (its memory grew by 160 MB in a 10-minute soak)
         enable_task_events=False,
-    ).remote(cfg)
+    ).remote(cfg, time.time())
 
 
 def start_engine_early(cfg: EngineConfig) -> None:
@@ -79,8 +82,12 @@ def show_info_logs() -> None:
 
 
 class SchedulerActor:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, created_at: float | None = None):
+        """`created_at`: time.time() when the creator asked for this actor (its process's
+        start and imports then count in the start's phases)."""
         show_info_logs()
+        self._clock = PhaseClock({"scheduler process": max(0.0, time.time() - created_at)}
+                                 if created_at is not None else None)
         self.cfg = cfg
         self.engine: EngineLoop | None = None
         self.metrics = EngineMetrics(cfg.model_name)
@@ -122,7 +129,7 @@ class SchedulerActor:
         try:
             self.adapters.load_configured()
             self.engine = await EngineLoop.start(self.cfg, f"{actor_name(self.cfg)}-workers",
-                                                 self.metrics, self._deliver)
+                                                 self.metrics, self._deliver, self._clock)
             self.adapters.slots = self.engine.scheduler.loras
             self.engine.finetuning = self.finetuning
             gc.collect()  # then the startup heap: full collections under load skip it

@@ -31,11 +31,11 @@ CPU_KV_TOKENS = 16384  # default KV pool on CPU when max_num_tokens is not given
 
 
 class Worker:
-    def __init__(self, cfg: EngineConfig, device: str, max_model_len: int, rank: int = 0):
+    def __init__(self, cfg: EngineConfig, device: str, rank: int = 0):
         if device == "cpu":
             torch.set_num_threads(max(1, int(cfg.num_cpus_per_worker)))
         self.cfg, self.device, self.rank = cfg, device, rank
-        self.max_model_len = max_model_len
+        self.max_model_len = 0  # set by setup
         self.runner: ModelRunner | None = None
         self._next_step = 0
         self._turn: asyncio.Condition | None = None
@@ -54,10 +54,11 @@ class Worker:
         """host:port for the process group's rendezvous (asked of rank 0)."""
         return free_address()
 
-    def setup(self, address: str = "") -> None:
+    def setup(self, max_model_len: int, address: str = "") -> None:
         """Join the process group (all workers at once; a single worker has none), then load
         this shard of the model. The one set-up path of every worker."""
         cfg = self.cfg
+        self.max_model_len = max_model_len
         parallel = init_parallel(address, self.rank, cfg.tensor_parallel_size,
                                  cfg.pipeline_parallel_size, self.device,
                                  cfg.distributed_timeout_s,

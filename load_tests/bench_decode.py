@@ -211,9 +211,9 @@ def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int,
     cls = ray.remote(_bench_worker_class())
     workers = [cls.options(num_gpus=1, num_cpus=1, runtime_env={"env_vars": WORKER_ENV},
                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i))
-               .remote(cfg, "cuda", 8192, i) for i in range(tp)]
+               .remote(cfg, "cuda", i) for i in range(tp)]
     address = ray.get(workers[0].address.remote())
-    ray.get([w.setup.remote(address) for w in workers])
+    ray.get([w.setup.remote(8192, address) for w in workers])
     results = ray.get([w.run_decode.remote(batch, ctx, iters) for w in workers])
     ray.shutdown()
     return {"eager_ms": max(r["eager_ms"] for r in results),

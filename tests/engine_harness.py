@@ -20,8 +20,8 @@ class InProcessEngine:
     def __init__(self, device: str = "cpu", **args):
         self.cfg = EngineConfig.from_args(args)
         info = model_info(self.cfg)
-        self.worker = Worker(self.cfg, device, info.max_model_len)
-        self.worker.setup()
+        self.worker = Worker(self.cfg, device)
+        self.worker.setup(info.max_model_len)
         num_blocks = self.worker.num_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
         self.scheduler = Scheduler.from_config(self.cfg, num_blocks, info.max_model_len,

@@ -26,3 +26,13 @@ def test_prefetch_skips_what_memory_cannot_hold_and_dirs_without_weights(tmp_pat
 
 def test_available_memory_is_read_from_the_system():
     assert prefetch.available_memory() > 1 << 20
+
+
+def test_a_memory_cgroup_limit_caps_the_available_memory(tmp_path):
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    usage.write_text("300\n")
+    limit.write_text("1000\n")
+    assert prefetch._cgroup_left([(str(limit), str(usage))]) == 700
+    limit.write_text("max\n")  # v2 without a limit
+    assert prefetch._cgroup_left([(str(limit), str(usage))]) is None
+    assert prefetch._cgroup_left([(str(tmp_path / "none"), str(usage))]) is None

@@ -22,8 +22,8 @@ def prefill_step(row: int, tokens: list[int], block: int) -> StepInput:
 
 def test_steps_run_in_step_id_order_whatever_the_delivery_order():
     cfg = EngineConfig.from_args({"max_num_tokens": 256, "block_size": 16})
-    worker = Worker(cfg, "cpu", 4096)
-    worker.setup()
+    worker = Worker(cfg, "cpu")
+    worker.setup(4096)
     worker.init_kv_cache(worker.num_kv_blocks())
     first = prefill_step(0, [1, 2, 3], block=0)
     # the second step decodes row 0 from its first sample: wrong if it ran first
@@ -37,8 +37,8 @@ def test_steps_run_in_step_id_order_whatever_the_delivery_order():
         return await worker.execute(first), await later
 
     out_first, out_second = asyncio.run(deliver_out_of_order())
-    reference = Worker(cfg, "cpu", 4096)
-    reference.setup()
+    reference = Worker(cfg, "cpu")
+    reference.setup(4096)
     reference.init_kv_cache(reference.num_kv_blocks())
     expect_first = reference.runner.execute(prefill_step(0, [1, 2, 3], block=0))
     expect_second = reference.runner.execute(
