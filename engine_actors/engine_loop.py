@@ -18,7 +18,7 @@ from collections.abc import Callable
 import ray
 
 from engine_actors import finetune_jobs
-from engine_actors.checkpoint import ModelInfo, model_info
+from engine_actors.checkpoint import ModelInfo, model_info, resolve_model_path
 from engine_actors.config import EngineConfig
 from engine_actors.executor import Executor, PhaseClock, resolve_device
 from engine_actors.messages import EngineRequest, Refusal, RequestOutput
@@ -65,9 +65,13 @@ class EngineLoop:
         """Start the workers, size the KV pool and build the scheduler. `clock` times the
         phases for the "engine ready" line (it may hold earlier phases)."""
         clock = clock or PhaseClock()
+        resolve_model_path(cfg.model)  # a checkpoint that is not there: before anything starts
         device = resolve_device(cfg)
-        executor = Executor(cfg, device, name=workers_name)  # their processes start meanwhile
+        # the workers' processes start, and the weights are read ahead, while the model's
+        # config loads (transformers' imports: seconds)
+        executor = Executor(cfg, device, name=workers_name)
         try:
+            await executor.place(clock)
             info = model_info(cfg)
             clock.lap("model config")
             num_blocks = await executor.start(info.max_model_len, clock=clock)

@@ -70,6 +70,7 @@ class Executor:
             raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
         self._step_ids = itertools.count()
         self.name = name
+        self._placed = False
         if name:
             _remove_stale_placement_group(name)
         self.placement_group = placement_group([bundle] * cfg.num_workers,
@@ -87,15 +88,11 @@ class Executor:
         # the last stage's first rank returns the sampled tokens
         self.result_index = (cfg.pipeline_parallel_size - 1) * cfg.tensor_parallel_size
 
-    async def start(self, max_model_len: int, num_blocks: int | None = None,
-                    clock: PhaseClock | None = None) -> int:
-        """Wait for the workers to load the model; size and allocate the KV pool.
-
-        Returns the number of KV blocks: `num_blocks` if given (a replacement group must
-        match the scheduler's bookkeeping), else the smallest any worker can hold. `clock`
-        gets the time of each phase.
-        """
-        clock = clock or PhaseClock()
+    async def place(self, clock: PhaseClock) -> None:
+        """Wait until the placement group is placed; then, if a worker is on this node,
+        start reading the weight files into the page cache while the workers start."""
+        if self._placed:
+            return
         timeout_s = self.cfg.placement_timeout_s
         try:
             await asyncio.wait_for(self.placement_group.ready(), timeout_s)
@@ -109,8 +106,20 @@ class Executor:
                 f"placed within placement_timeout_s={timeout_s:g}: the cluster has {have}. "
                 "Lower num_cpus_per_worker or the parallel sizes, or add nodes") from None
         clock.lap("placement")
-        if self._places_a_worker_here():  # read the weights while the workers start
+        self._placed = True
+        if self._places_a_worker_here():
             prefetch(resolve_model_path(self.cfg.model))
+
+    async def start(self, max_model_len: int, num_blocks: int | None = None,
+                    clock: PhaseClock | None = None) -> int:
+        """Wait for the workers to load the model; size and allocate the KV pool.
+
+        Returns the number of KV blocks: `num_blocks` if given (a replacement group must
+        match the scheduler's bookkeeping), else the smallest any worker can hold. `clock`
+        gets the time of each phase.
+        """
+        clock = clock or PhaseClock()
+        await self.place(clock)
         await asyncio.gather(*[w.__ray_ready__.remote() for w in self.workers])
         clock.lap("workers")
         address = await self.workers[0].address.remote() if len(self.workers) > 1 else ""
