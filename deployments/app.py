@@ -6,10 +6,10 @@ import os
 from ray.serve import Application
 
 from deployments.chat_protocol import check_template_kwargs
+from deployments.engine_client import start_engine_early
 from deployments.ingress import OpenAIIngress
 from deployments.protocol import APIError
 from engine_actors.config import ConfigError, EngineConfig
-from engine_actors.scheduler_actor import start_engine_early
 
 
 def build_app(args: dict | None = None) -> Application:

@@ -34,6 +34,18 @@ DEADLINE_MISSED = "the request's deadline passed before it could start"
 Deliver = Callable[[list[RequestOutput], "str | None"], None]
 
 
+def show_info_logs() -> None:
+    """Let the engine's INFO lines (its start, with each phase's time; its shutdown) reach
+    this process's stderr, which `serve run` shows: a Ray actor's root logger has no handler,
+    so only warnings got through (Python's last-resort handler)."""
+    log = logging.getLogger("orca_serve")
+    log.setLevel(logging.INFO)
+    if not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+
+
 def start_failure_cause(e: Exception) -> str:
     """One line: the error a worker raised, without Ray's wrapping and traceback."""
     if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
@@ -68,16 +80,19 @@ class EngineLoop:
         resolve_model_path(cfg.model)  # a checkpoint that is not there: before anything starts
         device = resolve_device(cfg)
         # the workers' processes start, and the weights are read ahead, while the model's
-        # config loads (transformers' imports: seconds)
+        # config loads (transformers' imports: seconds) and is checked
         executor = Executor(cfg, device, name=workers_name)
+        clock.lap("scheduler setup")
+        placing = asyncio.ensure_future(executor.place(clock))
         try:
-            await executor.place(clock)
-            info = model_info(cfg)
-            clock.lap("model config")
+            info = await asyncio.to_thread(model_info, cfg)
+            await placing
+            clock.lap("model config")  # what was left of it once placed
             num_blocks = await executor.start(info.max_model_len, clock=clock)
             scheduler = Scheduler.from_config(cfg, num_blocks, info.max_model_len,
                                               info.eos_token_ids)
         except BaseException:
+            placing.cancel()
             executor.shutdown()
             raise
         info = dataclasses.replace(info, max_model_len=scheduler.max_model_len)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 
 import ray
@@ -71,6 +72,7 @@ class Executor:
         self._step_ids = itertools.count()
         self.name = name
         self._placed = False
+        self._stop_prefetch = threading.Event()  # set: a read-ahead of the weights stops
         if name:
             _remove_stale_placement_group(name)
         self.placement_group = placement_group([bundle] * cfg.num_workers,
@@ -108,7 +110,7 @@ class Executor:
         clock.lap("placement")
         self._placed = True
         if self._places_a_worker_here():
-            prefetch(resolve_model_path(self.cfg.model))
+            prefetch(resolve_model_path(self.cfg.model), self._stop_prefetch)
 
     async def start(self, max_model_len: int, num_blocks: int | None = None,
                     clock: PhaseClock | None = None) -> int:
@@ -181,6 +183,7 @@ class Executor:
         return await asyncio.gather(*[w.gpu_timeline.remote(reset) for w in self.workers])
 
     def shutdown(self) -> None:
+        self._stop_prefetch.set()
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.placement_group)

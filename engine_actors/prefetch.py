@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import os
+import threading
 
 CHUNK = 16 << 20
 READERS = 4  # files read at once: a fast disk serves several streams faster than one
@@ -39,49 +40,81 @@ def _meminfo(key: str) -> int:
     return 0
 
 
-CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
-                ("/sys/fs/cgroup/memory/memory.limit_in_bytes",  # v1
-                 "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+def _cgroup_dirs() -> list[tuple[str, str, str, str]]:
+    """(directory, limit file, usage file, memory.stat key of reclaimable page cache) of this
+    process's memory cgroup, v2 then v1, its own path first, then the mount's root."""
+    own = {"v2": "", "v1": ""}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    own["v2"] = path
+                elif "memory" in controllers.split(","):
+                    own["v1"] = path
+    except (OSError, ValueError):
+        pass
+    v2, v1 = "/sys/fs/cgroup", "/sys/fs/cgroup/memory"
+    return [(v2 + own["v2"], "memory.max", "memory.current", "inactive_file"),
+            (v2, "memory.max", "memory.current", "inactive_file"),
+            (v1 + own["v1"], "memory.limit_in_bytes", "memory.usage_in_bytes",
+             "total_inactive_file"),
+            (v1, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")]
 
 
-def _cgroup_left(files=CGROUP_FILES) -> int | None:
-    """The cgroup's limit less its usage, or None without a limit."""
-    for limit_file, usage_file in files:
+def _cgroup_left(dirs=None) -> int | None:
+    """The cgroup's limit less what it uses (reclaimable page cache not counted), or None
+    without a limit."""
+    for directory, limit_file, usage_file, inactive_key in dirs or _cgroup_dirs():
         try:
-            with open(limit_file) as f:
+            with open(os.path.join(directory, limit_file)) as f:
                 limit = f.read().strip()
-            with open(usage_file) as f:
+            with open(os.path.join(directory, usage_file)) as f:
                 usage = int(f.read())
         except (OSError, ValueError):
             continue
         if limit == "max" or int(limit) >= 1 << 60:  # v1 writes a huge number for none
-            return None
-        return max(0, int(limit) - usage)
+            continue
+        return max(0, int(limit) - usage + _stat(directory, inactive_key))
     return None
 
 
-def prefetch(path: str) -> concurrent.futures.Future | None:
+def _stat(directory: str, key: str) -> int:
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def prefetch(path: str, stop: threading.Event | None = None
+             ) -> concurrent.futures.Future | None:
     """Start reading the checkpoint's safetensors files in background threads; the future
     gives the bytes read. None when there are none, or when they would fill more than half
-    of the available memory (the cache would drop them again before the workers read)."""
+    of the available memory (the cache would drop them again before the workers read).
+    Setting `stop` ends the reads early."""
     files = weight_files(path)
     if not files or sum(map(os.path.getsize, files)) > available_memory() // 2:
         return None
     runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-    future = runner.submit(_read_all, files)
+    future = runner.submit(_read_all, files, stop or threading.Event())
     runner.shutdown(wait=False)
     return future
 
 
-def _read_all(files: list[str]) -> int:
+def _read_all(files: list[str], stop: threading.Event) -> int:
     with concurrent.futures.ThreadPoolExecutor(min(READERS, len(files))) as pool:
-        return sum(pool.map(_read, files))
+        return sum(pool.map(_read, files, [stop] * len(files)))
 
 
-def _read(file: str) -> int:
+def _read(file: str, stop: threading.Event) -> int:
     buffer = bytearray(CHUNK)
     done = 0
     with open(file, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
+        while not stop.is_set() and (n := f.readinto(buffer)):
             done += n
     return done

@@ -7,7 +7,8 @@ where outputs go out to their requests' sinks. An ingress replica submits with
 `add_requests` and holds one `stream` call that yields, once per iteration, the updates of
 all its requests.
 
-Lifetime: created when the application is built (`start_engine_early`; or by an ingress
+Lifetime: created when the application is built (deployments/engine_client.py's
+`start_engine_early`; or by an ingress
 replica that finds none, after one died or left), a named, detached actor, one per distinct configuration, which
 starts its engine at once; it tears itself down, workers and placement group included, when
 its last client unregisters while the application is being deleted, when the last client
@@ -28,7 +29,7 @@ import ray
 from engine_actors.batches import Batches
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
 from engine_actors.config import EngineConfig
-from engine_actors.engine_loop import EngineLoop, start_failure_cause
+from engine_actors.engine_loop import EngineLoop, show_info_logs, start_failure_cause
 from engine_actors.executor import PhaseClock
 from engine_actors.finetune_jobs import FineTuning
 from engine_actors.lora import Adapters
@@ -48,43 +49,11 @@ def actor_name(cfg: EngineConfig) -> str:
     return f"orca-scheduler-{cfg.fingerprint()}"
 
 
-def scheduler_actor(cfg: EngineConfig):
-    """The application's scheduler actor: created on first call, found by name after that
-    (detached: it outlives whoever created it, and goes when no replica is left)."""
-    return ray.remote(SchedulerActor).options(
-        name=actor_name(cfg), namespace=NAMESPACE, get_if_exists=True,
-        lifetime="detached", num_cpus=0, max_concurrency=10_000,
-        # like Serve's own actors: calls per iteration and per request each left a task
-        # event in the GCS (its memory grew by 160 MB in a 10-minute soak)
-        enable_task_events=False,
-    ).remote(cfg, time.time())
-
-
-def start_engine_early(cfg: EngineConfig) -> None:
-    """Start the engine while Serve is still starting the ingress replicas (called when the
-    application is built): the workers load the weights meanwhile, instead of after a
-    replica is up. The replicas then find the actor by name, and a start failure reaches
-    them through ready(). Does nothing outside a Ray job."""
-    if ray.is_initialized():
-        scheduler_actor(cfg)  # the actor starts its engine as it is created
-
-
-def show_info_logs() -> None:
-    """Let the engine's INFO lines (its start, with each phase's time; its shutdown) reach
-    this process's stderr, which `serve run` shows: a Ray actor's root logger has no handler,
-    so only warnings got through (Python's last-resort handler)."""
-    log = logging.getLogger("orca_serve")
-    log.setLevel(logging.INFO)
-    if not logging.getLogger().handlers and not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-        log.addHandler(handler)
-
-
 class SchedulerActor:
     def __init__(self, cfg: EngineConfig, created_at: float | None = None):
         """`created_at`: time.time() when the creator asked for this actor (its process's
-        start and imports then count in the start's phases)."""
+        start and imports then count in the start's phases; a creator on another node reads
+        another clock, and a negative difference counts as 0)."""
         show_info_logs()
         self._clock = PhaseClock({"scheduler process": max(0.0, time.time() - created_at)}
                                  if created_at is not None else None)

@@ -29,10 +29,20 @@ def test_available_memory_is_read_from_the_system():
 
 
 def test_a_memory_cgroup_limit_caps_the_available_memory(tmp_path):
-    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
-    usage.write_text("300\n")
-    limit.write_text("1000\n")
-    assert prefetch._cgroup_left([(str(limit), str(usage))]) == 700
-    limit.write_text("max\n")  # v2 without a limit
-    assert prefetch._cgroup_left([(str(limit), str(usage))]) is None
-    assert prefetch._cgroup_left([(str(tmp_path / "none"), str(usage))]) is None
+    """v2 files: what the limit leaves, reclaimable page cache counted as free."""
+    (tmp_path / "memory.current").write_text("300\n")
+    (tmp_path / "memory.stat").write_text("anon 200\ninactive_file 50\n")
+    (tmp_path / "memory.max").write_text("1000\n")
+    dirs = [(str(tmp_path), "memory.max", "memory.current", "inactive_file")]
+    assert prefetch._cgroup_left(dirs) == 1000 - 300 + 50
+    (tmp_path / "memory.max").write_text("max\n")  # no limit
+    assert prefetch._cgroup_left(dirs) is None
+    assert prefetch._cgroup_left([(str(tmp_path / "none"), *dirs[0][1:])]) is None
+
+
+def test_a_stopped_prefetch_reads_nothing_more(tmp_path):
+    import threading
+    save_random_checkpoint(str(tmp_path))
+    stop = threading.Event()
+    stop.set()
+    assert prefetch.prefetch(str(tmp_path), stop).result(timeout=30) == 0
