@@ -159,7 +159,7 @@ class LogTail(threading.Thread):
                 line = f.readline()
                 if line:
                     self.lines.append((round(time.monotonic() - self.t0, 2),
-                                       ANSI.sub("", line.rstrip())[:300]))
+                                       ANSI.sub("", line.rstrip())[:2000]))
                 elif self.done.is_set():
                     return
                 else:
