@@ -211,6 +211,11 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
                          "or one replicated KV head)")
 
 
+def weight_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files, in name order."""
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
 def iter_checkpoint_tensors(path: str, device: torch.device | str = "cpu"):
     """(name, tensor) for every tensor of the checkpoint, one at a time.
 
@@ -225,7 +230,7 @@ def iter_checkpoint_tensors(path: str, device: torch.device | str = "cpu"):
             yield name, random_weight(name, param.shape, device)
         return
     from safetensors import safe_open
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = weight_files(path)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     for file in files:

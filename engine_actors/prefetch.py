@@ -9,16 +9,13 @@ page cache holds the pages, and a file the cache cannot hold is not read.
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import os
 import threading
 
+from engine_actors.checkpoint import weight_files
+
 CHUNK = 16 << 20
 READERS = 4  # files read at once: a fast disk serves several streams faster than one
-
-
-def weight_files(path: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
 def available_memory() -> int:

@@ -101,6 +101,7 @@ def write_checkpoint(model: str, path: str, device: str) -> None:
 
 
 def shard_files(path: str) -> list[str]:
+    # not checkpoint.weight_files: this script also runs on older trees (startup_ab.sh)
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
