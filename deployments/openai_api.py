@@ -22,7 +22,7 @@ from deployments.chat_protocol import ChatCompletionRequest
 from deployments.protocol import (APIError, CompletionRequest,
                                   refusal_error)
 from deployments.logprobs import LogprobsWriter
-from deployments.reasoning import ReasoningStream
+from deployments.reasoning import ReasoningStream, think_token_ids
 from deployments.structured import grammar_for, tool_grammar
 from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
 from deployments.choice import Choice
@@ -80,10 +80,11 @@ class OpenAIRoutes:
         ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None,
                                            template_kwargs=req.chat_template_kwargs)
         reasoning = self.frontend.cfg.reasoning_parser
-        grammar = grammar_for(req, reasoning)
+        think_ids = think_token_ids(self.frontend.tokenizer) if reasoning else (None, None)
+        grammar = grammar_for(req, reasoning, think_ids)
         parser = self.frontend.tool_parser(info) if req.uses_tools else None
         forced = tool_grammar(req.tools, req.tool_choice, parser, req.max_tool_calls() != 1,
-                              reasoning) if parser and req.forces_tool_calls else None
+                              reasoning, think_ids) if parser and req.forces_tool_calls else None
         if grammar is not None and forced is not None:
             raise APIError(400, "a tool_choice that forces a call cannot be combined with "
                                 "response_format or guided_*", "tool_choice", "invalid_value")

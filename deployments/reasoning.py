@@ -12,7 +12,8 @@ output item on the Responses API), when the server runs with a `reasoning_parser
 Reasoning ends at the first </think>; an output cut before it is all reasoning. The blank
 lines the model writes after </think> are not part of the answer. Tool calls are parsed
 from the answer only, and a grammar (structured output, forced tool calls) applies to the
-answer only (structured.reasoning_grammar).
+answer only (structured.reasoning_grammar): when </think> is one token of the vocabulary,
+the engine masks nothing until the model writes that token, as vLLM does.
 """
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ class ReasoningStream:
             text = text.lstrip("\n")
             self.is_skipping_newlines = not text
         return text
+
+
+def think_token_ids(tokenizer) -> tuple[int | None, int | None]:
+    """The ids of <think> and </think> where each is one token of the vocabulary (None
+    where it is not: the text is then written in several tokens)."""
+    def one(tag: str) -> int | None:
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+    return one(START), one(END)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -25,7 +25,9 @@ MAX_GRAMMAR_CHARS = 128 * 1024  # compiling takes ~2 ms per KB of schema on this
 XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 
 
-def grammar_for(req, reasoning_parser: str | None = None) -> tuple[str, str] | None:
+def grammar_for(req, reasoning_parser: str | None = None,
+                think_ids: tuple[int | None, int | None] = (None, None)
+                ) -> tuple[str, str] | None:
     """The grammar spec a request asks for, checked (APIError 400 naming the field); with
     a reasoning parser, for the answer after the reasoning (reasoning_grammar)."""
     specs = []
@@ -54,11 +56,13 @@ def grammar_for(req, reasoning_parser: str | None = None) -> tuple[str, str] | N
         return None
     param, spec = specs[0]
     _check(spec, param)
-    return reasoning_grammar(spec, reasoning_parser, param) if reasoning_parser else spec
+    return reasoning_grammar(spec, reasoning_parser, param, think_ids) if reasoning_parser \
+        else spec
 
 
 def tool_grammar(tools, tool_choice, parser_name: str, parallel: bool = True,
-                 reasoning_parser: str | None = None) -> tuple[str, str]:
+                 reasoning_parser: str | None = None,
+                 think_ids: tuple[int | None, int | None] = (None, None)) -> tuple[str, str]:
     """The grammar of a tool_choice that forces calls: with "required", one call of any of
     the tools, or with `parallel` one or more; with a named function, one call of it. In the
     format of `parser_name`, the arguments valid against the function's parameters, nothing
@@ -83,15 +87,24 @@ def tool_grammar(tools, tool_choice, parser_name: str, parallel: bool = True,
         fmt_json = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     spec = ("structural_tag", json.dumps({"type": "structural_tag", "format": fmt_json}))
     _check(spec, "tools")
-    return reasoning_grammar(spec, reasoning_parser, "tools") if reasoning_parser else spec
+    return reasoning_grammar(spec, reasoning_parser, "tools", think_ids) if reasoning_parser \
+        else spec
 
 
-def reasoning_grammar(spec: tuple[str, str], parser: str,
-                      param: str | None = None) -> tuple[str, str]:
+def reasoning_grammar(spec: tuple[str, str], parser: str, param: str | None = None,
+                      think_ids: tuple[int | None, int | None] = (None, None)
+                      ) -> tuple[str, str]:
     """The grammar of a reasoning model's whole output: its reasoning, any text up to
     </think> (with the qwen3 parser, only if it starts with <think>: thinking may be off),
     up to two newlines, then `spec` for the answer. With `param`, checked as the engine
-    will compile it (APIError 400 naming `param`)."""
+    will compile it (APIError 400 naming `param`).
+
+    With `think_ids`, the ids of <think> and </think> where each is one token
+    (reasoning.think_token_ids), the engine masks nothing while the model thinks: a
+    ("reasoning", ...) spec. Its grammar starts at the </think> token, as vLLM's does
+    (an output that spells </think> in several tokens is then not held to `spec`); with
+    qwen3 the whole grammar still masks the first token, which decides whether the
+    output thinks at all."""
     from engine_actors.grammar import json_grammar
     kind, value = spec
     if kind == "structural_tag":
@@ -104,12 +117,22 @@ def reasoning_grammar(spec: tuple[str, str], parser: str,
                 "content": {"type": "any_text", "excludes": [END]}, "end": END}
     if parser == "qwen3":
         thinking = {"type": "optional", "content": thinking}
-    fmt = {"type": "sequence",
-           "elements": [thinking, {"type": "regex", "pattern": "\\n{0,2}"}, answer]}
-    wrapped = "structural_tag", json.dumps({"type": "structural_tag", "format": fmt})
+    newlines = {"type": "regex", "pattern": "\\n{0,2}"}
+    wrapped = _structural_tag({"type": "sequence", "elements": [thinking, newlines, answer]})
     if param is not None:
         _check(wrapped, param)
-    return wrapped
+    start, end = think_ids
+    if end is None or (parser == "qwen3" and start is None):
+        return wrapped
+    after = _structural_tag({"type": "sequence", "elements": [newlines, answer]})
+    is_qwen3 = parser == "qwen3"
+    return "reasoning", json.dumps({"end": end, "start": start if is_qwen3 else None,
+                                    "first": list(wrapped) if is_qwen3 else None,
+                                    "answer": list(after)})
+
+
+def _structural_tag(fmt: dict) -> tuple[str, str]:
+    return "structural_tag", json.dumps({"type": "structural_tag", "format": fmt})
 
 
 def default_tool_parser(tokenizer, architecture: str) -> str:

@@ -9,10 +9,15 @@ step that samples a grammar row first waits for the results of the steps before 
 overlapped schedule lets the next step start before the previous token is known; only its
 sampling waits). A request recomputed after preemption gets a fresh matcher that replays its
 generated tokens.
+
+A ("reasoning", ...) spec (deployments/structured.py, reasoning_grammar) is followed by an
+AfterThinking matcher: no mask while a reasoning model thinks, its answer's grammar from
+the </think> token on.
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 
@@ -61,7 +66,8 @@ class Grammars:
         if spec is None:
             return
         import xgrammar as xgr
-        matcher = xgr.GrammarMatcher(self._compile(spec))
+        matcher = AfterThinking(json.loads(spec[1]), self._compile) \
+            if spec[0] == "reasoning" else xgr.GrammarMatcher(self._compile(spec))
         for token in replay:
             matcher.accept_token(token)
         self.matchers[row] = matcher
@@ -70,18 +76,56 @@ class Grammars:
         """The matcher of each sampling row (None: no grammar)."""
         return [self.matchers.get(r) for r in rows]
 
-    def bitmask(self, matchers: list[object | None]) -> torch.Tensor:
-        """[N, V/32] int32 on the CPU: allowed tokens of each grammar row (others: all)."""
+    def bitmask(self, matchers: list[object | None]) -> torch.Tensor | None:
+        """[N, V/32] int32 on the CPU: allowed tokens of each grammar row (others: all);
+        None when no row has a mask (all still think)."""
         import xgrammar as xgr
-        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         # a terminated one ended its request: a step already in flight samples a token the
         # scheduler drops
-        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
-        if rows:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(self.threads)
-            self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
+        rows, fill = [], []
+        for i, m in enumerate(matchers):
+            if isinstance(m, AfterThinking):
+                m = m.matcher
+            if m is not None and not m.is_terminated():
+                rows.append(i)
+                fill.append(m)
+        if not rows:
+            return None
+        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(self.threads)
+        self._batch.batch_fill_next_token_bitmask(fill, mask, rows)
         return mask
+
+
+class AfterThinking:
+    """A reasoning model's grammar that starts at its </think> token: while it thinks, no
+    mask and no matcher. With a `first` grammar (qwen3: the whole output's, thinking
+    optional), that grammar masks the first token; the <think> token there starts the
+    thinking, any other token the answer under that same grammar."""
+
+    def __init__(self, spec: dict, compile_fn):
+        import xgrammar as xgr
+        self.end, self.start = spec["end"], spec["start"]
+        self.answer = compile_fn(tuple(spec["answer"]))
+        self.matcher = xgr.GrammarMatcher(compile_fn(tuple(spec["first"]))) \
+            if spec["first"] is not None else None  # None: thinking
+        self.is_first = spec["first"] is not None
+
+    def accept_token(self, token: int) -> bool:
+        import xgrammar as xgr
+        if self.matcher is None:
+            if token == self.end:
+                self.matcher = xgr.GrammarMatcher(self.answer)
+            return True
+        accepted = self.matcher.accept_token(token)
+        if self.is_first and token == self.start:
+            self.matcher = None
+        self.is_first = False
+        return accepted
+
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
 
 
 def _compiled(compiler, spec: tuple[str, str]):

@@ -62,7 +62,8 @@ class SamplingHead:
             return None, None
         if self.last_pending is not None:
             self.last_pending.result()
-        return matchers, self.staging.to_device(self.grammars.bitmask(matchers).numpy())
+        mask = self.grammars.bitmask(matchers)
+        return matchers, None if mask is None else self.staging.to_device(mask.numpy())
 
 
 def _then_advance(parse, matchers, values) -> StepResult:

@@ -51,27 +51,41 @@ VARIANTS = {
     # reasoning_grammar): the random model stays in the free text before </think>
     "json_half_reasoning": dict(grammar=("json_schema", RECORDS_SCHEMA), every=2,
                                 reasoning="deepseek_r1"),
+    # the same where </think> is one token (as in DeepSeek-R1's and Qwen3's vocabularies):
+    # the engine masks nothing until that token
+    "json_half_thinking": dict(grammar=("json_schema", RECORDS_SCHEMA), every=2,
+                               reasoning="deepseek_r1", think_token=True),
 }
+GRAMMAR_VARIANTS = {"json_half": "json", "json_half_reasoning": "json_reasoning",
+                    "json_half_thinking": "json_thinking"}  # -> prefix of their host times
 
 
-def new_request(row: int, variant: str, context_len: int, lora_slot: int = -1) -> NewRequest:
+def new_request(row: int, variant: str, context_len: int, lora_slot: int = -1,
+                tokenizer_dir: str | None = None) -> NewRequest:
     extra = dict(VARIANTS[variant])
     if extra.pop("processors", False):
         extra["processors"] = ProcessorSettings(context_len, presence_penalty=0.5,
                                                 frequency_penalty=0.5, repetition_penalty=1.1)
     parser = extra.pop("reasoning", None)
+    think_ids = (None, None)
+    if extra.pop("think_token", False):
+        from deployments.reasoning import think_token_ids
+        from engine_actors.checkpoint import load_tokenizer
+        think_ids = think_token_ids(load_tokenizer(tokenizer_dir))
+        assert think_ids[1] is not None, "the tokenizer has no </think> token"
     if row % extra.pop("every", 1):
         extra.pop("grammar")
     elif parser is not None:
         from deployments.structured import reasoning_grammar
-        extra["grammar"] = reasoning_grammar(extra["grammar"], parser)
+        extra["grammar"] = reasoning_grammar(extra["grammar"], parser, think_ids=think_ids)
     return NewRequest(row, 0.0, 1.0, 0, None, lora_slot=lora_slot, **extra)
 
 
 def bpe_tokenizer_dir(vocab_size: int) -> str:
-    """A byte-level BPE tokenizer of `vocab_size` - 2 merges' worth of tokens, trained on this
-    Python's standard library: the built-in models' byte tokenizer has 258 tokens, and a
-    grammar mask's cost grows with the tokens it has to check (Llama 3 has 128k)."""
+    """A byte-level BPE tokenizer of `vocab_size` - 2 tokens (<think> and </think> among
+    them, as in reasoning models' vocabularies), trained on this Python's standard library:
+    the built-in models' byte tokenizer has 258 tokens, and a grammar mask's cost grows with
+    the tokens it has to check (Llama 3 has 128k)."""
     import glob
     import os
     import sysconfig
@@ -79,13 +93,14 @@ def bpe_tokenizer_dir(vocab_size: int) -> str:
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    path = os.path.join(tempfile.gettempdir(), f"orca-serve-bpe-{vocab_size}")
+    path = os.path.join(tempfile.gettempdir(), f"orca-serve-bpe-think-{vocab_size}")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/**/*.py", recursive=True))
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, special_tokens=["<s>", "</s>"],
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2,
+                                      special_tokens=["<s>", "</s>", "<think>", "</think>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=False)
         tok.train_from_iterator(
@@ -101,7 +116,8 @@ def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int,
     request's LoRA adapter slot (default: the base model)."""
     blocks_each = cdiv(context_len + iters + 8, runner.block_size)
     slots = lora_slots or [-1] * batch
-    first = StepInput(new_requests=[new_request(r, variant, context_len, slots[r])
+    tokenizer_dir = runner.head.grammars.model_path
+    first = StepInput(new_requests=[new_request(r, variant, context_len, slots[r], tokenizer_dir)
                                     for r in range(batch)],
                       rows=list(range(batch)), context_lens=[context_len] * batch,
                       query_lens=[1] * batch, sample=[True] * batch, token_ids=[1] * batch,
@@ -171,8 +187,8 @@ def _bench_worker_class():
                 for key in spent:  # each variant's own
                     spent[key][:] = [0.0, 0]
                 variants[v] = time_decode(runner, batch, context_len, iters, v)
-                if v in ("json_half", "json_half_reasoning"):
-                    prefix = "json" if v == "json_half" else "json_reasoning"
+                if v in GRAMMAR_VARIANTS:
+                    prefix = GRAMMAR_VARIANTS[v]
                     matchers = runner.head.grammars.matchers.values()  # still under it
                     variants[f"{prefix}_rows_active"] = sum(not m.is_terminated()
                                                             for m in matchers)
@@ -259,10 +275,9 @@ def main(argv=None) -> dict:
               "eager_ms": r["eager_ms"], "graph_ms": r["graph_ms"],
               "graph_over_floor": r["graph_ms"] / floor_ms}
     variants = dict(r.get("variants_ms", {}))
-    for key in ("json_rows_active", "json_mask_host_ms", "json_fill_host_ms",
-                "json_reasoning_rows_active", "json_reasoning_mask_host_ms",
-                "json_reasoning_fill_host_ms"):
-        report[key] = variants.pop(key, None)  # rows active at the end; host ms per step
+    for prefix in GRAMMAR_VARIANTS.values():  # rows active at the end; host ms per step
+        for key in ("rows_active", "mask_host_ms", "fill_host_ms"):
+            report[f"{prefix}_{key}"] = variants.pop(f"{prefix}_{key}", None)
     for key in [k for k in variants if k.startswith("json_fill_host_ms_t")]:
         report[key] = variants.pop(key)
     for variant, ms in variants.items():  # every request (json_half: every other) asking

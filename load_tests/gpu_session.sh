@@ -33,6 +33,7 @@ for part in $BENCH; do
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     decode) python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 ${DECODE_ARGS:-} --out "$OUT/decode-8b${LABEL:-}.json" 2>&1 | tail -15 ;;
+    decode-1b) python3 -m load_tests.bench_decode --model llama-1b --batch-size 64 ${DECODE_ARGS:-} --out "$OUT/decode-1b${LABEL:-}.json" 2>&1 | tail -15 ;;
     mixed) python3 -m load_tests.bench_mixed --model llama-8b --decode-rows ${DECODE_ROWS:-8 64} --out "$OUT/mixed-8b${LABEL:-}.json" 2>&1 | tail -12 ;;
     offline-1b) python3 -m load_tests.bench_offline --model llama-1b --systems "${SYSTEMS:-orca,hf-static,hf-cb,hf-cb-tuned}" --out "$OUT/offline-1b.json" > "$OUT/offline-1b.log" 2>&1; tail -8 "$OUT/offline-1b.log" ;;
     offline-8b) python3 -m load_tests.bench_offline --model llama-8b --systems "${SYSTEMS:-orca,hf-static,hf-cb,hf-cb-tuned}" --out "$OUT/offline-8b.json" > "$OUT/offline-8b.log" 2>&1; tail -8 "$OUT/offline-8b.log" ;;
