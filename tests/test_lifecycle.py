@@ -182,7 +182,7 @@ def test_building_the_application_starts_the_engine(app):
     def state():
         try:
             return ray.get(scheduler_handle({"args": args}).stats.remote())["state"]
-        except ValueError:  # no such actor
+        except (ValueError, ray.exceptions.RayActorError):  # no such actor, or it is exiting
             return None
     try:
         assert wait_until(lambda: state() == "ready", timeout=60), state()
