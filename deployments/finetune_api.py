@@ -8,7 +8,7 @@ idle time (engine_actors/finetune_jobs.py) and their adapters are served under
 `fine_tuned_model`."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 from starlette.requests import ClientDisconnect, Request
@@ -28,7 +28,18 @@ class Hyperparameters(_Base):
     n_epochs: Annotated[int, Field(le=50)] | Literal["auto"] = "auto"  # OpenAI's bounds
     batch_size: Annotated[int, Field(le=256)] | Literal["auto"] = "auto"
     learning_rate_multiplier: Annotated[float, Field(gt=0, le=1000)] | Literal["auto"] = "auto"
-    learning_rate: float | None = Field(default=None, gt=0, le=1)
+    learning_rate: float | None = Field(default=None, gt=0, le=1)  # extension: the rate itself
+
+
+class SupervisedMethod(_Base):
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+
+
+class Method(_Base):
+    """OpenAI's `method`: only supervised fine-tuning runs here (dpo and reinforcement
+    are refused by name)."""
+    type: Literal["supervised", "dpo", "reinforcement"]
+    supervised: SupervisedMethod = Field(default_factory=SupervisedMethod)
 
 
 class LoRASpec(_Base):
@@ -44,27 +55,78 @@ class FineTuningJobRequest(_Base):
     # part of the model's name: no ':' (its separator), '/' (a URL path's) or whitespace
     suffix: str | None = Field(default=None, max_length=64, pattern=r"^[^:/\s]*$")
     seed: int = Field(default=0, ge=-2**63, lt=2**63)  # a torch generator's seed
-    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
-    lora: LoRASpec = Field(default_factory=LoRASpec)
+    method: Method | None = None
+    hyperparameters: Hyperparameters | None = None  # deprecated by OpenAI for `method`
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
+                             Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    validation_file: str | None = None  # refused: no validation passes here
+    integrations: list[Any] | None = None  # refused: no Weights & Biases here
+    lora: LoRASpec = Field(default_factory=LoRASpec)  # extension: the adapter's shape
+
+    @property
+    def hyper(self) -> Hyperparameters:
+        if self.method is not None:
+            return self.method.supervised.hyperparameters
+        return self.hyperparameters or Hyperparameters()
 
     def check_supported(self) -> None:
-        h = self.hyperparameters
+        if self.method is not None and self.method.type != "supervised":
+            raise APIError(400, f"method.type {self.method.type!r} is not supported: this "
+                                "server runs supervised LoRA fine-tuning", "method.type",
+                           "unsupported_value")
+        if self.method is not None and self.hyperparameters is not None:
+            raise APIError(400, "give the hyperparameters in method.supervised.hyperparameters "
+                                "or in hyperparameters, not both", "hyperparameters",
+                           "invalid_value")
+        if self.validation_file is not None:
+            raise APIError(400, "validation_file is not supported by this server (it computes "
+                                "no validation loss); leave it out", "validation_file",
+                           "unsupported_parameter")
+        if self.integrations:
+            raise APIError(400, "integrations are not supported by this server; follow the "
+                                "job's loss in its events", "integrations",
+                           "unsupported_parameter")
+        h, prefix = self.hyper, "method.supervised.hyperparameters" if self.method \
+            else "hyperparameters"
         for name in ("n_epochs", "batch_size"):
             if getattr(h, name) != "auto" and getattr(h, name) < 1:
-                raise APIError(400, f"hyperparameters.{name} must be at least 1",
-                               f"hyperparameters.{name}", "invalid_value")
+                raise APIError(400, f"{prefix}.{name} must be at least 1",
+                               f"{prefix}.{name}", "invalid_value")
+        if h.learning_rate is not None and h.learning_rate_multiplier != "auto":
+            raise APIError(400, "give learning_rate or learning_rate_multiplier, not both",
+                           f"{prefix}.learning_rate", "invalid_value")
 
     def spec(self, examples: list) -> dict:
-        h, lora = self.hyperparameters, self.lora
+        h, lora = self.hyper, self.lora
         multiplier = 1.0 if h.learning_rate_multiplier == "auto" else h.learning_rate_multiplier
+        rate = h.learning_rate or DEFAULT_LEARNING_RATE * multiplier
         targets = list(TARGETS) if lora.target_modules == "all-linear" else lora.target_modules
         return {"model": self.model, "training_file": self.training_file,
                 "examples": examples, "suffix": self.suffix, "seed": self.seed,
+                "metadata": self.metadata,
                 "n_epochs": 3 if h.n_epochs == "auto" else h.n_epochs,
                 "batch_size": min(8, len(examples)) if h.batch_size == "auto" else h.batch_size,
-                "learning_rate": h.learning_rate or DEFAULT_LEARNING_RATE * multiplier,
+                "learning_rate": rate,
+                "learning_rate_multiplier": rate / DEFAULT_LEARNING_RATE,
                 "lora": {"r": lora.r, "alpha": lora.alpha or 2 * lora.r,
                          "target_modules": targets}}
+
+
+def _after(request: Request) -> str | None:
+    """A list's `after` query parameter: the id of the last item of the page before."""
+    return request.query_params.get("after")
+
+
+def _limit(request: Request, default: int = 20, most: int = 100) -> int:
+    """A list's `limit` query parameter (OpenAI's default and range)."""
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= most:
+        raise APIError(400, f"limit must be an integer from 1 to {most}", "limit",
+                       "invalid_value")
+    return int(raw)
 
 
 def _not_found(kind: str, name: str, param: str | None = None) -> APIError:
@@ -131,8 +193,12 @@ class FineTuningAPI:
 
     async def list_files(self, request: Request):
         try:
-            return JSONResponse({"object": "list", "data": await self._call("list_files"),
-                                 "has_more": False})
+            order = request.query_params.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise APIError(400, "order must be \"asc\" or \"desc\"", "order",
+                               "invalid_value")
+            return JSONResponse(await self._call("list_files", _after(request),
+                                                 _limit(request, 10_000, 10_000), order))
         except APIError as e:
             return e.response()
 
@@ -187,8 +253,8 @@ class FineTuningAPI:
 
     async def list_jobs(self, request: Request):
         try:
-            return JSONResponse({"object": "list", "data": await self._call("list_jobs"),
-                                 "has_more": False})
+            return JSONResponse(await self._call("list_jobs", _after(request),
+                                                 _limit(request)))
         except APIError as e:
             return e.response()
 
@@ -196,20 +262,22 @@ class FineTuningAPI:
         return await self._one(request, "job")
 
     async def events(self, request: Request):
-        return await self._one(request, "events")
+        try:
+            page = (_after(request), _limit(request))
+        except APIError as e:
+            return e.response()
+        return await self._one(request, "events", *page)
 
     async def cancel(self, request: Request):
         return await self._one(request, "cancel")
 
-    async def _one(self, request: Request, method: str):
+    async def _one(self, request: Request, method: str, *args):
         job_id = request.path_params["job_id"]
         try:
-            out = await self._call(method, job_id)
+            out = await self._call(method, job_id, *args)
             if out is None:
                 raise _not_found("fine-tuning job", job_id)
-            if method == "events":
-                out = {"object": "list", "data": out, "has_more": False}
-            elif not isinstance(out, dict):
+            if not isinstance(out, dict):
                 raise APIError(409, out.message, None, out.code)
             return JSONResponse(out)
         except APIError as e:

@@ -21,6 +21,8 @@ class Job:
     lora: dict  # r, alpha, target_modules
     suffix: str | None
     seed: int
+    learning_rate_multiplier: float = 1.0  # over the default rate (OpenAI's field)
+    metadata: dict | None = None  # the client's, returned as given
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "queued"
     finished_at: int | None = None
@@ -50,13 +52,17 @@ class Job:
         self.examples, self._plan, self._rest = [], [], []
 
     def to_dict(self) -> dict:
+        hyper = {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
+                 "learning_rate_multiplier": self.learning_rate_multiplier,
+                 "learning_rate": self.learning_rate}
         return {"object": "fine_tuning.job", "id": self.id, "model": self.model,
                 "created_at": self.created_at, "finished_at": self.finished_at,
                 "fine_tuned_model": self.fine_tuned_model, "status": self.status,
                 "training_file": self.training_file, "validation_file": None,
-                "hyperparameters": {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
-                                    "learning_rate": self.learning_rate},
-                "method": {"type": "supervised"}, "lora": self.lora, "suffix": self.suffix,
+                "hyperparameters": hyper,
+                "method": {"type": "supervised", "supervised": {"hyperparameters": hyper}},
+                "lora": self.lora, "suffix": self.suffix, "user_provided_suffix": self.suffix,
+                "metadata": self.metadata, "integrations": [], "estimated_finish": None,
                 "seed": self.seed, "trained_tokens": self.trained_tokens,
                 "steps_done": self.steps_done, "total_steps": self.total_steps,
                 "error": self.error, "result_files": [], "organization_id": "orca-serve"}

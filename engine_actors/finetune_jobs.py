@@ -58,6 +58,15 @@ def may_defer(waited_s: list[float], step_s: float | None, bound_s: float) -> bo
     return step_s is not None and max(waited_s) + step_s <= bound_s
 
 
+def page(items: list[dict], after: str | None, limit: int) -> dict:
+    """OpenAI's list object: up to `limit` of `items` that follow the one whose id is `after`
+    (from the first when None; none when no item has that id)."""
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    return {"object": "list", "data": items[:limit], "has_more": len(items) > limit}
+
+
 class FineTuning(TrainingSteps):
     """The scheduler actor's files and jobs, and when their steps run (the steps
     themselves: finetune_steps.py)."""
@@ -86,8 +95,11 @@ class FineTuning(TrainingSteps):
         entry = self.files.get(file_id)
         return None if entry is None else entry[1] if content else entry[0]
 
-    def list_files(self) -> list[dict]:
-        return sorted((meta for meta, _ in self.files.values()), key=lambda m: -m["created_at"])
+    def list_files(self, after: str | None = None, limit: int = 10_000,
+                   order: str = "desc") -> dict:
+        files = sorted((meta for meta, _ in self.files.values()), key=lambda m: m["created_at"],
+                       reverse=order == "desc")
+        return page(files, after, limit)
 
     def delete_file(self, file_id: str) -> dict | None:
         """Forget a file (jobs made from it keep their parsed examples)."""
@@ -113,12 +125,13 @@ class FineTuning(TrainingSteps):
         job = self.jobs.get(job_id)
         return job.to_dict() if job else None
 
-    def list_jobs(self) -> list[dict]:
-        return [j.to_dict() for j in sorted(self.jobs.values(), key=lambda j: -j.created_at)]
+    def list_jobs(self, after: str | None = None, limit: int = 20) -> dict:
+        jobs = list(reversed(self.jobs.values()))  # newest first, as OpenAI lists them
+        return page([j.to_dict() for j in jobs], after, limit)
 
-    def events(self, job_id: str) -> list[dict] | None:
+    def events(self, job_id: str, after: str | None = None, limit: int = 20) -> dict | None:
         job = self.jobs.get(job_id)
-        return None if job is None else list(reversed(job.events))  # newest first, as OpenAI
+        return None if job is None else page(job.events[::-1], after, limit)  # newest first
 
     async def cancel(self, job_id: str, executor) -> dict | Refusal | None:
         job = self.jobs.get(job_id)

@@ -67,23 +67,33 @@ def test_job_learns_while_serving_and_base_model_is_unchanged(url):
     def serve_stream():  # one request after another, with short idle gaps between them
         while not stop.is_set():
             for p in BASE_PROMPTS:
-                during.append((p, complete(url, "tiny-random-llama", p)))
+                during.append((p, complete(url, "tiny-random-llama", p), time.monotonic()))
             time.sleep(0.05)
 
     stream = threading.Thread(target=serve_stream)
     stream.start()
+    training = []  # when the job was seen with steps done and not ended
+
+    def ended(job):
+        if job["status"] == "running" and 0 < job["steps_done"] < job["total_steps"]:
+            training.append(time.monotonic())
+        return job["status"] not in ("queued", "running")
+
     try:
         res = create_job(url, file_id, n_epochs=40, batch_size=1, learning_rate=1e-2)
         assert res.status_code == 200, res.text
-        job = wait_for(url, res.json()["id"], lambda j: j["status"] not in ("queued", "running"))
+        job = wait_for(url, res.json()["id"], ended)
     finally:
         stop.set()
         stream.join()
     assert job["status"] == "succeeded", job
     assert job["steps_done"] == job["total_steps"] == 40 and job["trained_tokens"] > 0
     assert job["fine_tuned_model"].startswith("ft:tiny-random-llama:whale:")
-    assert len(during) >= 6 and all(base[p] == text for p, text in during)
-    events = httpx.get(f"{url}/v1/fine_tuning/jobs/{job['id']}/events").json()["data"]
+    assert len(during) >= 6 and all(base[p] == text for p, text, _ in during)
+    # requests were answered while the job trained, not only before or after it
+    assert training and sum(training[0] < t < training[-1] for _, _, t in during) >= 3
+    events = httpx.get(f"{url}/v1/fine_tuning/jobs/{job['id']}/events",
+                       params={"limit": 100}).json()["data"]
     losses = [e["data"]["train_loss"] for e in reversed(events) if e["data"]]
     assert len(losses) == 40 and losses[-1] < losses[0] / 10
     # served at once, under its name, beside the base model
@@ -177,3 +187,56 @@ def test_cli_finetune_waits_and_prints_the_model(url, tmp_path, capsys):
     assert main(["--url", url, "finetune", str(bad)]) == 2
     assert "over the limit" in capsys.readouterr().err
     assert len(httpx.get(f"{url}/v1/files").json()["data"]) == files
+
+
+def test_the_openai_client_runs_a_job_by_method_and_pages_its_events(url):
+    """openai-python as users call it: a `method` with its hyperparameters, metadata, and
+    the events read page by page (its auto-pagination follows `after` and `has_more`)."""
+    import openai
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    lines = [json.dumps({"prompt": "x", "completion": "y"}),
+             json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "yo"}]})]
+    upload = client.files.create(file=("t.jsonl", "\n".join(lines).encode()),
+                                 purpose="fine-tune")
+    hyper = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 2}
+    job = client.fine_tuning.jobs.create(
+        training_file=upload.id, model="tiny-random-llama", suffix="m",
+        method={"type": "supervised", "supervised": {"hyperparameters": hyper}},
+        metadata={"team": "orca"})
+    assert job.method.type == "supervised" and job.metadata == {"team": "orca"}
+    assert job.method.supervised.hyperparameters.n_epochs == 3
+    assert job.hyperparameters.batch_size == 1
+    assert job.hyperparameters.learning_rate_multiplier == 2
+    assert job.hyperparameters.model_extra["learning_rate"] == pytest.approx(4e-4)
+    deadline = time.monotonic() + 120
+    while job.status in ("queued", "running") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        job = client.fine_tuning.jobs.retrieve(job.id)
+    assert job.status == "succeeded", job
+    first = client.fine_tuning.jobs.list_events(job.id, limit=2)
+    assert len(first.data) == 2 and first.has_more
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=2))  # every page
+    assert events[:2] == first.data and len({e.id for e in events}) == len(events)
+    steps = [e.data["step"] for e in events if e.type == "metrics"]
+    assert steps == [6, 5, 4, 3, 2, 1]  # newest first, each step once
+    assert events[-1].message.startswith("Created fine-tuning job")
+    newest = client.fine_tuning.jobs.list(limit=1)
+    assert [j.id for j in newest.data] == [job.id] and newest.has_more
+    refusals = [  # (what the body changes, the param named)
+        ({"method": {"type": "dpo"}}, "method.type"),
+        ({"method": {"type": "supervised"}, "hyperparameters": {"n_epochs": 1}},
+         "hyperparameters"),
+        ({"validation_file": upload.id}, "validation_file"),
+        ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
+        ({"hyperparameters": {"learning_rate": 1e-3, "learning_rate_multiplier": 2}},
+         "hyperparameters.learning_rate"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ]
+    for change, param in refusals:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.fine_tuning.jobs.create(training_file=upload.id, model="tiny-random-llama",
+                                           extra_body=change)
+        assert e.value.body["param"] == param, (change, e.value.body)
+    res = httpx.get(f"{url}/v1/fine_tuning/jobs", params={"limit": "0"})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "limit"

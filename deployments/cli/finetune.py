@@ -69,20 +69,24 @@ def follow(client, job: dict, show_progress: bool) -> dict:
     from tqdm import tqdm
     bar = tqdm(total=job["total_steps"], unit="step", disable=not show_progress,
                file=sys.stderr)
+    shown = 0  # steps shown (a disabled bar counts none)
     try:
         while job["status"] in ("queued", "running"):
             time.sleep(POLL_S)
             resp = client.get(f"/v1/fine_tuning/jobs/{job['id']}")
             check(resp, "reading the job")
             job = json_body(resp, "reading the job")
-            if job["steps_done"] > bar.n:
-                resp = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events")
+            if job["steps_done"] > shown and show_progress:
+                # the newest events: the latest step's loss is among them
+                resp = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events",
+                                  params={"limit": 10})
                 check(resp, "reading the job's events")
                 metrics = [e["data"] for e in json_body(resp, "reading the job's events")["data"]
                            if e.get("data")]
                 if metrics:
                     bar.set_postfix(loss=f"{metrics[0]['train_loss']:.4f}")
-                bar.update(job["steps_done"] - bar.n)
+                bar.update(job["steps_done"] - shown)
+                shown = job["steps_done"]
     finally:
         bar.close()
     return job
