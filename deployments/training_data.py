@@ -2,9 +2,10 @@
 
 Each line is `{"prompt": str, "completion": str}` (the completion is trained on, followed
 by the end-of-sequence token) or `{"messages": [{"role", "content"}, ...]}` (the assistant
-messages are trained on, each as the chat template renders it). Prompts are tokenized as
-the completions and chat routes tokenize them, so the served adapter sees what it was
-trained on. A bad line is a 400 that names it.
+messages are trained on, each as the chat template renders it, except those with OpenAI's
+`"weight": 0`). Prompts are tokenized as the completions and chat routes tokenize them, so
+the served adapter sees what it was trained on. The first token of a sequence is never
+trained on (nothing before it predicts it). A bad line is a 400 that names it.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ def parse_training_file(content: bytes, tokenizer, max_tokens: int
             tokens, mask = _completion(row["prompt"], row["completion"], tokenizer)
         if len(tokens) > max_tokens:
             raise _error(number, f"{len(tokens)} tokens, over the limit of {max_tokens}")
+        mask[0] = False  # nothing before the first token predicts it
+        if not any(mask):
+            raise _error(number, "no token to train on (a completion needs a token before "
+                                 "it: give a prompt)")
         examples.append((tokens, mask))
     return examples
 
@@ -78,12 +83,21 @@ def _check_messages(messages, number: int) -> None:
             for m in messages):
         raise _error(number, "messages must be a non-empty list of {\"role\": one of "
                              f"{', '.join(ROLES)}, \"content\": string}}")
-    if not any(m["role"] == "assistant" for m in messages):
+    for i, m in enumerate(messages):
+        if "weight" in m and (m["role"] != "assistant" or type(m["weight"]) is not int
+                              or m["weight"] not in (0, 1)):
+            raise _error(number, f"messages[{i}].weight: only assistant messages take a "
+                                 "weight, 0 (not trained on) or 1")
+    if not any(_trained(m) for m in messages):
         raise _error(number, "messages have no assistant message to train on")
 
 
+def _trained(message: dict) -> bool:
+    return message["role"] == "assistant" and message.get("weight", 1) == 1
+
+
 def _completion(prompt: str, completion: str, tokenizer):
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)  # "": BOS, if any
     target = tokenizer.encode(completion, add_special_tokens=False)
     if tokenizer.eos_token_id is not None:
         target.append(tokenizer.eos_token_id)
@@ -95,15 +109,17 @@ def _chat(messages, tokenizer, number: int):
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        turn = [{k: v for k, v in m.items() if k != "weight"} for m in messages[:i + 1]]
         try:  # the assistant message: what the template adds after the prompt before it
-            prompt = _template(tokenizer, messages[:i], True) if i else []
-            full = _template(tokenizer, messages[:i + 1], False)
+            prompt = _template(tokenizer, turn[:i], True) if i else []
+            full = _template(tokenizer, turn, False)
         except Exception as e:
             raise _error(number, f"messages could not be formatted: {e}") from None
         if full[:len(prompt)] != prompt or prompt[:len(tokens)] != tokens:
             raise _error(number, "the chat template does not render the conversation "
                                  "incrementally; use prompt/completion lines")
-        mask += [False] * (len(prompt) - len(tokens)) + [True] * (len(full) - len(prompt))
+        mask += [False] * (len(prompt) - len(tokens)) \
+            + [_trained(message)] * (len(full) - len(prompt))
         tokens = full
     return tokens, mask
 

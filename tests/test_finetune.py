@@ -187,6 +187,30 @@ def test_training_file_masks_completions_and_assistant_turns():
     assert mask == [False] * len(prompt) + [True] * 3
     trained = tok.decode([t for t, m in zip(chat_ids, chat_mask) if m])
     assert "yo" in trained and "ok" in trained and "hi" not in trained and "again" not in trained
+    # nothing predicts a sequence's first token: an empty prompt leaves it untrained
+    (ids, mask), = parse_training_file(json.dumps({"prompt": "", "completion": "cd"}).encode(),
+                                       tok, 512)
+    assert ids[-3:] == tok.encode("cd", add_special_tokens=False) + [tok.eos_token_id]
+    assert not mask[0] and mask[-2:] == [True, True]
+
+    class NoEos:  # a tokenizer without BOS or EOS: a one-token completion alone is untrainable
+        eos_token_id = None
+
+        def encode(self, text, add_special_tokens):
+            return list(text.encode())
+
+    with pytest.raises(APIError, match="line 1: no token to train on"):
+        parse_training_file(json.dumps({"prompt": "", "completion": "c"}).encode(), NoEos(), 512)
+    # OpenAI's weight 0: that assistant message is context, not trained on
+    weighted = json.loads(lines[1])
+    weighted["messages"][1]["weight"] = 0
+    (w_ids, w_mask), = parse_training_file(json.dumps(weighted).encode(), tok, 512)
+    assert w_ids == chat_ids
+    trained = tok.decode([t for t, m in zip(w_ids, w_mask) if m])
+    assert "ok" in trained and "yo" not in trained
+    weighted["messages"][0]["weight"] = 1  # a user message takes no weight
+    with pytest.raises(APIError, match="line 1: messages.0..weight"):
+        parse_training_file(json.dumps(weighted).encode(), tok, 512)
     with pytest.raises(APIError, match="line 2: not valid JSON"):
         parse_training_file(b'{"prompt": "a", "completion": "b"}\n{oops', tok, 512)
     with pytest.raises(APIError, match="line 1: .* over the limit of 4"):
@@ -240,3 +264,29 @@ def test_training_state_exists_before_a_step_and_steps_as_a_fresh_adamw(base):
         torch.testing.assert_close(p.detach(), c.detach(), rtol=0, atol=0)
     trainer.micro_step(SEQS, MASKS, 7, last=True)
     assert trainer.state_bytes() == held
+
+
+def test_a_bf16_model_trains_fp32_masters_that_keep_updates_below_bf16_resolution(base):
+    """bf16 weights: the LoRA parameters and AdamW's moments are fp32, so a step far smaller
+    than bf16's resolution (~0.4% of a value) still moves them."""
+    engine = InProcessEngine("cpu", model=base, dtype="bfloat16")
+    assert engine.worker.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    trainer = Trainer(engine.worker.runner.model, 4, 8, ["q_proj", "down_proj"], lr=1e-6)
+    params = [p for ab in trainer.params.values() for p in ab]
+    with torch.no_grad():
+        for p in params:
+            p.uniform_(0.5, 1.0)  # B starts at zero: both get gradients; values bf16 can hold
+    before = [p.detach().clone() for p in params]
+    trainer.micro_step(SEQS, MASKS, 7, last=False)
+    # (such large LoRA weights saturate some attention: those parameters get gradients too
+    # small for AdamW to move them past its eps)
+    live = [i for i, p in enumerate(params) if p.grad.abs().max() > 1e-4]
+    assert len(live) >= len(params) // 2
+    trainer.micro_step(SEQS, MASKS, 7, last=True)
+    assert all(p.dtype == torch.float32 for p in params)
+    assert all(v.dtype == torch.float32 for s in trainer.optimizer.state.values()
+               for k, v in s.items() if k != "step")
+    moved = [float((params[i].detach() - before[i]).abs().max()) for i in live]
+    # AdamW's first step moves each element by about lr: ~1e-6 on values of 0.5-1, which
+    # bf16 (8 bits of mantissa) would round back to the value before
+    assert all(0 < m < 2e-6 for m in moved), moved
