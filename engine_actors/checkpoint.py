@@ -256,6 +256,11 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
     path = resolve_model_path(cfg.model)
     hf = load_hf_config(path)
     check_tensor_parallel(hf, cfg.tensor_parallel_size)
+    if cfg.enable_finetuning and cfg.tensor_parallel_size > hf.num_key_value_heads:
+        raise ValueError(f"enable_finetuning with tensor_parallel_size "
+                         f"{cfg.tensor_parallel_size} above the model's "
+                         f"{hf.num_key_value_heads} KV heads (which then replicate) is not "
+                         "supported")
     limit = hf.max_position_embeddings
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "

@@ -108,6 +108,11 @@ class EngineConfig:
     # build_app also reads it from ORCA_SERVE_API_KEY.
     api_key: str | None = None
 
+    def __post_init__(self):
+        if self.enable_finetuning and self.pipeline_parallel_size > 1:
+            raise ValueError("enable_finetuning needs pipeline_parallel_size 1 (training "
+                             "through pipeline stages is not supported)")
+
     @classmethod
     def from_args(cls, args: dict | None) -> EngineConfig:
         try:
@@ -119,7 +124,8 @@ class EngineConfig:
                 known = sorted(f.name for f in dataclasses.fields(cls))
                 raise ConfigError(f"unknown application args {unknown}; known args: {known}") \
                     from None
-            msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err["loc"]
+                             else err["msg"].removeprefix("Value error, ") for err in e.errors())
             raise ConfigError(f"invalid application args: {msgs}") from None
 
     @property

@@ -69,3 +69,12 @@ def test_greedy_matches_transformers_on_gpu_fp32_for_head_sizes(model_type, head
                              max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
     assert engine.worker.runner.num_graph_replays > 0
+
+
+def test_fine_tuning_refuses_tensor_parallelism_that_replicates_kv_heads(tmp_path):
+    """Serving replicates a KV head over the ranks; training does not: refused at start."""
+    save_random_checkpoint(str(tmp_path), "qwen2", num_key_value_heads=1)
+    args = {"model": str(tmp_path), "tensor_parallel_size": 2}
+    assert model_info(EngineConfig.from_args(args)).name  # serving alone starts
+    with pytest.raises(ValueError, match="enable_finetuning with tensor_parallel_size 2"):
+        model_info(EngineConfig.from_args({**args, "enable_finetuning": True}))

@@ -16,6 +16,8 @@ from engine_actors.request import SamplingParams
     ({"request_timeout_s": float("nan")}, ["request_timeout_s"]),
     ({"scheduling_policy": "lifo"}, ["scheduling_policy"]),
     ({"max_batch_sise": 8}, ["unknown application args ['max_batch_sise']", "max_batch_size"]),
+    ({"enable_finetuning": True, "pipeline_parallel_size": 2},
+     ["enable_finetuning needs pipeline_parallel_size 1"]),
 ])
 def test_bad_args_are_refused_naming_the_arg(args, words):
     with pytest.raises(ConfigError) as e:
