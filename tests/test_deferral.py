@@ -94,12 +94,18 @@ def engine(bound_ms: float, workers: Workers) -> tuple[EngineLoop, list]:
     loop = EngineLoop(cfg, info, workers, scheduler, EngineMetrics("m"), deliver)
     workers.scheduler = scheduler
     loop.finetuning = FineTuning(cfg, adapters=None)
-    job = Job("ftjob-1", "m", "f", [([1] * 20, [True] * 20)] * 64, n_epochs=100, batch_size=2,
-              learning_rate=1e-3, lora={"r": 8, "alpha": 16, "target_modules": []},
+    queue_job(loop, "ftjob-1", 64, n_epochs=100)
+    return loop, finished
+
+
+def queue_job(loop: EngineLoop, job_id: str, num_examples: int, n_epochs: int = 1) -> Job:
+    """A job of `num_examples` 20-token examples behind those queued."""
+    job = Job(job_id, "m", "f", [([1] * 20, [True] * 20)] * num_examples, n_epochs=n_epochs,
+              batch_size=2, learning_rate=1e-3, lora={"r": 8, "alpha": 16, "target_modules": []},
               suffix=None, seed=0)
     loop.finetuning.jobs[job.id] = job
     loop.finetuning.queue.append(job)
-    return loop, finished
+    return job
 
 
 async def until(condition, timeout_s: float = 10.0) -> None:
@@ -172,11 +178,7 @@ def test_lent_blocks_that_cannot_come_back_fail_the_job_and_serving_goes_on():
 def test_a_worker_lost_in_a_training_step_fails_that_job_and_restarts_the_workers():
     workers = Workers(4)
     loop, finished = engine(1000.0, workers)
-    second = Job("ftjob-2", "m", "f", [([1] * 20, [True] * 20)] * 4, n_epochs=1, batch_size=2,
-                 learning_rate=1e-3, lora={"r": 8, "alpha": 16, "target_modules": []},
-                 suffix=None, seed=0)
-    loop.finetuning.jobs[second.id] = second
-    loop.finetuning.queue.append(second)
+    second = queue_job(loop, "ftjob-2", 4)
     restarts = []
 
     async def restart():  # what has happened when the workers are replaced
@@ -204,6 +206,50 @@ def test_a_worker_lost_in_a_training_step_fails_that_job_and_restarts_the_worker
     assert first.status == "failed" and "RayActorError" in first.error["message"]
     assert restarts == [("ftjob-2", False)]  # replaced before the next job started
     assert second.status != "failed"
+
+
+def test_a_step_that_raises_fails_its_job_only_and_serving_goes_on():
+    """An error inside a training step (out of memory, a bug) fails that job with the error
+    and frees its trainer; the workers are not restarted, the next job trains, requests
+    are served."""
+    workers = Workers(4)
+    loop, finished = engine(1000.0, workers)
+    second = queue_job(loop, "ftjob-2", 2)
+    restarts = []
+
+    async def restart():
+        restarts.append(True)
+
+    loop._restart_workers = restart
+    original = workers.finetune
+
+    async def raises_once(method, job_id, *args):
+        if method == "micro_step" and job_id == "ftjob-1":
+            raise ray.exceptions.RayTaskError(
+                "finetune", "Traceback ...", RuntimeError("CUDA out of memory. Tried to "
+                                                          "allocate 2.00 GiB"))
+        if method == "save":
+            return None
+        return await original(method, job_id, *args)
+
+    workers.finetune = raises_once
+    loop.finetuning.adapters = type("Adapters", (), {"load": lambda self, name, path: None})()
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: second.status == "succeeded")
+            loop.add(request("a", 3), None, None)
+            await until(lambda: "a" in finished)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    first = loop.finetuning.jobs["ftjob-1"]
+    assert first.status == "failed"
+    assert first.error["message"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert not restarts
+    assert workers.log.index(("drop", "ftjob-1")) < workers.log.index(("start", "ftjob-2"))
 
 
 def test_replaced_workers_fail_the_running_job_with_the_reason():
