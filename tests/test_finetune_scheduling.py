@@ -342,3 +342,52 @@ def test_an_ended_job_frees_its_examples_and_keeps_its_record():
     assert job.examples == [] and not job.has_next()
     record = ft.job(job.id)
     assert record["status"] == "cancelled" and record["total_steps"] == 6  # 2 x ceil(5 / 2)
+
+
+def test_with_requests_near_a_micro_batch_takes_about_a_few_iterations(monkeypatch):
+    """A step's time is a fixed cost plus a cost per token: with requests near, the micro-
+    batch converges on the size that takes finetune_step_iterations inference iterations;
+    in a lull it is finetune_max_tokens, and its time does not count in the estimate a
+    deferred request waits for."""
+    import asyncio
+    import types
+
+    from engine_actors import finetune_steps
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+    clock = [100.0]
+    monkeypatch.setattr(finetune_steps, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    sizes = []
+
+    class Executor:  # the workers: a step takes 20 ms plus 0.1 ms a token
+        async def finetune(self, method, job_id, seq, after, units, seqs, *rest):
+            tokens = sum(map(len, seqs))
+            sizes.append(tokens)
+            clock[0] += 0.02 + 1e-4 * tokens
+            return {"loss_sum": 1.0, "tokens": tokens, "peak_bytes": None,
+                    "elapsed_s": 0.0, "free_bytes": None}
+
+    ft = FineTuning(EngineConfig(finetune_max_tokens=2048, finetune_step_iterations=4),
+                    adapters=None)
+    ft.memory = {"free_bytes": None}
+    job = _job([10] * 2000)
+    job.started, job.status = True, "running"
+    ft.jobs[job.id], ft.queue = job, [job]
+
+    async def run():
+        for _ in range(30):  # requests near, iterations of 10 ms: a 40 ms step
+            await ft.step(Executor(), None, lambda: False, 0.01)
+        assert sizes[0] == 2040  # nothing measured yet: the token cap
+        assert 170 <= sizes[-1] <= 230  # (40 - 20) ms / 0.1 ms a token = 200
+        assert ft.step_s == pytest.approx(0.04, rel=0.15)
+        near_s = ft.step_s
+        await ft.step(Executor(), None, lambda: True, 0.01)  # a lull: the largest
+        assert sizes[-2:] == [2040, 2040]  # (the next one sent ahead)
+        await ft.step(Executor(), None, lambda: False, 0.01)  # takes the one sent ahead
+        assert len(sizes) == 32 and ft.step_s == near_s
+        await ft.step(Executor(), None, lambda: False, 0.01)  # requests near again
+        assert 170 <= sizes[-1] <= 230
+        await ft.step(Executor(), None, lambda: False, None)  # no iteration measured
+        assert sizes[-1] == 2040
+
+    asyncio.run(run())
