@@ -89,13 +89,10 @@ class EngineConfig:
     # new request is deferred (not added to the running batch, which drains, so a training
     # step can run) only while its wait plus the step's measured time stays within
     # finetune_deferral_ms (FineInfer's deferred continuous batching); a micro-batch holds at most
-    # finetune_max_tokens tokens, and with requests near (running, waiting, or one arrived in
-    # the last second) as many as take about finetune_step_iterations inference iterations
-    # (measured); adapters are saved under finetune_dir (default: a temp dir).
+    # finetune_max_tokens tokens; adapters are saved under finetune_dir (default: a temp dir).
     enable_finetuning: bool = False
     finetune_deferral_ms: PositiveFloat = 200.0
     finetune_max_tokens: PositiveInt = 2048
-    finetune_step_iterations: PositiveFloat = 4.0
     finetune_dir: str | None = None
 
     # Tool calls: the output format to parse ("auto": from the chat template, else the

@@ -149,8 +149,7 @@ class EngineLoop:
             # (a micro-batch sent ahead is always taken before inference runs)
             if not in_flight and ft is not None and (
                     ft.ahead or ft.wants_step(self.scheduler, now, self.last_arrival)):
-                if await ft.step(self.executor, self.scheduler.kv, self._quiet,
-                                 self.iteration_s):
+                if await ft.step(self.executor, self.scheduler.kv, pipeline=self._quiet):
                     await self._restart_workers()  # requests are deferred; a worker died
                     self.scheduler.kv.take_back()
                 continue

@@ -237,7 +237,6 @@ class FineTuning(TrainingSteps):
                                "trainer_ms": None if self.train_s is None
                                else round(self.train_s * 1e3, 1),
                                "micro_batch_tokens": round(self.micro_tokens),
-                               "near_micro_batch_tokens": self.near_tokens,
                                "bytes_per_token": self.queue[0].bytes_per_token
                                if running else None,
                                "alloc_retries": (self.memory or {}).get("alloc_retries", 0),

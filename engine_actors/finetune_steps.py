@@ -7,12 +7,6 @@ With no request near (the engine loop's `pipeline`), the next micro-batch is sen
 one runs, as inference keeps two steps in flight: the workers run calls in order, so the
 call's and the planning's time are hidden and the device goes from one to the next. A
 request that arrives calls the one sent ahead off (`skip_ahead`) if it has not started.
-
-Micro-batch sizes: with no request near, up to `finetune_max_tokens` (the largest train
-fastest); with requests near, what takes about `finetune_step_iterations` inference
-iterations, from the measured time per token of such steps, so that switching between
-training and serving happens every few iterations (and a request that comes during a step
-waits about that long).
 """
 from __future__ import annotations
 
@@ -40,7 +34,6 @@ class Sent:
     sent_at: float
     seq: int  # its number, to call it off (`skip_ahead`)
     micro: list[int]  # its examples
-    near: bool  # sized for requests near (a few iterations' time), not for a lull
     skip: bool = False  # called off, if it has not started
 
 
@@ -51,12 +44,7 @@ class TrainingSteps:
     def __init__(self, cfg, metrics=None):
         self.cfg, self.metrics = cfg, metrics
         self.queue: list[Job] = []  # queued and running, oldest first
-        # measured time of one step and per token, averaged, of the steps taken with
-        # requests near (what a request may wait for; until one is, of any step)
-        self.step_s: float | None = None
-        self.s_per_token: float | None = None
-        self.near_measured = False
-        self.near_tokens: int | None = None  # the latest such step's
+        self.step_s: float | None = None  # measured time of one step, averaged
         self.train_s: float | None = None  # of which the trainer's, on the worker
         self.take_back_s: float | None = None  # mapping lent memory back, averaged
         self.micro_tokens = 0.0  # tokens of a micro-batch, averaged
@@ -66,32 +54,17 @@ class TrainingSteps:
         self.num_sent = 0
         self.num_ahead = self.num_skipped = 0  # sent ahead; of which called off
 
-    def plan(self, job: Job, kv, max_tokens: int | None = None) -> tuple[int, list[int]] | None:
-        """The next micro-batch of `job`, of at most `max_tokens` (default
-        finetune_max_tokens) but at least one example, and the KV units lent for it
-        (finetune_memory.py)."""
-        max_tokens = max(max_tokens or self.cfg.finetune_max_tokens, job.next_length())
-        return plan_micro_batch(job, kv, self.memory, max_tokens)
+    def plan(self, job: Job, kv) -> tuple[int, list[int]] | None:
+        """The next micro-batch of `job` and the KV units lent for it (finetune_memory.py)."""
+        return plan_micro_batch(job, kv, self.memory, self.cfg.finetune_max_tokens)
 
-    def token_cap(self, near: bool, iteration_s: float | None) -> int:
-        """A micro-batch's most tokens: finetune_max_tokens in a lull; with requests near,
-        those that take about finetune_step_iterations inference iterations of
-        `iteration_s` (measured; None: no iteration yet), from the measured time per token
-        of such steps (their fixed costs included, so the size converges on the time)."""
-        cap = self.cfg.finetune_max_tokens
-        if not near or iteration_s is None or self.s_per_token is None:
-            return cap
-        target_s = self.cfg.finetune_step_iterations * iteration_s
-        return max(1, min(cap, int(target_s / self.s_per_token)))
-
-    async def step(self, executor, kv, pipeline=None, iteration_s: float | None = None) -> bool:
+    async def step(self, executor, kv, pipeline=None) -> bool:
         """One micro-batch of the oldest job; its end (saved and served) after the last.
         `kv`: the scheduler's KV manager, which lends blocks for the step's memory.
-        `pipeline()`: no request is near; asked before the micro-batch is planned (it is
-        sized for a lull or for requests near: `token_cap`, with the inference iteration's
-        measured `iteration_s`) and once it is sent (the next one is then sent while this
-        one runs, the call's and the planning's time hidden; the next call takes its
-        result). True: a worker is gone (the job failed), the workers must be replaced."""
+        `pipeline()`, asked once this micro-batch is sent: no request is near, so the next
+        one is sent while this one runs (the call's and the planning's time hidden); the
+        next call takes its result. True: a worker is gone (the job failed), the workers
+        must be replaced."""
         sent, self.ahead = self.ahead, None
         job = sent.job if sent else self.queue[0]
         start = time.monotonic()
@@ -101,14 +74,12 @@ class TrainingSteps:
                     started = await self._start(job, executor, kv)
                     if started is not None:
                         return started
-                near = not (pipeline and pipeline())
-                sent = self._send(job, kv, executor, -1, near, iteration_s)
+                sent = self._send(job, kv, executor, after=-1)
                 if sent is None:
                     self.retry_at = time.monotonic() + MEMORY_RETRY_S
                     return False
             if pipeline and pipeline() and job.status == "running" and job.has_next():
-                # (None: no memory)
-                self.ahead = self._send(job, kv, executor, sent.seq, False, iteration_s)
+                self.ahead = self._send(job, kv, executor, after=sent.seq)  # None: no memory
                 self.num_ahead += self.ahead is not None
             out = await sent.call
         except (ray.exceptions.RayError, ValueError) as e:
@@ -132,7 +103,7 @@ class TrainingSteps:
             return False
         if out["peak_bytes"] is not None:
             job.measure_memory(out["peak_bytes"], out["tokens"])
-        self._measure(out, time.monotonic() - max(start, sent.sent_at), sent.near)
+        self._measure(out, time.monotonic() - max(start, sent.sent_at))
         if job.status != "running":
             await self._discard_ahead(executor)
             return False  # cancelled while the step ran
@@ -145,20 +116,13 @@ class TrainingSteps:
                 await self._finish(job, executor)
         return False
 
-    def _measure(self, out: dict, elapsed: float, near: bool) -> None:
+    def _measure(self, out: dict, elapsed: float) -> None:
         """A micro-batch's times (`elapsed`: since the one before it ended, or since it was
-        sent) and size, averaged, and its metrics. `near`: sized for requests near; the
-        first such step replaces what the steps of a lull measured."""
-        if near and not self.near_measured:
-            self.step_s = self.s_per_token = None
-            self.near_measured = True
-        if near:
-            self.near_tokens = out["tokens"]
-        if near or not self.near_measured:
-            self.step_s = _average(self.step_s, elapsed)
-            self.s_per_token = _average(self.s_per_token, elapsed / max(1, out["tokens"]))
-        # the trainer's own time on the worker (beside a step's: calls, planning, lending)
-        self.train_s = _average(self.train_s, out["elapsed_s"])
+        sent) and size, averaged, and its metrics."""
+        self.step_s = elapsed if self.step_s is None else 0.8 * self.step_s + 0.2 * elapsed
+        # of which the trainer's own time on the worker (the rest: calls, planning, lending)
+        self.train_s = out["elapsed_s"] if self.train_s is None \
+            else 0.8 * self.train_s + 0.2 * out["elapsed_s"]
         self.micro_tokens = 0.8 * self.micro_tokens + 0.2 * out["tokens"]
         if self.metrics is not None:
             self.metrics.finetune_steps.inc()
@@ -181,12 +145,11 @@ class TrainingSteps:
         job.event("Fine-tuning job started")
         return None
 
-    def _send(self, job: Job, kv, executor, after: int, near: bool,
-              iteration_s: float | None) -> Sent | None:
-        """Plan the job's next micro-batch (sized for requests `near` or for a lull) and
-        send it to the workers, to run after micro-batch `after` (-1: none is outstanding);
-        None when it does not fit in the memory that can be freed now."""
-        planned = self.plan(job, kv, self.token_cap(near, iteration_s))
+    def _send(self, job: Job, kv, executor, after: int) -> Sent | None:
+        """Plan the job's next micro-batch and send it to the workers, to run after
+        micro-batch `after` (-1: none is outstanding); None when it does not fit in the
+        memory that can be freed now."""
+        planned = self.plan(job, kv)
         if planned is None:
             return None
         units, micro = planned
@@ -196,7 +159,7 @@ class TrainingSteps:
             "micro_step", job.id, self.num_sent, after, units,
             [job.examples[i][0] for i in micro], [job.examples[i][1] for i in micro],
             loss_tokens, last))
-        return Sent(job, call, loss_tokens, last, time.monotonic(), self.num_sent, micro, near)
+        return Sent(job, call, loss_tokens, last, time.monotonic(), self.num_sent, micro)
 
     def skip_ahead(self, executor) -> None:
         """A request came: the micro-batch sent ahead is called off if it has not started,
@@ -245,7 +208,8 @@ class TrainingSteps:
                 continue
             kv.take_back()
             took = time.monotonic() - start
-            self.take_back_s = _average(self.take_back_s, took)
+            self.take_back_s = took if self.take_back_s is None \
+                else 0.8 * self.take_back_s + 0.2 * took
             return True
         return False
 
@@ -258,8 +222,3 @@ class TrainingSteps:
             except ray.exceptions.RayError as e:  # the worker is gone, and its memory too
                 logger.warning("freeing fine-tuning job %s's trainer failed: %s", job.id,
                                str(e).splitlines()[0] if str(e) else type(e).__name__)
-
-
-def _average(average: float | None, value: float) -> float:
-    """An exponential average (the newest value weighs 0.2)."""
-    return value if average is None else 0.8 * average + 0.2 * value

@@ -170,10 +170,6 @@ def main(argv=None) -> dict:
     p.add_argument("--finetune-max-tokens", type=int, default=2048)
     p.add_argument("--finetune-deferral-ms", type=float, default=200.0,
                    help="FineInfer's deferral bound (the engine's default: 200)")
-    p.add_argument("--finetune-step-iterations", type=float, default=4.0,
-                   help="with requests near, a micro-batch takes about this many inference "
-                   "iterations (the engine's default: 4; a huge value: always "
-                   "--finetune-max-tokens)")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="the engine's token budget per iteration (load_sweep.sh's default)")
@@ -197,7 +193,6 @@ def main(argv=None) -> dict:
     engine_args = {"model": args.model, "device": args.device, "enable_finetuning": True,
                    "finetune_max_tokens": args.finetune_max_tokens,
                    "finetune_deferral_ms": args.finetune_deferral_ms,
-                   "finetune_step_iterations": args.finetune_step_iterations,
                    "gpu_memory_utilization": args.gpu_memory_utilization,
                    "max_batch_size": args.max_batch_size,
                    "max_num_batched_tokens": args.max_num_batched_tokens}
