@@ -123,10 +123,20 @@ def _limit(request: Request, default: int = 20, most: int = 100) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
         return default
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= most:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= most:
         raise APIError(400, f"limit must be an integer from 1 to {most}", "limit",
                        "invalid_value")
     return int(raw)
+
+
+def _metadata(request: Request) -> dict | str | None:
+    """OpenAI's filter of a list of jobs by metadata: `metadata[k]=v` for each key that
+    must have that value, or `metadata=null` ("null": jobs without metadata; None: no
+    filter)."""
+    if request.query_params.get("metadata") == "null":
+        return "null"
+    return {k[len("metadata["):-1]: v for k, v in request.query_params.items()
+            if k.startswith("metadata[") and k.endswith("]")} or None
 
 
 def _not_found(kind: str, name: str, param: str | None = None) -> APIError:
@@ -198,7 +208,8 @@ class FineTuningAPI:
                 raise APIError(400, "order must be \"asc\" or \"desc\"", "order",
                                "invalid_value")
             return JSONResponse(await self._call("list_files", _after(request),
-                                                 _limit(request, 10_000, 10_000), order))
+                                                 _limit(request, 10_000, 10_000), order,
+                                                 request.query_params.get("purpose")))
         except APIError as e:
             return e.response()
 
@@ -254,7 +265,7 @@ class FineTuningAPI:
     async def list_jobs(self, request: Request):
         try:
             return JSONResponse(await self._call("list_jobs", _after(request),
-                                                 _limit(request)))
+                                                 _limit(request), _metadata(request)))
         except APIError as e:
             return e.response()
 

@@ -95,11 +95,11 @@ class FineTuning(TrainingSteps):
         entry = self.files.get(file_id)
         return None if entry is None else entry[1] if content else entry[0]
 
-    def list_files(self, after: str | None = None, limit: int = 10_000,
-                   order: str = "desc") -> dict:
-        files = sorted((meta for meta, _ in self.files.values()), key=lambda m: m["created_at"],
-                       reverse=order == "desc")
-        return page(files, after, limit)
+    def list_files(self, after: str | None = None, limit: int = 10_000, order: str = "desc",
+                   purpose: str | None = None) -> dict:
+        files = [meta for meta, _ in self.files.values()  # in upload order
+                 if purpose is None or meta["purpose"] == purpose]
+        return page(files[::-1] if order == "desc" else files, after, limit)
 
     def delete_file(self, file_id: str) -> dict | None:
         """Forget a file (jobs made from it keep their parsed examples)."""
@@ -125,8 +125,15 @@ class FineTuning(TrainingSteps):
         job = self.jobs.get(job_id)
         return job.to_dict() if job else None
 
-    def list_jobs(self, after: str | None = None, limit: int = 20) -> dict:
-        jobs = list(reversed(self.jobs.values()))  # newest first, as OpenAI lists them
+    def list_jobs(self, after: str | None = None, limit: int = 20,
+                  metadata: dict | str | None = None) -> dict:
+        """Newest first, as OpenAI lists them; `metadata`: values the jobs' metadata must
+        have (None: any; "null": jobs without metadata)."""
+        def wanted(job: Job) -> bool:
+            if metadata == "null":
+                return not job.metadata
+            return all((job.metadata or {}).get(k) == v for k, v in (metadata or {}).items())
+        jobs = [j for j in reversed(self.jobs.values()) if wanted(j)]
         return page([j.to_dict() for j in jobs], after, limit)
 
     def events(self, job_id: str, after: str | None = None, limit: int = 20) -> dict | None:

@@ -221,8 +221,14 @@ def test_the_openai_client_runs_a_job_by_method_and_pages_its_events(url):
     steps = [e.data["step"] for e in events if e.type == "metrics"]
     assert steps == [6, 5, 4, 3, 2, 1]  # newest first, each step once
     assert events[-1].message.startswith("Created fine-tuning job")
+    other = client.fine_tuning.jobs.create(training_file=upload.id, model="tiny-random-llama",
+                                           metadata={"team": "whale"})
     newest = client.fine_tuning.jobs.list(limit=1)
-    assert [j.id for j in newest.data] == [job.id] and newest.has_more
+    assert [j.id for j in newest.data] == [other.id] and newest.has_more
+    by_team = client.fine_tuning.jobs.list(metadata={"team": "orca"})
+    assert [j.id for j in by_team.data] == [job.id] and not by_team.has_more
+    assert client.files.list(purpose="batch").data == []
+    assert upload.id in [f.id for f in client.files.list(purpose="fine-tune")]
     refusals = [  # (what the body changes, the param named)
         ({"method": {"type": "dpo"}}, "method.type"),
         ({"method": {"type": "supervised"}, "hyperparameters": {"n_epochs": 1}},
@@ -238,5 +244,6 @@ def test_the_openai_client_runs_a_job_by_method_and_pages_its_events(url):
             client.fine_tuning.jobs.create(training_file=upload.id, model="tiny-random-llama",
                                            extra_body=change)
         assert e.value.body["param"] == param, (change, e.value.body)
-    res = httpx.get(f"{url}/v1/fine_tuning/jobs", params={"limit": "0"})
-    assert res.status_code == 400 and res.json()["error"]["param"] == "limit"
+    for limit in ("0", "101", "abc", "1" * 5000):
+        res = httpx.get(f"{url}/v1/fine_tuning/jobs", params={"limit": limit})
+        assert res.status_code == 400 and res.json()["error"]["param"] == "limit"
