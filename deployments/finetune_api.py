@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.frontend import Frontend
-from deployments.protocol import APIError, _Base, check_unicode, refusal_error
+from deployments.protocol import (APIError, _Base, check_unicode, query_limit,
+                                  query_order, refusal_error)
 from deployments.training_data import parse_training_file
 from engine_actors.finetune_jobs import MAX_FILE_BYTES
 from engine_actors.lora import TARGETS
@@ -113,22 +114,6 @@ class FineTuningJobRequest(_Base):
                          "target_modules": targets}}
 
 
-def _after(request: Request) -> str | None:
-    """A list's `after` query parameter: the id of the last item of the page before."""
-    return request.query_params.get("after")
-
-
-def _limit(request: Request, default: int = 20, most: int = 100) -> int:
-    """A list's `limit` query parameter (OpenAI's default and range)."""
-    raw = request.query_params.get("limit")
-    if raw is None:
-        return default
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= most:
-        raise APIError(400, f"limit must be an integer from 1 to {most}", "limit",
-                       "invalid_value")
-    return int(raw)
-
-
 def _metadata(request: Request) -> dict | str | None:
     """OpenAI's filter of a list of jobs by metadata: `metadata[k]=v` for each key that
     must have that value, or `metadata=null` ("null": jobs without metadata; None: no
@@ -137,6 +122,13 @@ def _metadata(request: Request) -> dict | str | None:
         return "null"
     return {k[len("metadata["):-1]: v for k, v in request.query_params.items()
             if k.startswith("metadata[") and k.endswith("]")} or None
+
+
+def _listed(out) -> JSONResponse:
+    """The scheduler actor's answer, or the error of its refusal."""
+    if not isinstance(out, dict):
+        raise refusal_error(out.code, out.message)
+    return JSONResponse(out)
 
 
 def _not_found(kind: str, name: str, param: str | None = None) -> APIError:
@@ -202,14 +194,11 @@ class FineTuningAPI:
             return e.response()
 
     async def list_files(self, request: Request):
+        query = request.query_params
         try:
-            order = request.query_params.get("order", "desc")
-            if order not in ("asc", "desc"):
-                raise APIError(400, "order must be \"asc\" or \"desc\"", "order",
-                               "invalid_value")
-            return JSONResponse(await self._call("list_files", _after(request),
-                                                 _limit(request, 10_000, 10_000), order,
-                                                 request.query_params.get("purpose")))
+            return _listed(await self._call("list_files", query.get("after"),
+                                            query_limit(query, 10_000, 10_000),
+                                            query_order(query), query.get("purpose")))
         except APIError as e:
             return e.response()
 
@@ -263,9 +252,10 @@ class FineTuningAPI:
             return e.response()
 
     async def list_jobs(self, request: Request):
+        query = request.query_params
         try:
-            return JSONResponse(await self._call("list_jobs", _after(request),
-                                                 _limit(request), _metadata(request)))
+            return _listed(await self._call("list_jobs", query.get("after"), query_limit(query),
+                                            _metadata(request)))
         except APIError as e:
             return e.response()
 
@@ -273,8 +263,9 @@ class FineTuningAPI:
         return await self._one(request, "job")
 
     async def events(self, request: Request):
+        query = request.query_params
         try:
-            page = (_after(request), _limit(request))
+            page = (query.get("after"), query_limit(query))
         except APIError as e:
             return e.response()
         return await self._one(request, "events", *page)
@@ -288,8 +279,6 @@ class FineTuningAPI:
             out = await self._call(method, job_id, *args)
             if out is None:
                 raise _not_found("fine-tuning job", job_id)
-            if not isinstance(out, dict):
-                raise APIError(409, out.message, None, out.code)
-            return JSONResponse(out)
+            return _listed(out)
         except APIError as e:
             return e.response()

@@ -19,10 +19,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.frontend import Frontend
-from deployments.protocol import APIError
+from deployments.protocol import APIError, query_limit, query_order
 from deployments.responses_items import new_id
-
-MAX_LIST = 100
+from engine_actors.messages import page
 
 logger = logging.getLogger("orca_serve.ingress")
 
@@ -130,14 +129,7 @@ class StoredResponses:
         try:
             response_id = request.path_params["response_id"]
             query = request.query_params
-            limit = query.get("limit", "20")
-            if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_LIST:
-                raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST}", "limit",
-                               "invalid_value")
-            order = query.get("order", "desc")
-            if order not in ("asc", "desc"):
-                raise APIError(400, "order must be \"asc\" or \"desc\"", "order",
-                               "invalid_value")
+            limit, order = query_limit(query), query_order(query)
             chain, missing = await self._call("chain", response_id)
             if missing is not None:
                 raise not_found(response_id) if missing == response_id else APIError(
@@ -149,17 +141,14 @@ class StoredResponses:
             items += records[-1]["input"]
             if order == "desc":
                 items.reverse()
-            if "after" in query:
-                ids = [item["id"] for item in items]
-                if query["after"] not in ids:
-                    raise APIError(400, f"after: no item {query['after']!r} in this "
-                                        "response's input", "after", "invalid_value")
-                items = items[ids.index(query["after"]) + 1:]
-            page = items[:int(limit)]
-            return JSONResponse({"object": "list", "data": page,
-                                 "first_id": page[0]["id"] if page else None,
-                                 "last_id": page[-1]["id"] if page else None,
-                                 "has_more": len(items) > len(page)})
+            try:
+                listed = page(items, query.get("after"), limit)
+            except KeyError:
+                raise APIError(400, f"after: no item {query['after']!r} in this response's "
+                                    "input", "after", "invalid_value") from None
+            data = listed["data"]
+            return JSONResponse({**listed, "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None})
         except APIError as e:
             return e.response()
 

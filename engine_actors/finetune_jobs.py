@@ -38,7 +38,7 @@ import ray
 
 from engine_actors.finetune_job import Job
 from engine_actors.finetune_steps import TrainingSteps
-from engine_actors.messages import Refusal
+from engine_actors.messages import Refusal, page
 
 logger = logging.getLogger("orca_serve.finetune")
 MAX_FILE_BYTES = 64 * 1024 * 1024
@@ -58,13 +58,13 @@ def may_defer(waited_s: list[float], step_s: float | None, bound_s: float) -> bo
     return step_s is not None and max(waited_s) + step_s <= bound_s
 
 
-def page(items: list[dict], after: str | None, limit: int) -> dict:
-    """OpenAI's list object: up to `limit` of `items` that follow the one whose id is `after`
-    (from the first when None; none when no item has that id)."""
-    if after is not None:
-        ids = [item["id"] for item in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
-    return {"object": "list", "data": items[:limit], "has_more": len(items) > limit}
+def _page(items: list[dict], after: str | None, limit: int, what: str) -> dict | Refusal:
+    """A page of `items` (messages.page); a refusal naming `what` when `after` is none of
+    their ids."""
+    try:
+        return page(items, after, limit)
+    except KeyError:
+        return Refusal("unknown_after", f"after: no {what} {after!r}")
 
 
 class FineTuning(TrainingSteps):
@@ -96,10 +96,10 @@ class FineTuning(TrainingSteps):
         return None if entry is None else entry[1] if content else entry[0]
 
     def list_files(self, after: str | None = None, limit: int = 10_000, order: str = "desc",
-                   purpose: str | None = None) -> dict:
+                   purpose: str | None = None) -> dict | Refusal:
         files = [meta for meta, _ in self.files.values()  # in upload order
                  if purpose is None or meta["purpose"] == purpose]
-        return page(files[::-1] if order == "desc" else files, after, limit)
+        return _page(files[::-1] if order == "desc" else files, after, limit, "file")
 
     def delete_file(self, file_id: str) -> dict | None:
         """Forget a file (jobs made from it keep their parsed examples)."""
@@ -126,7 +126,7 @@ class FineTuning(TrainingSteps):
         return job.to_dict() if job else None
 
     def list_jobs(self, after: str | None = None, limit: int = 20,
-                  metadata: dict | str | None = None) -> dict:
+                  metadata: dict | str | None = None) -> dict | Refusal:
         """Newest first, as OpenAI lists them; `metadata`: values the jobs' metadata must
         have (None: any; "null": jobs without metadata)."""
         def wanted(job: Job) -> bool:
@@ -134,11 +134,13 @@ class FineTuning(TrainingSteps):
                 return not job.metadata
             return all((job.metadata or {}).get(k) == v for k, v in (metadata or {}).items())
         jobs = [j for j in reversed(self.jobs.values()) if wanted(j)]
-        return page([j.to_dict() for j in jobs], after, limit)
+        return _page([j.to_dict() for j in jobs], after, limit, "fine-tuning job")
 
-    def events(self, job_id: str, after: str | None = None, limit: int = 20) -> dict | None:
+    def events(self, job_id: str, after: str | None = None,
+               limit: int = 20) -> dict | Refusal | None:
         job = self.jobs.get(job_id)
-        return None if job is None else page(job.events[::-1], after, limit)  # newest first
+        return None if job is None else _page(job.events[::-1], after, limit,  # newest first
+                                               f"event of job {job_id}")
 
     async def cancel(self, job_id: str, executor) -> dict | Refusal | None:
         job = self.jobs.get(job_id)

@@ -104,6 +104,17 @@ class Refusal:
     message: str
 
 
+def page(items: list[dict], after: str | None, limit: int) -> dict:
+    """OpenAI's list object: up to `limit` of `items` that follow the one whose id is
+    `after` (from the first when None). KeyError when no item has that id."""
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise KeyError(after)
+        items = items[ids.index(after) + 1:]
+    return {"object": "list", "data": items[:limit], "has_more": len(items) > limit}
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What the scheduler produced for one request in one step, for the request's sink."""

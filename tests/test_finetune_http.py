@@ -244,6 +244,8 @@ def test_the_openai_client_runs_a_job_by_method_and_pages_its_events(url):
             client.fine_tuning.jobs.create(training_file=upload.id, model="tiny-random-llama",
                                            extra_body=change)
         assert e.value.body["param"] == param, (change, e.value.body)
+    res = httpx.get(f"{url}/v1/fine_tuning/jobs/{job.id}/events", params={"after": "ftevent-x"})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "after"
     for limit in ("0", "101", "abc", "1" * 5000):
         res = httpx.get(f"{url}/v1/fine_tuning/jobs", params={"limit": limit})
         assert res.status_code == 400 and res.json()["error"]["param"] == "limit"
