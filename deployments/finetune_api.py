@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.frontend import Frontend
-from deployments.protocol import (APIError, _Base, check_unicode, query_limit,
-                                  query_order, refusal_error)
+from deployments.list_params import query_limit, query_order
+from deployments.protocol import APIError, _Base, check_unicode, refusal_error
 from deployments.training_data import parse_training_file
 from engine_actors.finetune_jobs import MAX_FILE_BYTES
 from engine_actors.lora import TARGETS

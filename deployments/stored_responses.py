@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.frontend import Frontend
-from deployments.protocol import APIError, query_limit, query_order
+from deployments.list_params import query_limit, query_order
+from deployments.protocol import APIError
 from deployments.responses_items import new_id
 from engine_actors.messages import page
 
