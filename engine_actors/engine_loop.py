@@ -164,6 +164,11 @@ class EngineLoop:
             if self.finetuning is not None and self.finetuning.queue:
                 hold_from = self.finetuning.hold_from(time.monotonic(), self._drain_s())
             while len(in_flight) < self.depth:
+                piece = ft.busy.launch(self.executor, kv, self.scheduler.num_running > 0) \
+                    if ft is not None and ft.busy is not None else None
+                if piece is not None:  # training beside the requests (finetune_busy.py)
+                    in_flight.append((None, piece, time.monotonic()))
+                    continue
                 preempted = self.scheduler.num_preemptions
                 batch = self.scheduler.schedule(hold_from)
                 self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
@@ -186,22 +191,39 @@ class EngineLoop:
                     pass
                 continue
             batch, step, launched = in_flight.popleft()
+            if batch is None:  # a training piece
+                if await ft.busy.done(step, self.executor):
+                    await self._workers_failed(in_flight)
+                    continue
+                ft.busy.earn(self._ended(launched))
+                continue
             try:
                 sampled = await step
             except ray.exceptions.RayError:
                 logger.exception("worker failed")
-                for _, other, _ in in_flight:
-                    other.cancel()
-                in_flight.clear()
-                self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
-                await self._restart_workers()
+                await self._workers_failed(in_flight)
                 continue
-            done = time.monotonic()  # the step ran from its launch or its predecessor's end
-            took = done - max(launched, self._last_done)
+            took = self._ended(launched)
             self.iteration_s = took if self.iteration_s is None \
                 else 0.9 * self.iteration_s + 0.1 * took
-            self._last_done = done
+            if ft is not None and ft.busy is not None:
+                ft.busy.earn(took)
             self.deliver(self.scheduler.process(batch, sampled), None)
+
+    def _ended(self, launched: float) -> float:
+        """A step or piece has ended: it ran from its launch or its predecessor's end."""
+        done = time.monotonic()
+        took, self._last_done = done - max(launched, self._last_done), done
+        return took
+
+    async def _workers_failed(self, in_flight: collections.deque) -> None:
+        """A worker failed: what is in flight is dropped, the requests whose state lived
+        on the workers fail, and the workers are replaced."""
+        for _, other, _ in in_flight:
+            other.cancel()
+        in_flight.clear()
+        self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
+        await self._restart_workers()
 
     def _quiet(self) -> bool:
         """A lull: fine-tuning's next micro-batch may wait on the workers (its call hidden;

@@ -152,8 +152,11 @@ class Executor:
     async def finetune(self, method: str, *args):
         """A fine-tuning call on every worker (its ranks train together: see
         engine_actors/finetune.py); the first worker's answer, with the least free memory
-        of any worker (a step needs its memory on each)."""
-        results = await asyncio.gather(*[w.finetune.remote(method, *args) for w in self.workers])
+        of any worker (a step needs its memory on each). It takes its turn among the steps
+        (its number from theirs), so that every rank runs steps and training in one order."""
+        turn = next(self._step_ids)
+        results = await asyncio.gather(*[w.finetune.remote(method, *args, turn=turn)
+                                         for w in self.workers])
         out = results[0]
         if isinstance(out, dict) and out.get("free_bytes") is not None:
             out = {**out, "free_bytes": min(r["free_bytes"] for r in results)}

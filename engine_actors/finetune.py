@@ -158,28 +158,39 @@ class Trainer:
         capture it): fp32 logits at the `trained` positions, and the tokens they predict."""
         model = self.model
         hidden, residual = model.embed_tokens(ids), None
-        self._cast_lora(hidden.dtype)
+        self._low = self.lora_views(*self.cast_lora(hidden.dtype))
         tables = {}  # rotary module -> its cos and sin at these positions
         for layer_id, layer in model.layers.items():
-            if residual is None:
-                residual, x = hidden, rms_norm(hidden, layer.input_layernorm.weight,
-                                               layer.input_layernorm.eps)
-            else:
-                x, residual = rms_norm(hidden, layer.input_layernorm.weight,
-                                       layer.input_layernorm.eps, residual)
-            rotary = layer.self_attn.rotary
-            if id(rotary) not in tables:
-                tables[id(rotary)] = rotary_tables(rotary, positions, hidden.dtype)
-            hidden = self._attention(layer_id, layer.self_attn, x, tables[id(rotary)], lens, cu)
-            norm = layer.post_attention_layernorm
-            x, residual = rms_norm(hidden, norm.weight, norm.eps, residual)
-            mlp = layer.mlp
-            hidden = self._linear(layer_id, mlp.down_proj, silu_mul_ref(
-                self._linear(layer_id, mlp.gate_up_proj, x)))
-        hidden, _ = rms_norm(hidden, model.norm.weight, model.norm.eps, residual)
+            hidden, residual = self.layer_forward(layer_id, layer, hidden, residual, tables,
+                                                  positions, lens, cu)
         self._low = None
+        return self.head(hidden, residual, ids, trained)
+
+    def head(self, hidden, residual, ids, trained):
+        """The final norm and the fp32 logits at the `trained` positions; their targets."""
+        hidden, _ = rms_norm(hidden, self.model.norm.weight, self.model.norm.eps, residual)
         targets = torch.roll(ids, -1).index_select(0, trained)
         return self._logits(hidden.index_select(0, trained)).float(), targets
+
+    def layer_forward(self, layer_id: str, layer, hidden, residual, tables: dict, positions,
+                      lens: list[int], cu):
+        """One decoder layer on the flattened tokens: (hidden, residual) in and out
+        (`residual` None before the first layer); `tables` caches the rotary tables."""
+        if residual is None:
+            residual, x = hidden, rms_norm(hidden, layer.input_layernorm.weight,
+                                           layer.input_layernorm.eps)
+        else:
+            x, residual = rms_norm(hidden, layer.input_layernorm.weight,
+                                   layer.input_layernorm.eps, residual)
+        rotary = layer.self_attn.rotary
+        if id(rotary) not in tables:
+            tables[id(rotary)] = rotary_tables(rotary, positions, hidden.dtype)
+        hidden = self._attention(layer_id, layer.self_attn, x, tables[id(rotary)], lens, cu)
+        norm = layer.post_attention_layernorm
+        x, residual = rms_norm(hidden, norm.weight, norm.eps, residual)
+        mlp = layer.mlp
+        return self._linear(layer_id, mlp.down_proj, silu_mul_ref(
+            self._linear(layer_id, mlp.gate_up_proj, x))), residual
 
     def _logits(self, hidden):
         """Full-vocabulary logits. With tensor parallelism each rank computes its vocabulary
@@ -209,17 +220,21 @@ class Trainer:
         out = causal_attention(q, k, v, lens, cu)
         return self._linear(layer_id, attn.o_proj, out.flatten(1))
 
-    def _cast_lora(self, dtype: torch.dtype) -> None:
-        """The LoRA weights in the model's dtype for this forward pass, B already scaled:
-        one cast for all A and one for all B (differentiable back to the fp32 masters),
-        instead of two casts and a scaling per projection."""
+    def cast_lora(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """All LoRA weights in the model's dtype for a forward pass, B already scaled: one
+        cast for all A and one for all B (differentiable back to the fp32 masters),
+        instead of two casts and a scaling per projection. Flat: see `lora_views`."""
         keys = list(self.params)
-        a_all = torch.cat([self.params[k][0].flatten() for k in keys]).to(dtype)
-        b_all = (torch.cat([self.params[k][1].flatten() for k in keys]) * self.scale).to(dtype)
+        return (torch.cat([self.params[k][0].flatten() for k in keys]).to(dtype),
+                (torch.cat([self.params[k][1].flatten() for k in keys]) * self.scale).to(dtype))
+
+    def lora_views(self, a_all: torch.Tensor, b_all: torch.Tensor) -> dict:
+        """(layer, target) -> its (A, B), views of `cast_lora`'s flat tensors."""
+        keys = list(self.params)
         a_parts = a_all.split([self.params[k][0].numel() for k in keys])
         b_parts = b_all.split([self.params[k][1].numel() for k in keys])
-        self._low = {k: (a.view(self.params[k][0].shape), b.view(self.params[k][1].shape))
-                     for k, a, b in zip(keys, a_parts, b_parts)}
+        return {k: (a.view(self.params[k][0].shape), b.view(self.params[k][1].shape))
+                for k, a, b in zip(keys, a_parts, b_parts)}
 
     def _linear(self, layer_id: str, module, x):
         """The frozen projection plus this job's low-rank updates of its trained parts

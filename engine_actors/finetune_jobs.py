@@ -36,6 +36,7 @@ import uuid
 
 import ray
 
+from engine_actors.finetune_busy import BusyTraining
 from engine_actors.finetune_job import Job
 from engine_actors.finetune_steps import TrainingSteps
 from engine_actors.messages import Refusal, page
@@ -78,6 +79,9 @@ class FineTuning(TrainingSteps):
         self.files: dict[str, tuple[dict, bytes]] = {}
         self.jobs: dict[str, Job] = {}
         self.bound_s = cfg.finetune_deferral_ms / 1e3
+        # training while requests run (finetune_busy.py); None: only FineInfer's rule
+        self.busy = BusyTraining(self, cfg.finetune_busy_share) \
+            if cfg.finetune_busy_share else None
 
     # ---- files --------------------------------------------------------------------------
     def add_file(self, filename: str, purpose: str, content: bytes) -> dict | Refusal:
@@ -161,7 +165,8 @@ class FineTuning(TrainingSteps):
         would hold whoever arrives during it past the bound, so it runs only when none is
         likely to: no request arrived for twice its time (`last_arrival`: the latest
         arrival). Under steady load it then never runs; in a lull it does."""
-        if not self.queue or scheduler.num_running or now < self.retry_at:
+        if not self.queue or scheduler.num_running or now < self.retry_at \
+                or (self.busy is not None and self.busy.active):
             return False
         if self._lull_left(now, last_arrival) > 0:
             return False
@@ -250,4 +255,7 @@ class FineTuning(TrainingSteps):
                                if running else None,
                                "alloc_retries": (self.memory or {}).get("alloc_retries", 0),
                                "micro_batches_sent_ahead": self.num_ahead,
-                               "micro_batches_called_off": self.num_skipped}}
+                               "micro_batches_called_off": self.num_skipped,
+                               "busy_pieces": self.busy.num_pieces if self.busy else 0,
+                               "busy_piece_ms": round(self.busy.piece_s * 1e3, 2)
+                               if self.busy and self.busy.piece_s else None}}

@@ -51,6 +51,7 @@ class TrainingSteps:
         self.memory: dict | None = None  # the worker's: free bytes, how the KV pool lends
         self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
         self.ahead: Sent | None = None  # sent while the one before it ran (`pipeline`)
+        self.busy = None  # BusyTraining, when training runs beside requests too
         self.num_sent = 0
         self.num_ahead = self.num_skipped = 0  # sent ahead; of which called off
 
@@ -101,20 +102,30 @@ class TrainingSteps:
             if job.status == "running":
                 job.untake(sent.micro)
             return False
-        if out["peak_bytes"] is not None:
-            job.measure_memory(out["peak_bytes"], out["tokens"])
         self._measure(out, time.monotonic() - max(start, sent.sent_at))
         if job.status != "running":
             await self._discard_ahead(executor)
             return False  # cancelled while the step ran
-        loss = job.record(out["tokens"], out["loss_sum"], sent.loss_tokens, sent.last)
+        await self.record(job, out, sent.loss_tokens, sent.last, executor)
+        return False
+
+    async def record(self, job: Job, out: dict, loss_tokens: int, last: bool,
+                     executor) -> None:
+        """A running job's micro-batch is done (`out`: the worker's answer): its memory
+        per token, loss and tokens; an event at the end of its batch; the job's end after
+        its last step."""
+        if out["peak_bytes"] is not None:
+            job.measure_memory(out["peak_bytes"], out["tokens"])
+        if self.metrics is not None:
+            self.metrics.finetune_steps.inc()
+            self.metrics.finetune_tokens.inc(out["tokens"])
+        loss = job.record(out["tokens"], out["loss_sum"], loss_tokens, last)
         if loss is not None:
             job.event(f"Step {job.steps_done}/{job.total_steps}: training loss={loss:.4f}",
                       {"step": job.steps_done, "total_steps": job.total_steps,
                        "train_loss": loss, "trained_tokens": job.trained_tokens})
             if job.steps_done == job.total_steps:
                 await self._finish(job, executor)
-        return False
 
     def _measure(self, out: dict, elapsed: float) -> None:
         """A micro-batch's times (`elapsed`: since the one before it ended, or since it was
@@ -125,8 +136,6 @@ class TrainingSteps:
             else 0.8 * self.train_s + 0.2 * out["elapsed_s"]
         self.micro_tokens = 0.8 * self.micro_tokens + 0.2 * out["tokens"]
         if self.metrics is not None:
-            self.metrics.finetune_steps.inc()
-            self.metrics.finetune_tokens.inc(out["tokens"])
             self.metrics.finetune_step_time.observe(elapsed)
 
     async def _start(self, job: Job, executor, kv) -> bool | None:
@@ -179,6 +188,8 @@ class TrainingSteps:
     def workers_replaced(self) -> None:
         """The workers were restarted after a failure: a running job's trainer is gone."""
         job = self.queue[0] if self.queue and self.queue[0].started else None
+        if self.busy is not None:
+            self.busy.reset()
         if self.ahead is not None:  # sent to the old workers
             self.ahead.call.cancel()
             self.ahead = None

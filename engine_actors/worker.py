@@ -23,6 +23,7 @@ from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import cdiv
 from engine_actors.messages import StepInput
 from engine_actors.finetune import Trainer
+from engine_actors.finetune_pieces import Pieces
 from engine_actors.kv_profile import profile_kv_blocks
 from engine_actors.model_runner import ModelRunner, resolve_dtype
 from engine_actors.parallel import ONE_SHOT_MAX_BYTES, SINGLE, free_address, init_parallel
@@ -49,6 +50,8 @@ class Worker:
         self._train_seen = -1  # the latest micro-batch handed to the launch thread
         self._train_turn = asyncio.Condition()  # bound to the actor's loop at first use
         self._held = 0  # bytes the caching allocator holds and cannot give back (CUDA)
+        self.pieces: tuple[str, Pieces] | None = None  # (job, micro-batch) run in pieces
+        self._piece_base = 0  # memory allocated before it
 
     def address(self) -> str:
         """host:port for the process group's rendezvous (asked of rank 0)."""
@@ -125,12 +128,25 @@ class Worker:
         self.trace.append((step.step_id, arrived, launched, enqueued, time.time()))
         return pending.result()
 
-    async def finetune(self, method: str, job_id: str, *args):
-        """A fine-tuning job's `start`, `micro_step`, `save` or `drop` (engine_actors/
-        finetune.py), on the launch thread: the scheduler runs them between iterations. A
-        micro-batch sent ahead names the one it follows (`after`), and goes to the thread
-        only after it: an async actor may start calls out of their order."""
+    async def finetune(self, method: str, job_id: str, *args, turn: int | None = None):
+        """A fine-tuning job's `start`, `micro_step`, `piece`, `save` or `drop` (engine_actors/
+        finetune.py), on the launch thread. `turn`: the call's place among the steps (the
+        executor numbers both), so that every rank runs steps and training in one order
+        (their collectives must match). Without it (tests in-process), a micro-batch sent
+        ahead names the one it follows (`after`), and goes to the thread only after it: an
+        async actor may start calls out of their order."""
         loop = asyncio.get_running_loop()
+        if turn is not None:
+            if self._turn is None:
+                self._turn = asyncio.Condition()
+            async with self._turn:
+                await self._turn.wait_for(lambda: self._next_step == turn)
+                launch = loop.run_in_executor(self._launcher, self._finetune, method, job_id,
+                                              *args)
+                self._next_step += 1
+                self._turn.notify_all()
+            out = await launch
+            return await self._piece_done(*out) if method == "piece" else out
         if method != "micro_step":
             return await loop.run_in_executor(self._launcher, self._finetune, method, job_id,
                                               *args)
@@ -165,16 +181,64 @@ class Worker:
                 return {"skipped": True, **self._training_memory()}
             out = self.trainers[job_id].micro_step(*args[3:])
             return {**out, **self._training_memory()}
+        if method == "piece":
+            return self._piece(job_id, *args)
         if method == "take_back":  # the lent KV blocks, mapped again before inference
             self.runner.kv_memory.take_back()
         elif method == "drop":
             self.trainers.pop(job_id, None)
+            if self.pieces is not None and self.pieces[0] == job_id:
+                self.pieces = None
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         elif method == "resident":  # job id -> bytes of its parameters and optimizer state
             return {j: t.state_bytes() for j, t in self.trainers.items()}
         else:
             return getattr(self.trainers[job_id], method)(*args)
+
+    def _piece(self, job_id: str, *batch):
+        """Launch the next piece of a micro-batch run in pieces between steps (finetune_
+        pieces.py); `batch` (sequences, masks, the batch's trained tokens, whether it is
+        the batch's last) starts a new one. Returns what `_piece_done` completes, and the
+        CUDA events around the piece (None on CPU)."""
+        cuda = self.device == "cuda"
+        if batch:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                self._piece_base = torch.cuda.memory_allocated()
+            self.pieces = (job_id, Pieces(self.trainers[job_id], *batch))
+        pieces = self.pieces[1]
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+        start = time.perf_counter()
+        if cuda:
+            events[0].record()
+        try:
+            done = pieces.run_next()
+        except Exception:
+            self.pieces = None  # its activations freed
+            raise
+        out = {"done": done, "host_s": 0.0}
+        if done:
+            self.pieces = None
+            out.update(loss_sum=pieces.loss_sum.to("cpu", non_blocking=True),
+                       loss_tokens=pieces.loss_tokens, tokens=pieces.tokens,
+                       peak_bytes=torch.cuda.max_memory_allocated() - self._piece_base
+                       if cuda else None, **self._training_memory())
+        if cuda:
+            events[1].record()
+        out["host_s"] = time.perf_counter() - start
+        return out, events
+
+    async def _piece_done(self, out: dict, events) -> dict:
+        """A piece's answer once the device has run it: its device time (`gpu_s`; its
+        host time on CPU) and, after the micro-batch's last piece, its loss."""
+        out["gpu_s"] = out["host_s"]
+        if events is not None:
+            await asyncio.to_thread(events[1].synchronize)
+            out["gpu_s"] = events[0].elapsed_time(events[1]) / 1e3
+        if out["done"]:
+            out["loss_sum"] = float(out["loss_sum"])
+        return out
 
     async def skip_training(self, seq: int) -> None:
         """Micro-batch `seq` (sent ahead) is not to run if it has not started. On the

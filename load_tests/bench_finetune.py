@@ -170,6 +170,11 @@ def main(argv=None) -> dict:
     p.add_argument("--finetune-max-tokens", type=int, default=2048)
     p.add_argument("--finetune-deferral-ms", type=float, default=200.0,
                    help="FineInfer's deferral bound (the engine's default: 200)")
+    p.add_argument("--busy-share", type=float, default=0.0,
+                   help="the engine's finetune_busy_share: training's share of the time "
+                   "while requests run (0: FineInfer's rule only)")
+    p.add_argument("--dedicated-after", action="store_true",
+                   help="run the dedicated trainer again after the server has stopped")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="the engine's token budget per iteration (load_sweep.sh's default)")
@@ -193,6 +198,7 @@ def main(argv=None) -> dict:
     engine_args = {"model": args.model, "device": args.device, "enable_finetuning": True,
                    "finetune_max_tokens": args.finetune_max_tokens,
                    "finetune_deferral_ms": args.finetune_deferral_ms,
+                   "finetune_busy_share": args.busy_share,
                    "gpu_memory_utilization": args.gpu_memory_utilization,
                    "max_batch_size": args.max_batch_size,
                    "max_num_batched_tokens": args.max_num_batched_tokens}
@@ -235,6 +241,9 @@ def main(argv=None) -> dict:
                       phases_s=phases, timeline=sampler.rows, timeline_columns=[
                           "t_s", "steps_done", "trained_tokens", "num_running", "num_waiting",
                           "num_lent_blocks", "ttft_sum_s", "ttft_count"])
+    if args.dedicated_after:  # the same GPU after minutes of load: is it as fast?
+        report["dedicated_after_tokens_s"] = dedicated_tokens_per_s(
+            args.model, args.device, lines, args.idle_s, args.finetune_max_tokens)
     print(table(report))
     if args.out:
         with open(args.out, "w") as f:
@@ -257,6 +266,9 @@ def table(r: dict) -> str:
               f"| on the server, under load | {r['loaded_tokens_s']:.0f} | "
               f"{r['loaded_tokens_s'] / d:.2f} |",
               f"| on the server, no load | {r['idle_tokens_s']:.0f} | {r['idle_tokens_s'] / d:.2f} |"]
+    if "dedicated_after_tokens_s" in r:
+        after = r["dedicated_after_tokens_s"]
+        lines.append(f"| dedicated again, after the server | {after:.0f} | {after / d:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,139 @@
+"""Fine-tuning while requests run (finetune_busy_share, engine_actors/finetune_busy.py),
+through the engine loop with stand-in workers: training pieces run between the steps of
+running requests and take about the configured share of the device's time; without a
+share none runs beside them (FineInfer's rule only); a job is started, trained and ended in
+pieces; a piece that raises fails its job only."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from engine_actors.config import EngineConfig
+from tests.test_deferral import Workers, engine, queue_job, request, until
+
+ITERATION_S = 0.01  # the stand-in workers' step (tests/test_deferral.py: 0.02)
+PIECE_S = 0.01
+PIECES = 3  # a micro-batch's pieces
+
+
+class PieceWorkers(Workers):
+    """Steps of ITERATION_S and training pieces of PIECE_S, one at a time on the device;
+    every call logged with the time it ended."""
+
+    def __init__(self, block_size: int):
+        super().__init__(block_size)
+        self.left = 0  # pieces left of the micro-batch in pieces
+        self.ended = []  # (what, monotonic time)
+        self.trained = 0
+
+    async def execute(self, step):
+        async with self.device:
+            await asyncio.sleep(ITERATION_S)
+            self.ended.append(("step", asyncio.get_running_loop().time()))
+        return self.runner.execute(step)
+
+    async def finetune(self, method, job_id, *args):
+        if method != "piece":
+            if method == "save":
+                self.log.append((method, job_id))
+                return None
+            return await super().finetune(method, job_id, *args)
+        if args:  # a new micro-batch: sequences, masks, trained tokens, last
+            self.left, self.tokens = PIECES, sum(map(len, args[0]))
+        async with self.device:
+            await asyncio.sleep(PIECE_S)
+            self.ended.append(("piece", asyncio.get_running_loop().time()))
+        self.log.append(("piece", job_id))
+        self.left -= 1
+        out = {"done": not self.left, "gpu_s": PIECE_S}
+        if not self.left:
+            self.trained += self.tokens
+            out.update(loss_sum=1.0, loss_tokens=self.tokens, tokens=self.tokens,
+                       peak_bytes=None, free_bytes=None)
+        return out
+
+
+def busy_engine(share: float, workers: PieceWorkers, epochs: int = 100):
+    loop, finished = engine(1000.0, workers)
+    cfg = EngineConfig(enable_finetuning=True, finetune_busy_share=share, block_size=4,
+                       max_num_tokens=256, max_batch_size=8)
+    from engine_actors.finetune_jobs import FineTuning
+    loop.finetuning = FineTuning(cfg, adapters=type(
+        "Adapters", (), {"load": lambda self, name, path: None})())
+    queue_job(loop, "ftjob-1", 4, n_epochs=epochs)
+    return loop, finished
+
+
+async def serve_one(loop, finished, tokens: int) -> None:
+    task = asyncio.create_task(loop.run())
+    try:
+        loop.add(request("a", tokens), None, None)
+        await until(lambda: "a" in finished)
+    finally:
+        task.cancel()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25])
+def test_training_takes_its_share_of_the_time_while_a_request_runs(share):
+    workers = PieceWorkers(4)
+    loop, finished = busy_engine(share, workers)
+    asyncio.run(serve_one(loop, finished, 80))
+    steps = [t for what, t in workers.ended if what == "step"]
+    pieces = [t for what, t in workers.ended if what == "piece" and steps[0] < t < steps[-1]]
+    if not share:
+        assert not pieces and ("piece", "ftjob-1") not in workers.log
+        log = workers.log  # the job starts once the request is done (FineInfer's rule)
+        assert log.index(("finished", "a")) < log.index(("start", "ftjob-1"))
+        return
+    job = loop.finetuning.jobs["ftjob-1"]
+    assert job.status == "running" and job.trained_tokens > 0  # micro-batches ended
+    # the device's time while the request ran: pieces take about the share of it
+    taken = len(pieces) * PIECE_S / (len(pieces) * PIECE_S + len(steps) * ITERATION_S)
+    assert 0.15 < taken < 0.35, (taken, len(pieces), len(steps))
+    # never more than one piece between two steps: a step waits for one piece at most
+    kinds = [what for what, _ in workers.ended]
+    assert "piece,piece" not in ",".join(kinds[kinds.index("step"):len(kinds) - kinds[::-1].index("step")])
+
+
+def test_a_job_trains_and_ends_in_pieces_while_requests_run():
+    """A short job (4 examples, batch 2, one epoch: two optimizer steps) starts, trains
+    and succeeds while one long request runs; its adapter is saved and it is dropped."""
+    workers = PieceWorkers(4)
+    loop, finished = busy_engine(0.5, workers, epochs=1)
+    job = loop.finetuning.jobs["ftjob-1"]
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            loop.add(request("a", 200), None, None)
+            await until(lambda: job.status == "succeeded")
+            assert "a" not in finished  # all of it while the request ran
+            await until(lambda: "a" in finished)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert job.steps_done == job.total_steps == 2 and job.trained_tokens == 80
+    log = [e for e in workers.log if e[0] not in ("step", "finished")]
+    assert log[0] == ("start", "ftjob-1") and ("micro_step", "ftjob-1") not in log
+    assert log[-2:] == [("save", "ftjob-1"), ("drop", "ftjob-1")]
+
+
+def test_a_piece_that_raises_fails_its_job_and_the_request_is_served():
+    workers = PieceWorkers(4)
+    loop, finished = busy_engine(0.5, workers)
+    original = workers.finetune
+
+    async def raises(method, job_id, *args):
+        if method == "piece" and not args:  # the second piece of the first micro-batch
+            raise ray.exceptions.RayTaskError(
+                "finetune", "Traceback ...", RuntimeError("CUDA out of memory."))
+        return await original(method, job_id, *args)
+
+    workers.finetune = raises
+    asyncio.run(serve_one(loop, finished, 60))
+    job = loop.finetuning.jobs["ftjob-1"]
+    assert job.status == "failed" and job.error["message"] == "RuntimeError: CUDA out of memory."
+    assert ("drop", "ftjob-1") in workers.log and "a" in finished

@@ -1,0 +1,100 @@
+"""A micro-batch run in pieces (engine_actors/finetune_pieces.py), as the worker runs it
+between inference steps: its LoRA gradients equal transformers + peft's on the same batch
+(fp32), and its optimizer step that of the whole micro-batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_actors.finetune import Trainer
+from engine_actors.finetune_pieces import Pieces
+from tests.engine_harness import InProcessEngine
+from tests.test_finetune import MASKS, SEQS, TARGETS, base, peft_backward, peft_params  # noqa: F401
+
+
+def run_all(pieces: Pieces) -> int:
+    n = 0
+    while True:
+        n += 1
+        if pieces.run_next():
+            return n
+
+
+@pytest.mark.parametrize("per_segment,device", [
+    (1, "cpu"), (2, "cpu"), pytest.param(1, "cuda", marks=pytest.mark.gpu)])
+def test_pieces_gradients_equal_transformers_peft(base, per_segment, device):
+    """One layer a segment (seven pieces for four layers), or two: peft's gradients."""
+    ref = peft_backward(base, 4, 8, TARGETS)
+    engine = InProcessEngine(device, model=base, dtype="float32")
+    trainer = Trainer(engine.worker.runner.model, 4, 8, TARGETS, lr=1e-3)
+    params = peft_params(ref)
+    with torch.no_grad():
+        for (layer, target), (a, b) in trainer.params.items():
+            a.copy_(params[layer, target, "A"])
+            b.copy_(params[layer, target, "B"])
+    layers = engine.worker.runner.model.layers
+    flops = 4 * sum(p.numel() for p in layers["0"].parameters()) * 14  # a layer's backward
+    pieces = Pieces(trainer, SEQS, MASKS, 7, last=False, piece_flops=per_segment * flops)
+    segments = len(pieces.segments)
+    assert segments == len(layers) // per_segment
+    assert run_all(pieces) == -(-segments // 2) + 1 + segments
+    assert pieces.loss_tokens == 7 and pieces.tokens == 14
+    for (layer, target), (a, b) in trainer.params.items():
+        for kind, ours in (("A", a), ("B", b)):
+            theirs = params[layer, target, kind].grad
+            assert theirs.abs().max() > 0, (layer, target, kind)
+            error = (ours.grad.cpu() - theirs).norm() / theirs.norm()
+            assert error < 1e-5, (layer, target, kind, float(error))
+
+
+def test_pieces_step_the_optimizer_as_a_whole_micro_batch(base):
+    """Two micro-batches of a batch, the second its last: the LoRA weights after the
+    optimizer's step are those of the same two run whole, and the loss is the same."""
+    engine = InProcessEngine("cpu", model=base, dtype="float32")
+    model = engine.worker.runner.model
+    trained = []
+    for whole in (True, False):
+        trainer = Trainer(model, 4, 8, ["q_proj", "down_proj"], lr=1e-2, seed=5)
+        with torch.no_grad():
+            for _, b in trainer.params.values():
+                b.normal_(generator=torch.Generator().manual_seed(1))  # A gets gradients too
+        losses = []
+        for last in (False, True):
+            if whole:
+                losses.append(trainer.micro_step(SEQS, MASKS, 14, last)["loss_sum"])
+            else:
+                pieces = Pieces(trainer, SEQS, MASKS, 14, last, piece_flops=1)
+                run_all(pieces)
+                losses.append(float(pieces.loss_sum))
+        trained.append((losses, [p.detach().clone() for ab in trainer.params.values()
+                                 for p in ab]))
+    (losses, whole), (piece_losses, pieces) = trained
+    assert piece_losses == pytest.approx(losses, rel=1e-6)
+    start = Trainer(model, 4, 8, ["q_proj", "down_proj"], lr=1e-2, seed=5)
+    assert any(not torch.equal(p, q.detach()) for p, q in  # the step moved them
+               zip(whole, [p for ab in start.params.values() for p in ab]))
+    for p, q in zip(whole, pieces):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_worker_runs_a_micro_batch_in_pieces_and_times_each(base, device):
+    """The worker's side: pieces launched one call at a time, each answered with its
+    device time once it has run; the last with the loss, as the whole micro-batch's."""
+    import asyncio
+    engine = InProcessEngine(device, model=base, dtype="bfloat16" if device == "cuda"
+                             else "float32")
+    worker = engine.worker
+    worker._finetune("start", "job", 4, 8, TARGETS, 1e-3, 0)
+    whole = Trainer(worker.runner.model, 4, 8, TARGETS, lr=1e-3)  # the same start
+    expected = whole.micro_step(SEQS, MASKS, 7, last=False)["loss_sum"]
+    answers, args = [], (SEQS, MASKS, 7, False)
+    while not answers or not answers[-1]["done"]:
+        out, events = worker._finetune("piece", "job", *args)
+        answers.append(asyncio.run(worker._piece_done(out, events)))
+        args = ()
+    assert len(answers) >= 3 and all(a["gpu_s"] > 0 for a in answers)
+    assert answers[-1]["loss_sum"] == pytest.approx(expected, rel=1e-2 if device == "cuda"
+                                                    else 1e-6)
+    assert answers[-1]["tokens"] == 14 and answers[-1]["loss_tokens"] == 7
+    assert worker.pieces is None  # its activations freed
