@@ -32,6 +32,8 @@ for part in $BENCH; do
   echo "=== $part"
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
+    ft-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_finetune.py tests/test_finetune_pieces.py \
+        tests/test_finetune_worker.py tests/test_kv_memory.py 2>&1 | tee "$OUT/ft-tests.log" | tail -8 ;;
     decode) python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 ${DECODE_ARGS:-} --out "$OUT/decode-8b${LABEL:-}.json" 2>&1 | tail -15 ;;
     decode-1b) python3 -m load_tests.bench_decode --model llama-1b --batch-size 64 ${DECODE_ARGS:-} --out "$OUT/decode-1b${LABEL:-}.json" 2>&1 | tail -15 ;;
     mixed) python3 -m load_tests.bench_mixed --model llama-8b --decode-rows ${DECODE_ROWS:-8 64} --out "$OUT/mixed-8b${LABEL:-}.json" 2>&1 | tail -12 ;;
@@ -59,13 +61,16 @@ for part in $BENCH; do
     lora-decode) python3 -m load_tests.bench_lora --model llama-8b --batch-size 64 --adapters 1 2 8 32 --out "$OUT/lora-decode-8b.json" > "$OUT/lora-decode-8b.log" 2>&1; tail -8 "$OUT/lora-decode-8b.log" ;;
     lora-offline) python3 -m load_tests.bench_offline --model llama-8b --systems orca --adapters 0 8 --out "$OUT/lora-offline-8b.json" > "$OUT/lora-offline-8b.log" 2>&1; tail -5 "$OUT/lora-offline-8b.log" ;;
     prefix-8b) python3 -m load_tests.bench_prefix --model llama-8b --duration "${DURATION:-30}" --out "$OUT/prefix-8b.json" > "$OUT/prefix-8b.log" 2>&1; tail -14 "$OUT/prefix-8b.log" ;;
-    finetune) # RATE: half of the 79.6 req/s that load_sweep.sh measured (BENCHMARKS.md, 2026-11-25)
+    finetune) # GPU clocks, power and temperature every 2 s while it runs
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -l 2 \
+        > "$OUT/finetune-clocks${LABEL:-}.csv" 2>&1 & smi=$!
+      # RATE: half of the 79.6 req/s that load_sweep.sh measured (BENCHMARKS.md, 2026-11-25)
       python3 -m load_tests.bench_finetune --model llama-8b --rate "${RATE:-40}" --duration "${DURATION:-60}" \
         --idle-s 30 --gpu-memory-utilization "${GPU_UTIL:-0.9}" --out "$OUT/finetune-8b${LABEL:-}.json" ${FT_ARGS:-} \
         --plot "$OUT/finetune-8b${LABEL:-}.png" --server-log "/tmp/finetune-server.log" > "$OUT/finetune-8b${LABEL:-}.log" 2>&1
       tail -16 "$OUT/finetune-8b${LABEL:-}.log"; tail -300 /tmp/finetune-server.log | grep -v "GET /health\|GET /v1/fine_tuning" > "$OUT/finetune-server${LABEL:-}.log"
       for f in $(grep -l "Traceback\|Error" /tmp/ray/session_latest/logs/worker-*.err 2>/dev/null | head -4); do
-        echo "## $f"; tail -60 "$f"; done > "$OUT/finetune-ray-errors${LABEL:-}.txt" ;;
+        echo "## $f"; tail -60 "$f"; done > "$OUT/finetune-ray-errors${LABEL:-}.txt"; kill $smi ;;
     dist-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tee "$OUT/dist-tests.log" | tail -5 ;;
     dist-ar) for v in ${AR_VARIANTS:-own}; do timeout 240 python3 -m load_tests.bench_allreduce --world 2 --visible ${v%%:*} --env ${v#*:} --out "$OUT/allreduce-${v%%:*}.json" > "$OUT/allreduce-${v%%:*}.log" 2>&1; echo "-- $v"; tail -10 "$OUT/allreduce-${v%%:*}.log"; done ;;
     dist-decode) for v in "1" "2 --disable-custom-all-reduce" "2"; do tp=${v%% *}; n=tp$tp${v#$tp}; n=${n// /}
