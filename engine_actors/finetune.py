@@ -228,9 +228,10 @@ class Trainer:
         return (torch.cat([self.params[k][0].flatten() for k in keys]).to(dtype),
                 (torch.cat([self.params[k][1].flatten() for k in keys]) * self.scale).to(dtype))
 
-    def lora_views(self, a_all: torch.Tensor, b_all: torch.Tensor) -> dict:
-        """(layer, target) -> its (A, B), views of `cast_lora`'s flat tensors."""
-        keys = list(self.params)
+    def lora_views(self, a_all: torch.Tensor, b_all: torch.Tensor, keys=None) -> dict:
+        """(layer, target) -> its (A, B), views of `cast_lora`'s flat tensors (or of the
+        slices that hold `keys`, consecutive keys of `self.params`)."""
+        keys = list(self.params) if keys is None else keys
         a_parts = a_all.split([self.params[k][0].numel() for k in keys])
         b_parts = b_all.split([self.params[k][1].numel() for k in keys])
         return {k: (a.view(self.params[k][0].shape), b.view(self.params[k][1].shape))

@@ -35,13 +35,26 @@ class Pieces:
         size = max(1, int(piece_flops // (4 * params * self.tokens)))
         self.segments = [layers[i:i + size] for i in range(0, len(layers), size)]
         n = len(self.segments)
+        # each segment's LoRA weights: its keys, and their ranges in cast_lora's A and B
+        self.keys: list[list] = []
+        self.ranges: list[tuple[slice, slice]] = []
+        a_at = b_at = 0
+        for segment in self.segments:
+            ids = {layer_id for layer_id, _ in segment}
+            keys = [k for k in trainer.params if k[0] in ids]
+            a_n = sum(trainer.params[k][0].numel() for k in keys)
+            b_n = sum(trainer.params[k][1].numel() for k in keys)
+            self.keys.append(keys)
+            self.ranges.append((slice(a_at, a_at + a_n), slice(b_at, b_at + b_n)))
+            a_at, b_at = a_at + a_n, b_at + b_n
         self.todo = [("forward", s) for s in range(0, n, 2)] + [("head", n)] \
             + [("backward", s) for s in reversed(range(n))]
         self.tables: dict = {}
         self.inputs: list = [None] * n  # each segment's (hidden, residual) leaves
         self.outputs: list = [None] * n
         self.grads = None  # of the outputs of the segment whose backward is next
-        self.casts = self.leaves = None  # the LoRA weights in the model's dtype
+        self.casts = None  # the LoRA weights in the model's dtype (flat A and B)
+        self.leaves: list = [None] * n  # each segment's slices of them, detached
         self.loss_sum = self.loss_tokens = None
 
     @property
@@ -66,11 +79,12 @@ class Pieces:
         if s == 0:
             hidden, residual = t.model.embed_tokens(self.ids), None
             self.casts = t.cast_lora(hidden.dtype)
-            self.leaves = [c.detach().requires_grad_() for c in self.casts]
         else:
             hidden, residual = self.inputs[s] = tuple(
                 x.detach().requires_grad_() for x in self.outputs[s - 1])
-        t._low = t.lora_views(*self.leaves)  # views of its own: each segment's graph apart
+        self.leaves[s] = [c[r].detach().requires_grad_() for c, r in zip(self.casts,
+                                                                         self.ranges[s])]
+        t._low = t.lora_views(*self.leaves[s], self.keys[s])
         for layer_id, layer in self.segments[s]:
             hidden, residual = t.layer_forward(layer_id, layer, hidden, residual, self.tables,
                                                self.positions, self.lens, self.cu)
@@ -93,9 +107,11 @@ class Pieces:
             self.grads = tuple(x.grad for x in self.inputs[s])
             self.inputs[s] = None
             return
-        cast = [(c, leaf.grad) for c, leaf in zip(self.casts, self.leaves) if leaf.grad is not None]
-        torch.autograd.backward([c for c, _ in cast], [g for _, g in cast])
-        self.casts = self.leaves = self.grads = None
+        grads = [torch.cat([leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                            for leaf in (pair[i] for pair in self.leaves)]) for i in (0, 1)]
+        torch.autograd.backward(list(self.casts), grads)
+        self.casts = self.grads = None
+        self.leaves = [None] * len(self.segments)
         t = self.trainer
         if self.last:
             t.sum_gradients()

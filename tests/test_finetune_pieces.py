@@ -25,7 +25,7 @@ def run_all(pieces: Pieces) -> int:
 def test_pieces_gradients_equal_transformers_peft(base, per_segment, device):
     """One layer a segment (seven pieces for four layers), or two: peft's gradients."""
     ref = peft_backward(base, 4, 8, TARGETS)
-    engine = InProcessEngine(device, model=base, dtype="float32")
+    engine = InProcessEngine(device, model=base, dtype="float32", max_num_tokens=4096)
     trainer = Trainer(engine.worker.runner.model, 4, 8, TARGETS, lr=1e-3)
     params = peft_params(ref)
     with torch.no_grad():
@@ -82,8 +82,8 @@ def test_the_worker_runs_a_micro_batch_in_pieces_and_times_each(base, device):
     """The worker's side: pieces launched one call at a time, each answered with its
     device time once it has run; the last with the loss, as the whole micro-batch's."""
     import asyncio
-    engine = InProcessEngine(device, model=base, dtype="bfloat16" if device == "cuda"
-                             else "float32")
+    engine = InProcessEngine(device, model=base, max_num_tokens=4096,
+                             dtype="bfloat16" if device == "cuda" else "float32")
     worker = engine.worker
     worker._finetune("start", "job", 4, 8, TARGETS, 1e-3, 0)
     whole = Trainer(worker.runner.model, 4, 8, TARGETS, lr=1e-3)  # the same start
