@@ -163,7 +163,8 @@ class EngineLoop:
             hold_from = None  # FineInfer's deferral of new requests (finetune_jobs.py)
             if self.finetuning is not None and self.finetuning.queue:
                 hold_from = self.finetuning.hold_from(time.monotonic(), self._drain_s())
-            while len(in_flight) < self.depth:
+            # (a training piece takes no step's place: steps stay `depth` deep)
+            while sum(b is not None for b, _, _ in in_flight) < self.depth:
                 piece = ft.busy.launch(self.executor, kv, self.scheduler.num_running > 0) \
                     if ft is not None and ft.busy is not None else None
                 if piece is not None:  # training beside the requests (finetune_busy.py)
