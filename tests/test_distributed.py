@@ -237,9 +237,13 @@ def test_lora_adapters_sharded_over_tp_and_pp_equal_transformers_peft(ray_cluste
         assert outputs[rid] == expected, (rid, adapter)
 
 
-def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint):
+@pytest.mark.parametrize("busy_share", [0.0, 0.5])
+def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, busy_share):
     """A job trains over T=2 (every rank its shards), while the base model serves; its
-    adapter, saved whole, then answers the trained prompt with the trained tokens."""
+    adapter, saved whole, then answers the trained prompt with the trained tokens. With a
+    busy share, base requests keep coming while it trains, and its pieces run between their
+    steps: every rank must run steps and pieces in one order (their collectives match),
+    and the base model's tokens stay the same."""
     import ray
 
     from engine_actors.lora import TARGETS
@@ -249,7 +253,9 @@ def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint):
             "n_epochs": 40, "batch_size": 1, "learning_rate": 1e-2,
             "lora": {"r": 8, "alpha": 16, "target_modules": list(TARGETS)}}
     base = [("base", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
-    actor = start_engine(checkpoint, 2, 1, enable_finetuning=True, max_lora_rank=8)
+    actor = start_engine(checkpoint, 2, 1, enable_finetuning=True, max_lora_rank=8,
+                         finetune_busy_share=busy_share)
+    during = []
     try:
         before = asyncio.run(run_in_waves(actor, base, waves=1))
         job = ray.get(actor.finetune_call.remote("create", spec))
@@ -257,14 +263,23 @@ def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint):
             job = ray.get(actor.finetune_call.remote("job", job["id"]))
             if job["status"] not in ("queued", "running"):
                 break
-            time.sleep(0.1)
+            if busy_share:  # a wave of base requests; pieces run beside them
+                long = [(f"d{len(during)}-{i}", prompt, SamplingParams(
+                    max_tokens=24, temperature=0.0, ignore_eos=True)) for i in range(3)]
+                during.append(asyncio.run(run_in_waves(actor, long, waves=1)))
+            else:
+                time.sleep(0.1)
         assert job["status"] == "succeeded", job
+        pieces = ray.get(actor.stats.remote())["finetuning"]["busy_pieces"]
         tuned = [("tuned",) + base[0][1:] + (job["fine_tuned_model"],)]
         outputs = asyncio.run(run_in_waves(actor, base + tuned, waves=1))
     finally:
         stop_engine(actor)
     assert before[base[0][0]] != answer  # the test can fail
     assert outputs["tuned"] == answer and outputs["base"] == before["base"]
+    if busy_share:
+        assert pieces > 0 and during
+        assert all(tokens[:5] == before["base"] for wave in during for tokens in wave.values())
 
 
 @pytest.mark.gpu

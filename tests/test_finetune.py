@@ -88,9 +88,10 @@ def test_one_step_gradients_equal_transformers_peft(base, targets, device):
 
 
 def _tp_rank(rank: int, base: str, address: str, targets: list[str], ref_path: str,
-             out_path: str) -> None:
+             out_path: str, pieces: bool = False) -> None:
     """One of two tensor-parallel ranks (gloo): set the reference's LoRA weights, shard by
-    shard, run one micro-batch, sum the whole tensors' gradients, gather the shards."""
+    shard, run one micro-batch (whole, or in pieces of a layer), sum the whole tensors'
+    gradients, gather the shards."""
     from engine_actors.layers.lora import MODULES
     from engine_actors.model_runner import ModelRunner
     from engine_actors.parallel import init_parallel
@@ -110,7 +111,14 @@ def _tp_rank(rank: int, base: str, address: str, targets: list[str], ref_path: s
             else:  # column-parallel: B's output rows of this rank's heads
                 a.copy_(full_a)
                 b.copy_(module.local_rows(full_b, part)[1])
-    out = trainer.micro_step(SEQS, MASKS, batch_loss_tokens=7, last=False)
+    if pieces:
+        from engine_actors.finetune_pieces import Pieces
+        micro = Pieces(trainer, SEQS, MASKS, 7, last=False, piece_flops=1)
+        while not micro.run_next():
+            pass
+        out = {"loss_sum": float(micro.loss_sum)}
+    else:
+        out = trainer.micro_step(SEQS, MASKS, batch_loss_tokens=7, last=False)
     trainer.sum_gradients()
     grads = {}
     for key, (a, b) in trainer.params.items():
@@ -124,10 +132,11 @@ def _tp_rank(rank: int, base: str, address: str, targets: list[str], ref_path: s
         torch.save({"grads": grads, "loss_sum": out["loss_sum"]}, out_path)
 
 
-def test_tensor_parallel_gradients_equal_transformers_peft(base, tmp_path):
+@pytest.mark.parametrize("pieces", [False, True])
+def test_tensor_parallel_gradients_equal_transformers_peft(base, tmp_path, pieces):
     """T=2 (gloo): each rank trains its shards of the adapter; gathered, the gradients of
-    one step equal transformers + peft's on the same batch, and the saved adapter holds
-    the whole weights."""
+    one step (whole, or in pieces: finetune_pieces.py) equal transformers + peft's on the
+    same batch, and the saved adapter holds the whole weights."""
     import torch.multiprocessing as mp
 
     from engine_actors.parallel import free_address
@@ -135,7 +144,7 @@ def test_tensor_parallel_gradients_equal_transformers_peft(base, tmp_path):
     params = peft_params(peft_backward(base, 4, 8, targets))
     torch.save({k: p.detach() for k, p in params.items()}, tmp_path / "ref.pt")
     mp.spawn(_tp_rank, args=(base, free_address(), targets, str(tmp_path / "ref.pt"),
-                             str(tmp_path / "out.pt")), nprocs=2)
+                             str(tmp_path / "out.pt"), pieces), nprocs=2)
     grads = torch.load(tmp_path / "out.pt")["grads"]
     from safetensors.torch import load_file
     saved = load_file(str(tmp_path / "out.pt.adapter" / "adapter_model.safetensors"))
