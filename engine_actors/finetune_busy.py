@@ -21,11 +21,11 @@ import time
 
 import ray
 
+from engine_actors import finetune_steps
 from engine_actors.finetune_job import Job
 from engine_actors.finetune_memory import plan_micro_batch
 
 CREDIT_CAP_S = 0.01  # time earned and not spent does not pile up past this
-MEMORY_RETRY_S = 0.1  # when the micro-batch does not fit in free memory, ask again then
 
 
 class BusyTraining:
@@ -72,7 +72,7 @@ class BusyTraining:
             except ValueError:  # its next example needs lent blocks: when requests are gone
                 planned = None
             if planned is None:
-                ft.retry_at = time.monotonic() + MEMORY_RETRY_S
+                ft.retry_at = time.monotonic() + finetune_steps.MEMORY_RETRY_S
                 return None
             micro = planned[1]
             self.job, self.batch = job, job.take_micro(micro)
