@@ -27,6 +27,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=2048, help="a micro-batch's most tokens")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--piece-flops", type=float, nargs="+", default=[2e12])
+    p.add_argument("--sync-debug", action="store_true",
+                   help="list the operations of a micro-batch in pieces that wait for the device")
     p.add_argument("--out")
     args = p.parse_args(argv)
     from deployments.training_data import parse_training_file
@@ -45,6 +47,8 @@ def main(argv=None) -> dict:
                for m, n, last in batches]
     report = {"args": vars(args), "tokens": [sum(map(len, b[0])) for b in batches[1:]]}
     trainer.micro_step(*batches[0])  # warm-up
+    if args.sync_debug:
+        report["syncs"] = syncs(trainer, batches[0])
     walls = []
     for b in batches[1:]:
         torch.cuda.synchronize()
@@ -89,6 +93,27 @@ def main(argv=None) -> dict:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def syncs(trainer, batch) -> list[str]:
+    """Where a micro-batch in pieces waits for the device (torch's sync debug mode): each
+    place once, with how often."""
+    import collections
+    import warnings
+    places = collections.Counter()
+    pieces = Pieces(trainer, *batch)
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        done = False
+        while not done:
+            done = pieces.run_next()
+    torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        places[f"{w.filename}:{w.lineno}: {str(w.message)[:80]}"] += 1
+    out = [f"{n} x {place}" for place, n in places.most_common()]
+    print("waits for the device:", *out or ["none"], sep="\n  ", flush=True)
+    return out
 
 
 if __name__ == "__main__":
