@@ -237,13 +237,20 @@ def test_lora_adapters_sharded_over_tp_and_pp_equal_transformers_peft(ray_cluste
         assert outputs[rid] == expected, (rid, adapter)
 
 
-@pytest.mark.parametrize("busy_share", [0.0, 0.5])
-def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, busy_share):
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                 reason="needs 2 GPUs")]
+
+
+@pytest.mark.parametrize("device,busy_share", [
+    ("cpu", 0.0), ("cpu", 0.5), pytest.param("cuda", 0.0, marks=TWO_GPUS),
+    pytest.param("cuda", 0.5, marks=TWO_GPUS)])
+def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, device,
+                                                  busy_share):
     """A job trains over T=2 (every rank its shards), while the base model serves; its
     adapter, saved whole, then answers the trained prompt with the trained tokens. With a
     busy share, base requests keep coming while it trains, and its pieces run between their
     steps: every rank must run steps and pieces in one order (their collectives match),
-    and the base model's tokens stay the same."""
+    and the base model's tokens stay the same. On CPU over gloo; on two GPUs over NCCL."""
     import ray
 
     from engine_actors.lora import TARGETS
@@ -253,7 +260,8 @@ def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, busy
             "n_epochs": 40, "batch_size": 1, "learning_rate": 1e-2,
             "lora": {"r": 8, "alpha": 16, "target_modules": list(TARGETS)}}
     base = [("base", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
-    actor = start_engine(checkpoint, 2, 1, enable_finetuning=True, max_lora_rank=8,
+    actor = start_engine(checkpoint, 2, 1, device=device, dtype="float32",
+                         enable_finetuning=True, max_lora_rank=8,
                          finetune_busy_share=busy_share)
     during = []
     try:
