@@ -60,12 +60,8 @@ class BusyTraining:
                 return None
             job = ft.queue[0]
             if not job.started:
-                job.started, job.status = True, "running"
                 self.call = ("start", job, busy)
-                lora = job.lora
-                return asyncio.ensure_future(executor.finetune(
-                    "start", job.id, lora["r"], lora["alpha"], lora["target_modules"],
-                    job.learning_rate, job.seed))
+                return asyncio.ensure_future(ft.start_call(job, executor))
             try:  # no KV block is lent while requests run
                 planned = plan_micro_batch(job, kv, {**ft.memory, "lendable_units": 0},
                                            ft.cfg.finetune_max_tokens)
@@ -101,9 +97,7 @@ class BusyTraining:
             await self.ft._drop(job, executor)
             return False
         if kind == "start":
-            self.ft.memory = out
-            if job.status == "running":
-                job.event("Fine-tuning job started")
+            self.ft.started(job, out)
             return False
         self.num_pieces += 1
         self.piece_s = out["gpu_s"] if self.piece_s is None \

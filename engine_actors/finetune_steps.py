@@ -144,15 +144,23 @@ class TrainingSteps:
         # a new trainer's state must not sit in memory lent by an earlier job
         if kv.num_lent_blocks and not await self.take_back(executor, kv):
             return True
+        return None if self.started(job, await self.start_call(job, executor)) else False
+
+    def start_call(self, job: Job, executor):
+        """The job is running from now: its trainer's creation on the workers, to await."""
         job.started, job.status = True, "running"
         lora = job.lora
-        self.memory = await executor.finetune("start", job.id, lora["r"], lora["alpha"],
-                                              lora["target_modules"], job.learning_rate,
-                                              job.seed)
-        if job.status != "running":  # cancelled meanwhile (and dropped)
+        return executor.finetune("start", job.id, lora["r"], lora["alpha"],
+                                 lora["target_modules"], job.learning_rate, job.seed)
+
+    def started(self, job: Job, memory: dict) -> bool:
+        """The trainer exists (`memory`: the workers' answer); False if the job was
+        cancelled meanwhile (and dropped)."""
+        self.memory = memory
+        if job.status != "running":
             return False
         job.event("Fine-tuning job started")
-        return None
+        return True
 
     def _send(self, job: Job, kv, executor, after: int) -> Sent | None:
         """Plan the job's next micro-batch and send it to the workers, to run after
