@@ -165,7 +165,8 @@ class EngineLoop:
                 hold_from = self.finetuning.hold_from(time.monotonic(), self._drain_s())
             # (a training piece takes no step's place: steps stay `depth` deep)
             while sum(b is not None for b, _, _ in in_flight) < self.depth:
-                piece = ft.busy.launch(self.executor, kv, self.scheduler.num_running > 0) \
+                piece = ft.busy.launch(self.executor, kv, self.scheduler.num_running > 0,
+                                       self._admissible(hold_from)) \
                     if ft is not None and ft.busy is not None else None
                 if piece is not None:  # training beside the requests (finetune_busy.py)
                     in_flight.append((None, piece, time.monotonic()))
@@ -225,6 +226,11 @@ class EngineLoop:
         in_flight.clear()
         self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
         await self._restart_workers()
+
+    def _admissible(self, hold_from: float | None) -> bool:
+        """Requests wait that the next step may admit (not held by FineInfer's deferral)."""
+        return any(hold_from is None or r.arrival_time < hold_from or r.num_iterations
+                   for r in self.scheduler.waiting)
 
     def _quiet(self) -> bool:
         """A lull: fine-tuning's next micro-batch may wait on the workers (its call hidden;

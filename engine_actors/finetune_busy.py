@@ -7,7 +7,9 @@ engine has requests running nearly all the time, so a job barely trains (BENCHMA
 run. Every step or piece that ends earns f of its time; a piece is sent once the credit is
 positive, and its device time, measured on the worker, is spent. So training takes about f
 of the time, and each running request's step comes about f/(1 - f) later. A request that
-arrives waits for one piece at most, a few milliseconds, not a whole micro-batch.
+arrives waits for the piece in flight at most, a few milliseconds, not a whole micro-batch:
+while requests wait to be admitted, no piece is sent, so their step goes first (and an
+engine at its capacity, where requests always wait, does not train beside them at all).
 
 One piece or start is in flight at a time, in the steps' order on every worker
 (executor.finetune). The micro-batch gets only the memory free beside the KV pool:
@@ -37,6 +39,7 @@ class BusyTraining:
         self.call: tuple[str, Job, bool] | None = None  # in flight: kind, job, sent busy
         self.num_pieces = 0
         self.piece_s: float | None = None  # a piece's device time, averaged
+        self.busy_s = 0.0  # device time of the pieces run while requests ran, in all
 
     @property
     def active(self) -> bool:
@@ -47,11 +50,12 @@ class BusyTraining:
         """A step or piece that took `took` seconds ended."""
         self.credit = min(self.credit + self.share * took, CREDIT_CAP_S)
 
-    def launch(self, executor, kv, busy: bool) -> asyncio.Future | None:
+    def launch(self, executor, kv, busy: bool, waiting: bool) -> asyncio.Future | None:
         """The call to put in flight now (the queue's first job's start, or the next piece
-        of its micro-batch), or None. `busy`: requests are running."""
+        of its micro-batch), or None. `busy`: requests are running; `waiting`: requests
+        wait to be admitted (their step goes first)."""
         ft = self.ft
-        if self.call is not None:
+        if self.call is not None or waiting:
             return None
         if self.job is not None and self.job.status != "running":
             self.job = None  # cancelled or failed: its pieces were dropped with its trainer
@@ -104,6 +108,7 @@ class BusyTraining:
             else 0.9 * self.piece_s + 0.1 * out["gpu_s"]
         if busy:
             self.credit -= out["gpu_s"]
+            self.busy_s += out["gpu_s"]
         if out["done"]:
             self.job = None
             self.ft.memory = {**self.ft.memory, "free_bytes": out["free_bytes"]}

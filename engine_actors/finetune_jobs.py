@@ -258,4 +258,5 @@ class FineTuning(TrainingSteps):
                                "micro_batches_called_off": self.num_skipped,
                                "busy_pieces": self.busy.num_pieces if self.busy else 0,
                                "busy_piece_ms": round(self.busy.piece_s * 1e3, 2)
-                               if self.busy and self.busy.piece_s else None}}
+                               if self.busy and self.busy.piece_s else None,
+                               "busy_piece_s": round(self.busy.busy_s, 3) if self.busy else 0}}

@@ -129,6 +129,11 @@ class Sampler(threading.Thread):
                                   *ttft_totals(client.get("/metrics").text)))
 
 
+def piece_seconds(url: str) -> float:
+    """Device time of the training pieces run beside requests so far (finetune_busy.py)."""
+    return httpx.get(f"{url}/health", timeout=30).json()["finetuning"]["busy_piece_s"]
+
+
 def job_tokens(url: str, job_id: str) -> tuple[float, int]:
     job = httpx.get(f"{url}/v1/fine_tuning/jobs/{job_id}", timeout=30).json()
     if job["status"] not in ("queued", "running"):
@@ -226,8 +231,11 @@ def main(argv=None) -> dict:
         while job_tokens(url, job_id)[1] == 0:
             time.sleep(0.2)
         t0, n0 = job_tokens(url, job_id)
+        p0 = piece_seconds(url)
         report["serve+ft"] = run_load(url, args, "serve+ft", seed=3)
         t1, n1 = job_tokens(url, job_id)
+        # the share of the time that training took beside requests, as the engine measured
+        report["piece_time_share"] = (piece_seconds(url) - p0) / (t1 - t0)
         phases["serve+ft"] = [t0 - mark, t1 - mark]
         time.sleep(args.idle_s)
         t2, n2 = job_tokens(url, job_id)
@@ -265,7 +273,8 @@ def table(r: dict) -> str:
               f"| dedicated (Trainer alone) | {d:.0f} | 1.00 |",
               f"| on the server, under load | {r['loaded_tokens_s']:.0f} | "
               f"{r['loaded_tokens_s'] / d:.2f} |",
-              f"| on the server, no load | {r['idle_tokens_s']:.0f} | {r['idle_tokens_s'] / d:.2f} |"]
+              f"| on the server, no load | {r['idle_tokens_s']:.0f} | {r['idle_tokens_s'] / d:.2f} |",
+              "", f"Pieces beside requests took {r.get('piece_time_share', 0):.3f} of the time."]
     if "dedicated_after_tokens_s" in r:
         after = r["dedicated_after_tokens_s"]
         lines.append(f"| dedicated again, after the server | {after:.0f} | {after / d:.2f} |")

@@ -92,6 +92,10 @@ def test_training_takes_its_share_of_the_time_while_a_request_runs(share):
     # the device's time while the request ran: pieces take about the share of it
     taken = len(pieces) * PIECE_S / (len(pieces) * PIECE_S + len(steps) * ITERATION_S)
     assert 0.15 < taken < 0.35, (taken, len(pieces), len(steps))
+    # the engine's own count of that device time (health's busy_piece_s)
+    busy_s = loop.finetuning.stats()["finetuning"]["busy_piece_s"]
+    every = sum(what == "piece" for what, _ in workers.ended)
+    assert len(pieces) * PIECE_S - 1e-6 <= busy_s <= every * PIECE_S + 1e-6
     # never more than one piece between two steps: a step waits for one piece at most
     kinds = [what for what, _ in workers.ended]
     assert "piece,piece" not in ",".join(kinds[kinds.index("step"):len(kinds) - kinds[::-1].index("step")])
@@ -137,3 +141,35 @@ def test_a_piece_that_raises_fails_its_job_and_the_request_is_served():
     job = loop.finetuning.jobs["ftjob-1"]
     assert job.status == "failed" and job.error["message"] == "RuntimeError: CUDA out of memory."
     assert ("drop", "ftjob-1") in workers.log and "a" in finished
+
+
+def test_no_piece_while_requests_wait_to_be_admitted():
+    """At capacity (one request at a time here), the second request waits for the first
+    to finish: no piece runs while it waits (the engine's capacity is not given to
+    training), and pieces run again beside it once it runs."""
+    from engine_actors.policies import Budget
+
+    workers = PieceWorkers(4)
+    loop, finished = busy_engine(0.5, workers)
+    loop.scheduler.budget = Budget(1, 256)
+    marks = {}
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            loop.add(request("a", 40), None, None)
+            await until(lambda: loop.scheduler.num_running == 1)
+            loop.add(request("b", 40), None, None)
+            marks["b added"] = asyncio.get_running_loop().time()
+            await until(lambda: "a" in finished)
+            marks["a done"] = asyncio.get_running_loop().time()
+            await until(lambda: "b" in finished)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    pieces = [t for what, t in workers.ended if what == "piece"]
+    # at most the piece in flight when b came ends while b waits
+    waited = [t for t in pieces if marks["b added"] < t <= marks["a done"]]
+    assert len(waited) <= 1, (len(waited), len(pieces))
+    assert any(t > marks["a done"] for t in pieces)  # beside b, which then runs alone
