@@ -114,6 +114,11 @@ async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, units: list, rate
               "burstiness": cfg.burstiness}
     result.update(summarize(outcomes, duration, cfg.slo))
     result["ttft_max_ms_per_s"] = worst_ttft_per_second(outcomes, start)
+    if cfg.keep_samples:  # ms, for intervals (metrics.ratio_interval)
+        ok = [o for o in outcomes if o.is_success and o.num_output_tokens]
+        result["samples_ms"] = {
+            "ttft": [round(o.ttft_s * 1e3, 2) for o in ok],
+            "normalized_latency": [round(o.latency_s / o.num_output_tokens * 1e3, 3) for o in ok]}
     return result, len(plan)
 
 

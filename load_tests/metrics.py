@@ -80,6 +80,19 @@ def distribution(values_s: Sequence[float]) -> dict | None:
             "p99": float(p99)}
 
 
+def ratio_interval(before: Sequence[float], after: Sequence[float], q: float,
+                   resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The ratio of the q-th percentiles of two independent samples, after / before, and
+    its 95% bootstrap interval (each sample resampled with replacement): how well one run
+    decides a target such as "TTFT p99 at most 1.1x"."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
+    ratios = [np.percentile(rng.choice(b, b.size), q) / np.percentile(rng.choice(a, a.size), q)
+              for _ in range(resamples)]
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(np.percentile(b, q) / np.percentile(a, q)), float(low), float(high)
+
+
 def worst_ttft_per_second(outcomes: Sequence[RequestOutcome],
                           start_s: float) -> list[float | None]:
     """The longest TTFT (ms) of the requests sent in each second of a run, from `start_s` on

@@ -34,6 +34,7 @@ class LoadConfig:
     slo: SLO = field(default_factory=SLO)
     show_progress: bool = True
     processes: int = 1  # client processes sharing each run (see send_in_processes)
+    keep_samples: bool = False  # each request's TTFT and normalized latency in the result
 
 
 async def send_request(client: httpx.AsyncClient, cfg: LoadConfig, req: TraceRequest,

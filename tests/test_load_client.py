@@ -62,7 +62,8 @@ def test_load_client_measures_the_timings_the_server_produces():
     trace = [TraceRequest([1, 2, 3], 4), TraceRequest([5] * 7, 6), TraceRequest([999], 5),
              TraceRequest([4, 4], 8)]
     with ServerThread(server.app) as url:
-        cfg = LoadConfig(url, num_warmup=0, show_progress=False, slo=SLO(ttft_ms=1000))
+        cfg = LoadConfig(url, num_warmup=0, show_progress=False, slo=SLO(ttft_ms=1000),
+                         keep_samples=True)
         [res] = asyncio.run(sweep(cfg, trace, [math.inf]))
     assert (res["completed"], res["failed"]) == (3, 1)
     assert res["errors"] == [{"error": "HTTP 500: boom", "count": 1}]
@@ -78,6 +79,12 @@ def test_load_client_measures_the_timings_the_server_produces():
     # all sent at t=0 and done after the longest request; every success met the TTFT SLO
     assert abs(res["duration_s"] - e2e[-1]) < 0.1
     assert res["goodput"] == pytest.approx(3 / res["duration_s"])
+    # each success's own TTFT and normalized latency, when asked for (ms)
+    samples = res["samples_ms"]
+    assert len(samples["ttft"]) == len(samples["normalized_latency"]) == 3
+    assert all(abs(t - TTFT_S * 1e3) < tol for t in samples["ttft"])
+    assert sorted(samples["normalized_latency"]) == pytest.approx([n * 1e3 for n in norm],
+                                                                  abs=tol / 4)
 
 
 def test_load_client_paces_requests_at_the_offered_rate():

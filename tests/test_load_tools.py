@@ -8,10 +8,12 @@ import json
 import math
 import statistics
 
+import numpy as np
 import pytest
 
 from load_tests.load_client import LoadConfig, sweep
-from load_tests.metrics import (SLO, RequestOutcome, distribution, percentile, summarize,
+from load_tests.metrics import (SLO, RequestOutcome, distribution, percentile, ratio_interval,
+                                summarize,
                                 worst_ttft_per_second)
 from load_tests.report import load_reports, markdown_table, plot, sustained_rate
 from load_tests.traces import (arrival_times, load_jsonl, multi_turn_trace,
@@ -109,6 +111,17 @@ def test_summary_on_a_hand_computed_run():
     assert s["deadline_met"] == pytest.approx(1 / 3)  # a met, b late, c failed
     assert s["num_short_outputs"] == 0
     assert s["errors"] == [{"error": "HTTP 500: boom", "count": 1}]
+
+
+def test_ratio_interval_separates_a_real_change_from_noise():
+    rng = np.random.default_rng(1)
+    before = rng.exponential(50.0, 2000)
+    # the same distribution again: the interval holds 1 and is not narrow at the p99
+    ratio, low, high = ratio_interval(before, rng.exponential(50.0, 2000), 99, resamples=500)
+    assert low < 1.0 < high and high - low > 0.1
+    # every value 1.5x: the interval is around 1.5 and excludes 1.1
+    ratio, low, high = ratio_interval(before, 1.5 * before, 50, resamples=500)
+    assert ratio == pytest.approx(1.5) and 1.1 < low <= 1.5 <= high < 1.9
 
 
 def test_worst_ttft_per_second_finds_the_stalled_second():
