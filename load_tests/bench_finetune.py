@@ -28,6 +28,7 @@ import time
 
 import httpx
 
+from engine_actors.config import EngineConfig
 from load_tests.bench_http import launched
 from load_tests.bench_prefix import wait_healthy
 from load_tests.load_client import LoadConfig, sweep
@@ -173,7 +174,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--warmup-s", type=float, default=20.0,
                    help="seconds of load at --rate before the timed phases")
-    p.add_argument("--finetune-max-tokens", type=int, default=2048)
+    p.add_argument("--finetune-max-tokens", type=int,
+                   default=EngineConfig().finetune_max_tokens)
     p.add_argument("--finetune-deferral-ms", type=float, default=200.0,
                    help="FineInfer's deferral bound (the engine's default: 200)")
     p.add_argument("--busy-share", type=float, default=0.0,
