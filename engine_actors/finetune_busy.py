@@ -6,7 +6,8 @@ engine has requests running nearly all the time, so a job barely trains (BENCHMA
 2026-11-25). With a share f > 0 the engine loop also sends training pieces while requests
 run. Every step or piece that ends earns f of its time; a piece is sent once the credit is
 positive, and its device time, measured on the worker, is spent. So training takes about f
-of the time, and each running request's step comes about f/(1 - f) later. A request that
+of the time, and each running request's step comes at least f/(1 - f) later (more under
+load: the load's own work keeps its share; BENCHMARKS.md, 2026-11-26). A request that
 arrives waits for the piece in flight at most, a few milliseconds, not a whole micro-batch:
 while requests wait to be admitted, no piece is sent, so their step goes first (and an
 engine at its capacity, where requests always wait, does not train beside them at all).
@@ -14,7 +15,10 @@ engine at its capacity, where requests always wait, does not train beside them a
 One piece or start is in flight at a time, in the steps' order on every worker
 (executor.finetune). The micro-batch gets only the memory free beside the KV pool:
 nothing is lent while requests run. Once no request is left, a micro-batch begun in
-pieces finishes in pieces, back to back; then FineInfer's whole micro-batches go on.
+pieces finishes in pieces, back to back; then FineInfer's whole micro-batches go on, or, in
+a gap between requests too short for one (a whole micro-batch longer than the deferral
+bound waits for a lull: finetune_jobs.py), new micro-batches in pieces, back to back, which
+a request that arrives waits for one piece of at most.
 """
 from __future__ import annotations
 
@@ -60,7 +64,9 @@ class BusyTraining:
         if self.job is not None and self.job.status != "running":
             self.job = None  # cancelled or failed: its pieces were dropped with its trainer
         if self.job is None:
-            if not busy or self.credit <= 0 or not ft.queue or time.monotonic() < ft.retry_at:
+            # with no request running, FineInfer's whole micro-batch did not start (the engine
+            # loop asks it first): a gap shorter than its lull, trained in pieces
+            if not ft.queue or time.monotonic() < ft.retry_at or (busy and self.credit <= 0):
                 return None
             job = ft.queue[0]
             if not job.started:

@@ -173,3 +173,36 @@ def test_no_piece_while_requests_wait_to_be_admitted():
     waited = [t for t in pieces if marks["b added"] < t <= marks["a done"]]
     assert len(waited) <= 1, (len(waited), len(pieces))
     assert any(t > marks["a done"] for t in pieces)  # beside b, which then runs alone
+
+
+def test_pieces_fill_a_gap_between_requests_too_short_for_a_whole_micro_batch():
+    """A whole micro-batch longer than the deferral bound (1 s here) waits for a lull of
+    twice its time; in a shorter gap, new micro-batches run in pieces, and none whole."""
+    workers = PieceWorkers(4)
+    loop, finished = busy_engine(0.25, workers)
+    loop.finetuning.step_s = 5.0  # measured, as it were: a lull is 10 s without arrivals
+    original, starts = workers.finetune, []
+
+    async def logged(method, job_id, *args):
+        if method == "piece" and args:  # a new micro-batch
+            starts.append(asyncio.get_running_loop().time())
+        return await original(method, job_id, *args)
+
+    workers.finetune = logged
+    marks = {}
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            loop.add(request("a", 10), None, None)
+            await until(lambda: "a" in finished)
+            marks["a done"] = asyncio.get_running_loop().time()
+            await asyncio.sleep(20 * PIECE_S * PIECES)
+            assert loop.scheduler.num_running == 0
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    # besides the one begun beside a, which finishes first
+    assert sum(t > marks["a done"] for t in starts) >= 3, starts
+    assert not any(what == "micro_step" for what, _ in workers.log)
