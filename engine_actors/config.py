@@ -97,7 +97,7 @@ class EngineConfig:
     enable_finetuning: bool = False
     finetune_deferral_ms: PositiveFloat = 200.0
     finetune_busy_share: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
-    finetune_max_tokens: PositiveInt = 4096
+    finetune_max_tokens: PositiveInt = 2048
     finetune_dir: str | None = None
 
     # Tool calls: the output format to parse ("auto": from the chat template, else the
