@@ -17,8 +17,9 @@ One piece or start is in flight at a time, in the steps' order on every worker
 nothing is lent while requests run. Once no request is left, a micro-batch begun in
 pieces finishes in pieces, back to back; then FineInfer's whole micro-batches go on, or, in
 a gap between requests too short for one (a whole micro-batch longer than the deferral
-bound waits for a lull: finetune_jobs.py), new micro-batches in pieces, back to back, which
-a request that arrives waits for one piece of at most.
+bound waits for a lull: finetune_jobs.py), new micro-batches in pieces, back to back. A
+request that arrives then waits for one piece at most: FineInfer's deferral holds no request
+while a micro-batch is in pieces (no whole one could run).
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class BusyTraining:
         self.num_pieces = 0
         self.piece_s: float | None = None  # a piece's device time, averaged
         self.busy_s = 0.0  # device time of the pieces run while requests ran, in all
+        self.gap_s = 0.0  # and of those run while none ran
+        self.retry_at = 0.0  # no micro-batch fitted beside the pool: not before then
 
     @property
     def active(self) -> bool:
@@ -66,7 +69,8 @@ class BusyTraining:
         if self.job is None:
             # with no request running, FineInfer's whole micro-batch did not start (the engine
             # loop asks it first): a gap shorter than its lull, trained in pieces
-            if not ft.queue or time.monotonic() < ft.retry_at or (busy and self.credit <= 0):
+            if not ft.queue or time.monotonic() < max(ft.retry_at, self.retry_at) \
+                    or (busy and self.credit <= 0):
                 return None
             job = ft.queue[0]
             if not job.started:
@@ -78,7 +82,7 @@ class BusyTraining:
             except ValueError:  # its next example needs lent blocks: when requests are gone
                 planned = None
             if planned is None:
-                ft.retry_at = time.monotonic() + finetune_steps.MEMORY_RETRY_S
+                self.retry_at = time.monotonic() + finetune_steps.MEMORY_RETRY_S
                 return None
             micro = planned[1]
             self.job, self.batch = job, job.take_micro(micro)
@@ -115,6 +119,8 @@ class BusyTraining:
         if busy:
             self.credit -= out["gpu_s"]
             self.busy_s += out["gpu_s"]
+        else:
+            self.gap_s += out["gpu_s"]
         if out["done"]:
             self.job = None
             self.ft.memory = {**self.ft.memory, "free_bytes": out["free_bytes"]}
@@ -124,4 +130,4 @@ class BusyTraining:
 
     def reset(self) -> None:
         """The workers were replaced: whatever was in pieces is gone."""
-        self.job, self.call, self.credit = None, None, 0.0
+        self.job, self.call, self.credit, self.retry_at = None, None, 0.0, 0.0

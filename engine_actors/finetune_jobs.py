@@ -196,20 +196,24 @@ class FineTuning(TrainingSteps):
         it is empty. Only when the batch can drain in time (`drain_s`: the running
         requests' longest remaining decode, estimated), so holding never delays a request
         for a step that could not run within its bound. None: nothing is held (no job, a
-        job waiting for memory, the step's time unknown, or no time for it)."""
+        job waiting for memory, the step's time unknown, no time for it, or a micro-batch in
+        pieces under way, which no whole one follows until it ends)."""
         step_s = self.step_cost_s
         if not self.queue or now < self.retry_at or step_s is None \
-                or drain_s + step_s > self.bound_s:
+                or drain_s + step_s > self.bound_s or (self.busy is not None and self.busy.active):
             return None
         return now - (self.bound_s - step_s - drain_s)
 
     def wake_in(self, now: float, last_arrival: float = -math.inf) -> float | None:
-        """Seconds until a job waiting for memory may try again, or until a lull long
-        enough for a step longer than the bound (None: neither waits)."""
+        """Seconds until a job waiting for memory may try again (whole or in pieces), or
+        until a lull long enough for a step longer than the bound (None: none waits)."""
         if not self.queue:
             return None
-        wait = max(self.retry_at - now, self._lull_left(now, last_arrival))
-        return wait if wait > 0 else None
+        waits = [max(self.retry_at - now, self._lull_left(now, last_arrival))]
+        if self.busy is not None:  # pieces waiting for memory beside the pool
+            waits.append(self.busy.retry_at - now)
+        waits = [w for w in waits if w > 0]
+        return min(waits) if waits else None
 
     async def _finish(self, job: Job, executor) -> None:
         name = f"ft:{self.cfg.model_name}:{job.suffix or 'orca'}:{job.id[len('ftjob-'):][:8]}"
@@ -259,4 +263,5 @@ class FineTuning(TrainingSteps):
                                "busy_pieces": self.busy.num_pieces if self.busy else 0,
                                "busy_piece_ms": round(self.busy.piece_s * 1e3, 2)
                                if self.busy and self.busy.piece_s else None,
-                               "busy_piece_s": round(self.busy.busy_s, 3) if self.busy else 0}}
+                               "busy_piece_s": round(self.busy.busy_s, 3) if self.busy else 0,
+                               "gap_piece_s": round(self.busy.gap_s, 3) if self.busy else 0}}

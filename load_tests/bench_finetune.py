@@ -131,9 +131,11 @@ class Sampler(threading.Thread):
                                   *ttft_totals(client.get("/metrics").text)))
 
 
-def piece_seconds(url: str) -> float:
-    """Device time of the training pieces run beside requests so far (finetune_busy.py)."""
-    return httpx.get(f"{url}/health", timeout=30).json()["finetuning"]["busy_piece_s"]
+def piece_seconds(url: str) -> tuple[float, float]:
+    """Device time of the training pieces run so far beside requests, and in gaps between
+    them (finetune_busy.py)."""
+    health = httpx.get(f"{url}/health", timeout=30).json()["finetuning"]
+    return health["busy_piece_s"], health["gap_piece_s"]
 
 
 def job_tokens(url: str, job_id: str) -> tuple[float, int]:
@@ -237,8 +239,10 @@ def main(argv=None) -> dict:
         p0 = piece_seconds(url)
         report["serve+ft"] = run_load(url, args, "serve+ft", seed=3)
         t1, n1 = job_tokens(url, job_id)
-        # the share of the time that training took beside requests, as the engine measured
-        report["piece_time_share"] = (piece_seconds(url) - p0) / (t1 - t0)
+        # the share of the time that pieces took beside requests and between them, as the
+        # engine measured
+        report["piece_time_share"], report["gap_piece_time_share"] = (
+            (x - y) / (t1 - t0) for x, y in zip(piece_seconds(url), p0))
         phases["serve+ft"] = [t0 - mark, t1 - mark]
         time.sleep(args.idle_s)
         t2, n2 = job_tokens(url, job_id)
@@ -253,10 +257,12 @@ def main(argv=None) -> dict:
                           "t_s", "steps_done", "trained_tokens", "num_running", "num_waiting",
                           "num_lent_blocks", "ttft_sum_s", "ttft_count"])
     # how well this one run decides the latency targets: ratios with 95% intervals
+    # (requests resampled by the second they were sent in)
     a, b = (report[k].pop("samples_ms") for k in ("serve", "serve+ft"))
-    report["intervals"] = {"ttft_p99": ratio_interval(a["ttft"], b["ttft"], 99),
-                           "normalized_latency_p50": ratio_interval(
-                               a["normalized_latency"], b["normalized_latency"], 50)}
+    seconds = tuple([int(t) for t in x["sent_s"]] for x in (a, b))
+    report["intervals"] = {key: ratio_interval(a[name], b[name], q, seconds) for key, name, q in
+                           (("ttft_p99", "ttft", 99),
+                            ("normalized_latency_p50", "normalized_latency", 50))}
     if args.dedicated_after:  # the same GPU after minutes of load: is it as fast?
         report["dedicated_after_tokens_s"] = dedicated_tokens_per_s(
             args.model, args.device, lines, args.idle_s, args.finetune_max_tokens)
@@ -288,7 +294,8 @@ def table(r: dict) -> str:
     if "dedicated_after_tokens_s" in r:
         after = r["dedicated_after_tokens_s"]
         lines.append(f"| dedicated again, after the server | {after:.0f} | {after / d:.2f} |")
-    lines += ["", f"Pieces beside requests took {r.get('piece_time_share', 0):.3f} of the time."]
+    lines += ["", f"Pieces took {r.get('piece_time_share', 0):.3f} of the loaded phase beside "
+              f"requests and {r.get('gap_piece_time_share', 0):.3f} between them."]
     return "\n".join(lines)
 
 

@@ -81,16 +81,28 @@ def distribution(values_s: Sequence[float]) -> dict | None:
 
 
 def ratio_interval(before: Sequence[float], after: Sequence[float], q: float,
+                   blocks: tuple[Sequence[int], Sequence[int]] | None = None,
                    resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """The ratio of the q-th percentiles of two independent samples, after / before, and
-    its 95% bootstrap interval (each sample resampled with replacement): how well one run
-    decides a target such as "TTFT p99 at most 1.1x"."""
+    """The ratio of the q-th percentiles of two samples, after / before, and its 95%
+    bootstrap interval: how well one run decides a target such as "TTFT p99 at most 1.1x".
+    `blocks`: each value's block in either sample (the second its request was sent in);
+    whole blocks are resampled, since requests sent close together share their slowdowns
+    (resampling single requests would give too narrow an interval). None: each value alone."""
     rng = np.random.default_rng(seed)
-    a, b = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
-    ratios = [np.percentile(rng.choice(b, b.size), q) / np.percentile(rng.choice(a, a.size), q)
+    groups = []
+    for values, block in zip((before, after), blocks or (None, None)):
+        values = np.asarray(values, dtype=np.float64)
+        block = np.arange(values.size) if block is None else np.asarray(block)
+        groups.append([values[block == b] for b in np.unique(block)])
+
+    def resample(parts: list) -> np.ndarray:
+        return np.concatenate([parts[i] for i in rng.integers(len(parts), size=len(parts))])
+
+    ratios = [np.percentile(resample(groups[1]), q) / np.percentile(resample(groups[0]), q)
               for _ in range(resamples)]
     low, high = np.percentile(ratios, [2.5, 97.5])
-    return float(np.percentile(b, q) / np.percentile(a, q)), float(low), float(high)
+    return (float(np.percentile(np.concatenate(groups[1]), q)
+                  / np.percentile(np.concatenate(groups[0]), q)), float(low), float(high))
 
 
 def worst_ttft_per_second(outcomes: Sequence[RequestOutcome],

@@ -93,9 +93,10 @@ def test_training_takes_its_share_of_the_time_while_a_request_runs(share):
     taken = len(pieces) * PIECE_S / (len(pieces) * PIECE_S + len(steps) * ITERATION_S)
     assert 0.15 < taken < 0.35, (taken, len(pieces), len(steps))
     # the engine's own count of that device time (health's busy_piece_s)
-    busy_s = loop.finetuning.stats()["finetuning"]["busy_piece_s"]
+    stats = loop.finetuning.stats()["finetuning"]
     every = sum(what == "piece" for what, _ in workers.ended)
-    assert len(pieces) * PIECE_S - 1e-6 <= busy_s <= every * PIECE_S + 1e-6
+    assert stats["busy_piece_s"] >= len(pieces) * PIECE_S - 1e-6
+    assert stats["busy_piece_s"] + stats["gap_piece_s"] == pytest.approx(every * PIECE_S)
     # never more than one piece between two steps: a step waits for one piece at most
     kinds = [what for what, _ in workers.ended]
     assert "piece,piece" not in ",".join(kinds[kinds.index("step"):len(kinds) - kinds[::-1].index("step")])
@@ -197,8 +198,13 @@ def test_pieces_fill_a_gap_between_requests_too_short_for_a_whole_micro_batch():
             loop.add(request("a", 10), None, None)
             await until(lambda: "a" in finished)
             marks["a done"] = asyncio.get_running_loop().time()
+            before = loop.finetuning.stats()["finetuning"]
             await asyncio.sleep(20 * PIECE_S * PIECES)
             assert loop.scheduler.num_running == 0
+            after = loop.finetuning.stats()["finetuning"]  # counted apart from those beside a
+            # (but the one sent while a ran, which may end after it)
+            assert after["busy_piece_s"] - before["busy_piece_s"] <= PIECE_S + 1e-6
+            assert after["gap_piece_s"] - before["gap_piece_s"] >= 3 * PIECES * PIECE_S - 1e-6
         finally:
             task.cancel()
 
@@ -206,3 +212,14 @@ def test_pieces_fill_a_gap_between_requests_too_short_for_a_whole_micro_batch():
     # besides the one begun beside a, which finishes first
     assert sum(t > marks["a done"] for t in starts) >= 3, starts
     assert not any(what == "micro_step" for what, _ in workers.log)
+
+
+def test_no_request_is_held_for_a_whole_micro_batch_while_one_is_in_pieces():
+    """FineInfer's deferral holds new requests so the batch drains for a whole micro-batch;
+    none can run while one is in pieces, so none is held then."""
+    loop, _ = busy_engine(0.25, PieceWorkers(4))
+    ft = loop.finetuning
+    ft.step_s = 0.1  # within the bound (200 ms): requests may be held for it
+    assert ft.hold_from(10.0, drain_s=0.0) == pytest.approx(10.0 - (0.2 - 0.1))
+    ft.busy.job = ft.queue[0]  # a micro-batch in pieces under way
+    assert ft.hold_from(10.0, drain_s=0.0) is None

@@ -80,11 +80,13 @@ def test_load_client_measures_the_timings_the_server_produces():
     assert abs(res["duration_s"] - e2e[-1]) < 0.1
     assert res["goodput"] == pytest.approx(3 / res["duration_s"])
     # each success's own TTFT and normalized latency, when asked for (ms)
+    # (the server waits at least TTFT_S and ITL_S: lower bounds hold on a busy machine)
     samples = res["samples_ms"]
     assert len(samples["ttft"]) == len(samples["normalized_latency"]) == 3
-    assert all(abs(t - TTFT_S * 1e3) < tol for t in samples["ttft"])
-    assert sorted(samples["normalized_latency"]) == pytest.approx([n * 1e3 for n in norm],
-                                                                  abs=tol / 4)
+    assert min(samples["ttft"]) >= TTFT_S * 1e3 - 1
+    assert all(x >= n * 1e3 - 1 for x, n in zip(sorted(samples["normalized_latency"]), norm))
+    assert sorted(samples["ttft"])[1] == pytest.approx(res["ttft_ms"]["median"], abs=0.01)
+    assert all(0 <= t < 0.1 for t in samples["sent_s"])  # all sent at the start
 
 
 def test_load_client_paces_requests_at_the_offered_rate():

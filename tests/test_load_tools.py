@@ -122,6 +122,15 @@ def test_ratio_interval_separates_a_real_change_from_noise():
     # every value 1.5x: the interval is around 1.5 and excludes 1.1
     ratio, low, high = ratio_interval(before, 1.5 * before, 50, resamples=500)
     assert ratio == pytest.approx(1.5) and 1.1 < low <= 1.5 <= high < 1.9
+    # requests sent in the same second share a slowdown: resampling seconds, not single
+    # requests, gives the wider interval that such runs need, and it still holds 1
+    seconds = np.repeat(np.arange(50), 40)
+    slow = [np.exp(rng.normal(0.0, 0.5, 50))[seconds] * rng.exponential(50.0, 2000)
+            for _ in range(2)]
+    _, low, high = ratio_interval(*slow, 50, resamples=500)
+    _, block_low, block_high = ratio_interval(*slow, 50, blocks=(seconds, seconds),
+                                              resamples=500)
+    assert block_high - block_low > 1.5 * (high - low) and block_low < 1.0 < block_high
 
 
 def test_worst_ttft_per_second_finds_the_stalled_second():
