@@ -31,6 +31,7 @@ import httpx
 from engine_actors.config import EngineConfig
 from load_tests.bench_http import launched
 from load_tests.bench_prefix import wait_healthy
+from load_tests.finetune_report import plot, table
 from load_tests.load_client import LoadConfig, sweep
 from load_tests.metrics import ratio_interval
 from load_tests.traces import orca_trace
@@ -273,62 +274,6 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(report, args.plot)
     return report
-
-
-def table(r: dict) -> str:
-    a, b = r["serve"], r["serve+ft"]
-    rows = [("TTFT p99, ms", a["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
-            ("normalized latency p50, ms/token", a["normalized_latency_ms"]["median"],
-             b["normalized_latency_ms"]["median"])]
-    lines = ["| metric | serving alone | serving + fine-tuning | ratio (95% interval) |",
-             "| --- | --- | --- | --- |"]
-    for (name, x, y), key in zip(rows, ("ttft_p99", "normalized_latency_p50")):
-        low, high = r["intervals"][key][1:] if "intervals" in r else (math.nan, math.nan)
-        lines.append(f"| {name} | {x:.2f} | {y:.2f} | {y / x:.2f} ({low:.2f}-{high:.2f}) |")
-    d = r["dedicated_tokens_s"]
-    lines += ["", "| fine-tuning | trained tokens/s | / dedicated |", "| --- | --- | --- |",
-              f"| dedicated (Trainer alone) | {d:.0f} | 1.00 |",
-              f"| on the server, under load | {r['loaded_tokens_s']:.0f} | "
-              f"{r['loaded_tokens_s'] / d:.2f} |",
-              f"| on the server, no load | {r['idle_tokens_s']:.0f} | {r['idle_tokens_s'] / d:.2f} |"]
-    if "dedicated_after_tokens_s" in r:
-        after = r["dedicated_after_tokens_s"]
-        lines.append(f"| dedicated again, after the server | {after:.0f} | {after / d:.2f} |")
-    lines += ["", f"Pieces took {r.get('piece_time_share', 0):.3f} of the loaded phase beside "
-              f"requests and {r.get('gap_piece_time_share', 0):.3f} between them."]
-    return "\n".join(lines)
-
-
-def plot(r: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = r["timeline"]
-    t = [row[0] for row in rows]
-    fig, axes = plt.subplots(5, 1, sharex=True, figsize=(8, 11))
-    pairs = list(zip(rows, rows[1:]))
-    axes[0].plot(t, [0.0] + [(b[1] - a[1]) / (b[0] - a[0]) for a, b in pairs])
-    axes[0].set_ylabel("fine-tuning steps/s")
-    axes[1].plot(t, [0.0] + [(b[2] - a[2]) / (b[0] - a[0]) for a, b in pairs])
-    axes[1].set_ylabel("trained tokens/s")
-    axes[2].plot(t, [row[5] for row in rows])
-    axes[2].set_ylabel("KV blocks lent")
-    axes[3].plot(t, [row[3] for row in rows], label="running")
-    axes[3].plot(t, [row[4] for row in rows], label="waiting")
-    axes[3].set_ylabel("requests")
-    axes[3].legend()
-    ttft = [(b[6] - a[6]) / (b[7] - a[7]) * 1e3 if b[7] > a[7] else float("nan")
-            for a, b in pairs]
-    axes[4].plot(t, [float("nan")] + ttft)
-    axes[4].set_ylabel("mean TTFT, ms")
-    axes[4].set_xlabel("time, s")
-    for name, (start, end) in r["phases_s"].items():  # where the load ran, and the idle part
-        for ax in axes:
-            ax.axvspan(start, end, alpha=0.08, color="C1" if name != "idle" else "C2")
-        axes[0].text(start, 0, name, fontsize=8)
-    fig.suptitle(f"fine-tuning beside serving; offered load {r['args']['rate']} req/s in "
-                 "the shaded phases")
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

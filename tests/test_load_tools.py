@@ -241,13 +241,13 @@ def test_hf_server_matches_generate_and_serves_the_load_client(hf_model, mode):
     assert res["total_output_tokens"] == sum(r.max_tokens for r in trace)
 
 
-def test_finetune_frontier_reads_a_run_and_plots(tmp_path):
-    from load_tests import finetune_frontier
+def test_finetune_report_reads_a_run_and_plots(tmp_path):
+    from load_tests import finetune_report
     run = {"args": {"busy_share": 0.1}, "loaded_tokens_s": 900.0, "dedicated_tokens_s": 9000.0,
            "serve": {"normalized_latency_ms": {"median": 8.0}},
            "serve+ft": {"normalized_latency_ms": {"median": 9.6}}}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
-    assert finetune_frontier.point(str(path)) == pytest.approx((0.1, 0.1, 1.2))
-    finetune_frontier.main([str(path), "--out", str(tmp_path / "f.png")])
+    assert finetune_report.point(str(path)) == pytest.approx((0.1, 0.1, 1.2))
+    finetune_report.main([str(path), "--out", str(tmp_path / "f.png")])
     assert (tmp_path / "f.png").stat().st_size > 10_000
