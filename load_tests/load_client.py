@@ -117,7 +117,7 @@ async def run_rate(client: httpx.AsyncClient, cfg: LoadConfig, units: list, rate
     if cfg.keep_samples:  # ms, for intervals (metrics.ratio_interval)
         ok = [o for o in outcomes if o.is_success and o.num_output_tokens]
         result["samples_ms"] = {
-            "sent_s": [round(o.end_s - o.latency_s - start, 3) for o in ok],  # from the start
+            "sent_s": [round(o.sent_s - start, 3) for o in ok],  # from the start
             "ttft": [round(o.ttft_s * 1e3, 2) for o in ok],
             "normalized_latency": [round(o.latency_s / o.num_output_tokens * 1e3, 3) for o in ok]}
     return result, len(plan)

@@ -41,6 +41,11 @@ class RequestOutcome:
             return None
         return (self.latency_s - self.ttft_s) / (self.num_output_tokens - 1)
 
+    @property
+    def sent_s(self) -> float:
+        """When it was sent, on the run's clock (that of end_s)."""
+        return self.end_s - self.latency_s
+
 
 @dataclass(frozen=True, slots=True)
 class SLO:
@@ -92,8 +97,8 @@ def ratio_interval(before: Sequence[float], after: Sequence[float], q: float,
     groups = []
     for values, block in zip((before, after), blocks or (None, None)):
         values = np.asarray(values, dtype=np.float64)
-        block = np.arange(values.size) if block is None else np.asarray(block)
-        groups.append([values[block == b] for b in np.unique(block)])
+        groups.append(values[:, None] if block is None else
+                      [values[np.asarray(block) == b] for b in np.unique(block)])
 
     def resample(parts: list) -> np.ndarray:
         return np.concatenate([parts[i] for i in rng.integers(len(parts), size=len(parts))])
@@ -110,7 +115,7 @@ def worst_ttft_per_second(outcomes: Sequence[RequestOutcome],
     """The longest TTFT (ms) of the requests sent in each second of a run, from `start_s` on
     the run's clock: a stall of the server shows as a few seconds that stand out. None for a
     second in which no request that succeeded was sent (failures have no TTFT)."""
-    sent = [(int(max(o.end_s - o.latency_s - start_s, 0.0)), round(o.ttft_s * 1e3, 1))
+    sent = [(int(max(o.sent_s - start_s, 0.0)), round(o.ttft_s * 1e3, 1))
             for o in outcomes if o.is_success]
     worst: list[float | None] = [None] * (max((t for t, _ in sent), default=-1) + 1)
     for t, ttft in sent:
