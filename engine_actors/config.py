@@ -90,6 +90,8 @@ class EngineConfig:
     # step can run) only while its wait plus the step's measured time stays within
     # finetune_deferral_ms (FineInfer's deferred continuous batching); a micro-batch holds at most
     # finetune_max_tokens tokens; adapters are saved under finetune_dir (default: a temp dir).
+    # A micro-batch measured longer than the bound runs in pieces of a few ms instead, so a
+    # request waits a few ms, not a whole micro-batch (slower training: BENCHMARKS.md).
     # finetune_busy_share > 0: while requests run, training also takes about this share of
     # the GPU's time, in pieces of a few ms between steps (running requests slow by up to
     # about twice that share at half load; engine_actors/finetune_busy.py). 0: only

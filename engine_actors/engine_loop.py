@@ -148,13 +148,14 @@ class EngineLoop:
             ft = self.finetuning
             # (a micro-batch sent ahead is always taken before inference runs)
             if not in_flight and ft is not None and (
-                    ft.ahead or ft.wants_step(self.scheduler, now, self.last_arrival)):
+                    ft.ahead or ft.wants_step(self.scheduler, now)):
                 if await ft.step(self.executor, self.scheduler.kv, pipeline=self._quiet):
                     await self._restart_workers()  # requests are deferred; a worker died
                     self.scheduler.kv.take_back()
                 continue
             kv = self.scheduler.kv
-            if kv.num_lent_blocks and not await self.finetuning.take_back(self.executor, kv):
+            if kv.num_lent_blocks and not await ft.busy.settle_lent(self.executor,
+                                                                    self.scheduler):
                 # what training borrowed cannot be mapped again: new workers, a whole pool
                 self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
                 await self._restart_workers()
@@ -166,9 +167,8 @@ class EngineLoop:
             # (a training piece takes no step's place: steps stay `depth` deep)
             while sum(b is not None for b, _, _ in in_flight) < self.depth:
                 piece = ft.busy.launch(self.executor, kv, self.scheduler.num_running > 0,
-                                       self._admissible(hold_from)) \
-                    if ft is not None and ft.busy is not None else None
-                if piece is not None:  # training beside the requests (finetune_busy.py)
+                                       self._admissible(hold_from)) if ft is not None else None
+                if piece is not None:  # training in pieces (finetune_busy.py)
                     in_flight.append((None, piece, time.monotonic()))
                     continue
                 preempted = self.scheduler.num_preemptions
@@ -183,8 +183,7 @@ class EngineLoop:
             if not in_flight:
                 self._wake.clear()
                 wait_s = IDLE_WAKE_S  # wake up for new work, to expire deadlines of waiting
-                retry_s = self.finetuning and self.finetuning.wake_in(time.monotonic(),
-                                                                      self.last_arrival)
+                retry_s = self.finetuning and self.finetuning.wake_in(time.monotonic())
                 if retry_s:  # requests, or for a job that waits for memory
                     wait_s = min(wait_s, retry_s)
                 try:
@@ -208,7 +207,7 @@ class EngineLoop:
             took = self._ended(launched)
             self.iteration_s = took if self.iteration_s is None \
                 else 0.9 * self.iteration_s + 0.1 * took
-            if ft is not None and ft.busy is not None:
+            if ft is not None:
                 ft.busy.earn(took)
             self.deliver(self.scheduler.process(batch, sampled), None)
 

@@ -1,29 +1,34 @@
-"""Fine-tuning while requests run: a share of the GPU's time, in pieces between inference
-steps (`finetune_busy_share`; the pieces themselves: finetune_pieces.py).
+"""Fine-tuning micro-batches in pieces (the pieces themselves: finetune_pieces.py): between
+requests when a whole one would hold them past the deferral bound, and beside running
+requests with a share of the GPU's time (`finetune_busy_share`).
 
-FineInfer's rule (finetune_jobs.py) trains only when no request runs. At half load this
-engine has requests running nearly all the time, so a job barely trains (BENCHMARKS.md,
-2026-11-25). With a share f > 0 the engine loop also sends training pieces while requests
-run. Every step or piece that ends earns f of its time; a piece is sent once the credit is
-positive, and its device time, measured on the worker, is spent. So training takes about f
-of the time, and each running request's step comes at least f/(1 - f) later (more under
-load: the load's own work keeps its share; BENCHMARKS.md, 2026-11-26). A request that
-arrives waits for the piece in flight at most, a few milliseconds, not a whole micro-batch:
-while requests wait to be admitted, no piece is sent, so their step goes first (and an
+Between requests: FineInfer's rule (finetune_jobs.py) runs a whole micro-batch when no
+request runs, and whoever arrives during it waits for all of it. When that is longer than
+the bound, no quiet spell makes it safe (arrivals are memoryless: at 2 req/s whole ones
+raised TTFT p99 tenfold, BENCHMARKS.md 2026-11-26), so the job's micro-batches run in pieces
+instead, back to back while no request runs, GAP_DEPTH in flight (the next is launched on
+the worker while one runs, hiding the call). A request that arrives waits for those at most,
+a few milliseconds. Such a micro-batch may borrow free KV blocks (finetune_memory.py), as a
+whole one does; a request arriving then runs beside it on the other blocks while the
+micro-batch pauses, and one that needs the lent blocks has it called off (its activations
+freed, its examples next again) and the blocks mapped back before its first step.
+
+Beside requests: with a share f > 0, every step or piece that ends earns f of its time; a
+piece is sent once the credit is positive, and its device time, measured on the worker, is
+spent. So training takes about f of the time, and each running request's step comes at
+least f/(1 - f) later (more under load: the load's own work keeps its share; BENCHMARKS.md,
+2026-11-26). One piece is in flight at a time then, and nothing is lent while requests run.
+While requests wait to be admitted, no piece is sent, so their step goes first (and an
 engine at its capacity, where requests always wait, does not train beside them at all).
 
-One piece or start is in flight at a time, in the steps' order on every worker
-(executor.finetune). The micro-batch gets only the memory free beside the KV pool:
-nothing is lent while requests run. Once no request is left, a micro-batch begun in
-pieces finishes in pieces, back to back; then FineInfer's whole micro-batches go on, or, in
-a gap between requests too short for one (a whole micro-batch longer than the deferral
-bound waits for a lull: finetune_jobs.py), new micro-batches in pieces, back to back. A
-request that arrives then waits for one piece at most: FineInfer's deferral holds no request
-while a micro-batch is in pieces (no whole one could run).
+Every piece or start takes its turn among the steps on every worker (executor.finetune).
+FineInfer's deferral holds no request while a micro-batch is in pieces (no whole one could
+run).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import ray
@@ -33,25 +38,44 @@ from engine_actors.finetune_job import Job
 from engine_actors.finetune_memory import plan_micro_batch
 
 CREDIT_CAP_S = 0.01  # time earned and not spent does not pile up past this
+# pieces in flight while no request runs: the next is launched on the worker while one runs
+GAP_DEPTH = 2
 
 
 class BusyTraining:
     def __init__(self, ft, share: float):
         self.ft, self.share = ft, share  # ft: FineTuning (finetune_jobs.py)
         self.credit = 0.0  # seconds of device time training may still take
-        self.job: Job | None = None  # whose micro-batch is in pieces now
+        self.job: Job | None = None  # whose micro-batch's pieces are being sent
         self.batch: tuple[int, bool] = (0, False)  # its batch's trained tokens, last or not
-        self.call: tuple[str, Job, bool] | None = None  # in flight: kind, job, sent busy
+        self.unsent: int | None = None  # its pieces not sent yet (None: known at the first's end)
+        self.num_micro = 0  # micro-batches begun in pieces, in all (the latest one's number)
+        # in flight, oldest first: kind, job, sent while requests ran, its micro-batch's
+        # number and batch
+        self.calls: collections.deque[tuple[str, Job, bool, int, tuple[int, bool]]] = \
+            collections.deque()
         self.num_pieces = 0
         self.piece_s: float | None = None  # a piece's device time, averaged
         self.busy_s = 0.0  # device time of the pieces run while requests ran, in all
         self.gap_s = 0.0  # and of those run while none ran
+        self.micro_s = 0.0  # device time of the pieces of the micro-batch that ends next
+        self.micro: list[int] = []  # the examples of the one whose pieces are being sent
+        # (job, number) of the micro-batch whose activations live in lent KV blocks
+        self.lent: tuple[Job, int] | None = None
+        self.num_called_off = 0
         self.retry_at = 0.0  # no micro-batch fitted beside the pool: not before then
 
     @property
     def active(self) -> bool:
         """A micro-batch is in pieces or a call is in flight: no whole micro-batch runs."""
-        return self.job is not None or self.call is not None
+        return self.job is not None or bool(self.calls)
+
+    @property
+    def holds_lent(self) -> bool:
+        """A micro-batch in pieces holds KV blocks lent to it: they are not taken back."""
+        if self.lent is not None and self.lent[0].status != "running" and not self.calls:
+            self.lent = None  # its job ended (its trainer and pieces dropped)
+        return self.lent is not None
 
     def earn(self, took: float) -> None:
         """A step or piece that took `took` seconds ended."""
@@ -59,50 +83,63 @@ class BusyTraining:
 
     def launch(self, executor, kv, busy: bool, waiting: bool) -> asyncio.Future | None:
         """The call to put in flight now (the queue's first job's start, or the next piece
-        of its micro-batch), or None. `busy`: requests are running; `waiting`: requests
-        wait to be admitted (their step goes first)."""
+        of its micro-batch or of a new one), or None. `busy`: requests are running;
+        `waiting`: requests wait to be admitted (their step goes first)."""
         ft = self.ft
-        if self.call is not None or waiting:
+        if waiting or len(self.calls) >= (1 if busy else GAP_DEPTH) \
+                or (busy and self.credit <= 0) or (self.calls and self.calls[-1][0] == "start"):
             return None
         if self.job is not None and self.job.status != "running":
             self.job = None  # cancelled or failed: its pieces were dropped with its trainer
-        if self.job is None:
-            # with no request running, FineInfer's whole micro-batch did not start (the engine
-            # loop asks it first): a gap shorter than its lull, trained in pieces
-            if not ft.queue or time.monotonic() < max(ft.retry_at, self.retry_at) \
-                    or (busy and self.credit <= 0):
+        if self.job is not None:
+            if self.unsent is None:  # how many pieces it has: known once its first ends
+                return None
+            job, args = self.job, ()
+        else:
+            if not ft.queue or time.monotonic() < max(ft.retry_at, self.retry_at):
                 return None
             job = ft.queue[0]
-            if not job.started:
-                self.call = ("start", job, busy)
+            if not job.started:  # (its trainer's state must not sit in lent blocks)
+                if self.calls or kv.num_lent_blocks:
+                    return None
+                self.calls.append(("start", job, busy, 0, (0, False)))
                 return asyncio.ensure_future(ft.start_call(job, executor))
-            try:  # no KV block is lent while requests run
-                planned = plan_micro_batch(job, kv, {**ft.memory, "lendable_units": 0},
+            if job.status != "running" or (self.calls and not job.has_next()):
+                return None  # its last micro-batch is in flight
+            try:  # KV blocks are lent only while no request runs
+                planned = plan_micro_batch(job, kv, ft.memory if not busy else
+                                           {**ft.memory, "lendable_units": 0},
                                            ft.cfg.finetune_max_tokens)
             except ValueError:  # its next example needs lent blocks: when requests are gone
                 planned = None
             if planned is None:
                 self.retry_at = time.monotonic() + finetune_steps.MEMORY_RETRY_S
                 return None
-            micro = planned[1]
-            self.job, self.batch = job, job.take_micro(micro)
-            args = ([job.examples[i][0] for i in micro], [job.examples[i][1] for i in micro],
-                    *self.batch)
-        elif busy and self.credit <= 0:
-            return None
-        else:
-            args = ()
-        self.call = ("piece", self.job, busy)
-        return asyncio.ensure_future(executor.finetune("piece", self.job.id, *args))
+            units, self.micro = planned
+            self.job, self.batch, self.unsent = job, job.take_micro(self.micro), None
+            self.num_micro += 1
+            if units:
+                self.lent = (job, self.num_micro)
+            args = (units, [job.examples[i][0] for i in self.micro],
+                    [job.examples[i][1] for i in self.micro], *self.batch)
+        if self.unsent is not None:
+            self.unsent -= 1
+            if not self.unsent:  # its last piece: the next call begins a new micro-batch
+                self.job = None
+        self.calls.append(("piece", job, busy, self.num_micro, self.batch))
+        return asyncio.ensure_future(executor.finetune("piece", job.id, *args))
 
     async def done(self, call: asyncio.Future, executor) -> bool:
-        """The call in flight has ended: its result recorded, or its job failed. True: a
-        worker is gone (the workers must be replaced, which fails the job)."""
-        (kind, job, busy), self.call = self.call, None
+        """The oldest call in flight has ended: its result recorded, or its job failed.
+        True: a worker is gone (the workers must be replaced, which fails the job)."""
+        kind, job, busy, micro, batch = self.calls.popleft()
         try:
             out = await call
         except ray.exceptions.RayError as e:
-            self.job = None
+            if micro == self.num_micro:
+                self.job = None
+            if self.lent is not None and self.lent[1] == micro:
+                self.lent = None  # the worker freed its activations
             if isinstance(e, ray.exceptions.RayActorError):
                 return True
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e
@@ -113,21 +150,73 @@ class BusyTraining:
         if kind == "start":
             self.ft.started(job, out)
             return False
+        if micro == self.num_micro and self.unsent is None:  # the first of the latest
+            self.unsent = out["left"]
+            if not self.unsent:
+                self.job = None
         self.num_pieces += 1
         self.piece_s = out["gpu_s"] if self.piece_s is None \
             else 0.9 * self.piece_s + 0.1 * out["gpu_s"]
+        self.micro_s += out["gpu_s"]
         if busy:
             self.credit -= out["gpu_s"]
             self.busy_s += out["gpu_s"]
         else:
             self.gap_s += out["gpu_s"]
         if out["done"]:
-            self.job = None
+            if self.lent is not None and self.lent[1] == micro:
+                self.lent = None
             self.ft.memory = {**self.ft.memory, "free_bytes": out["free_bytes"]}
+            self.ft.measure_pieces(self.micro_s)
+            self.micro_s = 0.0
             if job.status == "running":
-                await self.ft.record(job, out, *self.batch, executor)
+                await self.ft.record(job, out, *batch, executor)
         return False
+
+    async def call_off(self, executor) -> bool:
+        """Requests need the KV blocks lent to the micro-batch in pieces: it is called off
+        (its activations freed on the workers, its examples next again), so they can be
+        taken back. Only while none of its pieces is in flight (False: not now)."""
+        if self.calls or self.job is None or self.lent is None \
+                or self.lent[1] != self.num_micro:
+            return False
+        job, self.job, self.lent, self.micro_s = self.job, None, None, 0.0
+        try:
+            await executor.finetune("call_off", job.id)
+        except ray.exceptions.RayError:  # the workers are gone: taking back fails next,
+            pass  # and they are replaced
+        if job.status == "running":
+            job.untake(self.micro)
+        self.num_called_off += 1
+        return True
+
+    async def settle_lent(self, executor, scheduler) -> bool:
+        """Before inference runs: the KV blocks lent to training come back, unless a
+        micro-batch in pieces holds them (requests run beside it on the other blocks), or
+        no request is there while a started job goes on (its next micro-batch reuses them;
+        a new trainer's state must not sit in them). A micro-batch holding blocks that
+        requests need is called off first. False: the workers cannot map them again and
+        must be replaced."""
+        if self.holds_lent and needs_lent_blocks(scheduler):
+            await self.call_off(executor)  # once none of its pieces is in flight
+        queue = self.ft.queue
+        if self.holds_lent or not scheduler.pool and queue and queue[0].started:
+            return True
+        return await self.ft.take_back(executor, scheduler.kv)
 
     def reset(self) -> None:
         """The workers were replaced: whatever was in pieces is gone."""
-        self.job, self.call, self.credit, self.retry_at = None, None, 0.0, 0.0
+        self.job, self.credit, self.retry_at, self.micro_s = None, 0.0, 0.0, 0.0
+        self.lent = None
+        self.calls.clear()
+
+
+def needs_lent_blocks(scheduler) -> bool:
+    """Requests need the KV blocks lent to training: fewer blocks are unreserved than are
+    lent, or the first waiting request's reservation does not fit in them."""
+    kv = scheduler.kv
+    if kv.num_unreserved_blocks < kv.num_lent_blocks:
+        return True
+    first = scheduler.waiting[0] if scheduler.waiting else None
+    return first is not None and kv.blocks_for(
+        max(scheduler.policy.reservation(first), first.num_tokens)) > kv.num_unreserved_blocks

@@ -9,8 +9,9 @@ an addition to FineInfer, which holds requests even when no step could run withi
 bound). Between inference iterations the engine
 loop asks `wants_step`: a fine-tuning micro-batch runs when no request is running and
 every waiting request can still be deferred; otherwise inference runs. A step longer than
-the bound runs only in a lull (another addition: whoever arrived during it would wait past
-the bound). Step times are measured (an exponential average). The micro-batch runs on the
+the bound never runs whole (another addition: whoever arrived during it would wait past the
+bound); its micro-batches run in pieces (finetune_busy.py). Step times are measured (an
+exponential average, whole or as the pieces' sum). The micro-batch runs on the
 worker (`engine_actors/finetune.py`, sent by finetune_steps.py); when the last step is done
 the adapter is saved in PEFT's format and served at once under the job's `fine_tuned_model`.
 
@@ -28,7 +29,6 @@ is freed, so serving never loses its KV pool to training.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import tempfile
 import time
@@ -79,9 +79,9 @@ class FineTuning(TrainingSteps):
         self.files: dict[str, tuple[dict, bytes]] = {}
         self.jobs: dict[str, Job] = {}
         self.bound_s = cfg.finetune_deferral_ms / 1e3
-        # training while requests run (finetune_busy.py); None: only FineInfer's rule
-        self.busy = BusyTraining(self, cfg.finetune_busy_share) \
-            if cfg.finetune_busy_share else None
+        # training in pieces: beside running requests with a share, and between requests
+        # when a whole micro-batch would hold them past the bound (finetune_busy.py)
+        self.busy = BusyTraining(self, cfg.finetune_busy_share)
 
     # ---- files --------------------------------------------------------------------------
     def add_file(self, filename: str, purpose: str, content: bytes) -> dict | Refusal:
@@ -160,26 +160,23 @@ class FineTuning(TrainingSteps):
         return job.to_dict()
 
     # ---- the engine loop's side ---------------------------------------------------------
-    def wants_step(self, scheduler, now: float, last_arrival: float = -math.inf) -> bool:
-        """Whether a micro-batch runs now (FineInfer's rule). A step longer than the bound
-        would hold whoever arrives during it past the bound, so it runs only when none is
-        likely to: no request arrived for twice its time (`last_arrival`: the latest
-        arrival). Under steady load it then never runs; in a lull it does."""
+    def wants_step(self, scheduler, now: float) -> bool:
+        """Whether a whole micro-batch runs now (FineInfer's rule). One longer than the
+        bound never does: whoever arrived during it would wait past the bound, and no quiet
+        spell says none will (arrivals are memoryless). Its micro-batches run in pieces
+        instead (`in_pieces`), a request waiting for a piece or two at most."""
         if not self.queue or scheduler.num_running or now < self.retry_at \
-                or (self.busy is not None and self.busy.active):
-            return False
-        if self._lull_left(now, last_arrival) > 0:
+                or self.busy.active or self.in_pieces:
             return False
         return may_defer([now - r.arrival_time for r in scheduler.waiting], self.step_cost_s,
                          self.bound_s)
 
-    def _lull_left(self, now: float, last_arrival: float) -> float:
-        """Seconds until a lull is long enough for a step longer than the bound (twice its
-        time without arrivals); 0 or less: now, or no such lull is needed."""
+    @property
+    def in_pieces(self) -> bool:
+        """A whole micro-batch would take longer than the bound (as measured whole or in
+        pieces): the job's micro-batches run in pieces, also between requests."""
         cost = self.step_cost_s
-        if cost is None or cost <= self.bound_s:
-            return 0.0
-        return last_arrival + 2 * cost - now
+        return cost is not None and cost > self.bound_s
 
     @property
     def step_cost_s(self) -> float | None:
@@ -200,19 +197,16 @@ class FineTuning(TrainingSteps):
         pieces under way, which no whole one follows until it ends)."""
         step_s = self.step_cost_s
         if not self.queue or now < self.retry_at or step_s is None \
-                or drain_s + step_s > self.bound_s or (self.busy is not None and self.busy.active):
+                or drain_s + step_s > self.bound_s or self.busy.active:
             return None
         return now - (self.bound_s - step_s - drain_s)
 
-    def wake_in(self, now: float, last_arrival: float = -math.inf) -> float | None:
-        """Seconds until a job waiting for memory may try again (whole or in pieces), or
-        until a lull long enough for a step longer than the bound (None: none waits)."""
+    def wake_in(self, now: float) -> float | None:
+        """Seconds until a job waiting for memory may try again, whole or in pieces (None:
+        none waits)."""
         if not self.queue:
             return None
-        waits = [max(self.retry_at - now, self._lull_left(now, last_arrival))]
-        if self.busy is not None:  # pieces waiting for memory beside the pool
-            waits.append(self.busy.retry_at - now)
-        waits = [w for w in waits if w > 0]
+        waits = [w for w in (self.retry_at - now, self.busy.retry_at - now) if w > 0]
         return min(waits) if waits else None
 
     async def _finish(self, job: Job, executor) -> None:
@@ -259,9 +253,12 @@ class FineTuning(TrainingSteps):
                                if running else None,
                                "alloc_retries": (self.memory or {}).get("alloc_retries", 0),
                                "micro_batches_sent_ahead": self.num_ahead,
-                               "micro_batches_called_off": self.num_skipped,
-                               "busy_pieces": self.busy.num_pieces if self.busy else 0,
+                               # (sent ahead whole, or in pieces holding lent blocks)
+                               "micro_batches_called_off": self.num_skipped
+                               + self.busy.num_called_off,
+                               "in_pieces": self.in_pieces,
+                               "busy_pieces": self.busy.num_pieces,
                                "busy_piece_ms": round(self.busy.piece_s * 1e3, 2)
-                               if self.busy and self.busy.piece_s else None,
-                               "busy_piece_s": round(self.busy.busy_s, 3) if self.busy else 0,
-                               "gap_piece_s": round(self.busy.gap_s, 3) if self.busy else 0}}
+                               if self.busy.piece_s else None,
+                               "busy_piece_s": round(self.busy.busy_s, 3),
+                               "gap_piece_s": round(self.busy.gap_s, 3)}}

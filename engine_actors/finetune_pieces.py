@@ -59,6 +59,7 @@ class Pieces:
 
     @property
     def num_pieces(self) -> int:
+        """Pieces not launched yet."""
         return len(self.todo)
 
     def run_next(self) -> bool:

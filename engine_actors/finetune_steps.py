@@ -51,7 +51,7 @@ class TrainingSteps:
         self.memory: dict | None = None  # the worker's: free bytes, how the KV pool lends
         self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
         self.ahead: Sent | None = None  # sent while the one before it ran (`pipeline`)
-        self.busy = None  # BusyTraining, when training runs beside requests too
+        self.busy = None  # BusyTraining: micro-batches in pieces (finetune_busy.py)
         self.num_sent = 0
         self.num_ahead = self.num_skipped = 0  # sent ahead; of which called off
 
@@ -138,6 +138,12 @@ class TrainingSteps:
         if self.metrics is not None:
             self.metrics.finetune_step_time.observe(elapsed)
 
+    def measure_pieces(self, device_s: float) -> None:
+        """A micro-batch run in pieces ended, their device time `device_s` in all: what a
+        whole one would take, as far as it shows (it decides whether micro-batches run
+        whole: FineTuning.in_pieces)."""
+        self.step_s = device_s if self.step_s is None else 0.8 * self.step_s + 0.2 * device_s
+
     async def _start(self, job: Job, executor, kv) -> bool | None:
         """Create the job's trainer on the workers. None: started; else it did not, and
         what `step` returns (True: a worker is gone; False: cancelled meanwhile)."""
@@ -196,8 +202,7 @@ class TrainingSteps:
     def workers_replaced(self) -> None:
         """The workers were restarted after a failure: a running job's trainer is gone."""
         job = self.queue[0] if self.queue and self.queue[0].started else None
-        if self.busy is not None:
-            self.busy.reset()
+        self.busy.reset()
         if self.ahead is not None:  # sent to the old workers
             self.ahead.call.cancel()
             self.ahead = None

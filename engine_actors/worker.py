@@ -166,23 +166,15 @@ class Worker:
                 self._held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
             return self._training_memory()
         if method == "micro_step":  # args: its number, the one it follows (-1: none), the
-            try:  # KV units to lend, the batch
-                self.runner.kv_memory.lend(args[2])
-                error = None
-            except Exception as e:  # the other ranks hear of it before any collective
-                error = e
-            skip, failed = self._agree(args[0], error is not None)
-            if error is not None:
-                raise error
-            if failed:
-                raise RuntimeError("lending KV memory to training failed on another "
-                                   "tensor-parallel rank")
-            if skip:
+            if self._lend(args[2], args[0]):  # KV units to lend, the batch
                 return {"skipped": True, **self._training_memory()}
             out = self.trainers[job_id].micro_step(*args[3:])
             return {**out, **self._training_memory()}
         if method == "piece":
             return self._piece(job_id, *args)
+        if method == "call_off":  # the micro-batch in pieces: its activations freed
+            self.pieces = None
+            return None
         if method == "take_back":  # the lent KV blocks, mapped again before inference
             self.runner.kv_memory.take_back()
         elif method == "drop":
@@ -198,11 +190,13 @@ class Worker:
 
     def _piece(self, job_id: str, *batch):
         """Launch the next piece of a micro-batch run in pieces between steps (finetune_
-        pieces.py); `batch` (sequences, masks, the batch's trained tokens, whether it is
-        the batch's last) starts a new one. Returns what `_piece_done` completes, and the
-        CUDA events around the piece (None on CPU)."""
+        pieces.py); `batch` (the KV units lent to it, sequences, masks, the batch's trained
+        tokens, whether it is the batch's last) starts a new one. Returns what `_piece_done`
+        completes, and the CUDA events around the piece (None on CPU)."""
         cuda = self.device == "cuda"
         if batch:
+            self._lend(batch[0])
+            batch = batch[1:]
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 self._piece_base = torch.cuda.memory_allocated()
@@ -217,7 +211,7 @@ class Worker:
         except Exception:
             self.pieces = None  # its activations freed
             raise
-        out = {"done": done, "host_s": 0.0}
+        out = {"done": done, "left": pieces.num_pieces, "host_s": 0.0}
         if done:
             self.pieces = None
             out.update(loss_sum=pieces.loss_sum.to("cpu", non_blocking=True),
@@ -228,6 +222,23 @@ class Worker:
             events[1].record()
         out["host_s"] = time.perf_counter() - start
         return out, events
+
+    def _lend(self, units: int, seq: int = -1) -> bool:
+        """Free the memory of `units` KV units for training (kv_memory.py). The tensor-
+        parallel ranks agree first whether any failed (raised then on all, so none is left
+        alone in a later collective), and whether micro-batch `seq` was called off (True)."""
+        try:
+            self.runner.kv_memory.lend(units)
+            error = None
+        except Exception as e:
+            error = e
+        skip, failed = self._agree(seq, error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError("lending KV memory to training failed on another "
+                               "tensor-parallel rank")
+        return skip
 
     async def _piece_done(self, out: dict, events) -> dict:
         """A piece's answer once the device has run it: its device time (`gpu_s`; its

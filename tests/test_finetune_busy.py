@@ -27,6 +27,8 @@ class PieceWorkers(Workers):
         self.left = 0  # pieces left of the micro-batch in pieces
         self.ended = []  # (what, monotonic time)
         self.trained = 0
+        self.lent_units = []  # what each micro-batch was lent
+        self.pieces = PIECES  # a micro-batch's
 
     async def execute(self, step):
         async with self.device:
@@ -40,18 +42,19 @@ class PieceWorkers(Workers):
                 self.log.append((method, job_id))
                 return None
             return await super().finetune(method, job_id, *args)
-        if args:  # a new micro-batch: sequences, masks, trained tokens, last
-            self.left, self.tokens = PIECES, sum(map(len, args[0]))
-        async with self.device:
+        async with self.device:  # the calls in order, as on the worker
+            if args:  # a new micro-batch: KV units lent, sequences, masks, trained tokens, last
+                self.left, self.tokens = self.pieces, sum(map(len, args[1]))
+                self.lent_units.append(args[0])
             await asyncio.sleep(PIECE_S)
             self.ended.append(("piece", asyncio.get_running_loop().time()))
-        self.log.append(("piece", job_id))
-        self.left -= 1
-        out = {"done": not self.left, "gpu_s": PIECE_S}
-        if not self.left:
-            self.trained += self.tokens
-            out.update(loss_sum=1.0, loss_tokens=self.tokens, tokens=self.tokens,
-                       peak_bytes=None, free_bytes=None)
+            self.log.append(("piece", job_id))
+            self.left -= 1
+            out = {"done": not self.left, "left": self.left, "gpu_s": PIECE_S}
+            if not self.left:
+                self.trained += self.tokens
+                out.update(loss_sum=1.0, loss_tokens=self.tokens, tokens=self.tokens,
+                           peak_bytes=None, free_bytes=None)
         return out
 
 
@@ -176,21 +179,32 @@ def test_no_piece_while_requests_wait_to_be_admitted():
     assert any(t > marks["a done"] for t in pieces)  # beside b, which then runs alone
 
 
-def test_pieces_fill_a_gap_between_requests_too_short_for_a_whole_micro_batch():
-    """A whole micro-batch longer than the deferral bound (1 s here) waits for a lull of
-    twice its time; in a shorter gap, new micro-batches run in pieces, and none whole."""
+@pytest.mark.parametrize("share", [0.0, 0.25])
+def test_micro_batches_longer_than_the_bound_run_in_pieces_between_requests(share):
+    """A whole micro-batch would take longer than the deferral bound (5 ms here), so none
+    runs whole, however long no request comes: between requests, new micro-batches run in
+    pieces back to back, two in flight (the next launched while one runs), and a request
+    that comes waits for those two at most. Without a share, none runs beside requests."""
     workers = PieceWorkers(4)
-    loop, finished = busy_engine(0.25, workers)
-    loop.finetuning.step_s = 5.0  # measured, as it were: a lull is 10 s without arrivals
-    original, starts = workers.finetune, []
+    loop, finished = busy_engine(share, workers)
+    # measured, as it were, over the bound (whose pieces' time stays over it too)
+    loop.finetuning.step_s, loop.finetuning.bound_s = 5.0, 0.005
+    original, starts, flight = workers.finetune, [], {"now": 0, "most": 0}
 
     async def logged(method, job_id, *args):
-        if method == "piece" and args:  # a new micro-batch
+        if method != "piece":
+            return await original(method, job_id, *args)
+        if args:  # a new micro-batch
             starts.append(asyncio.get_running_loop().time())
-        return await original(method, job_id, *args)
+        flight["now"] += 1
+        flight["most"] = max(flight["most"], flight["now"])
+        try:
+            return await original(method, job_id, *args)
+        finally:
+            flight["now"] -= 1
 
     workers.finetune = logged
-    marks = {}
+    job, marks = loop.finetuning.jobs["ftjob-1"], {}
 
     async def run():
         task = asyncio.create_task(loop.run())
@@ -205,13 +219,26 @@ def test_pieces_fill_a_gap_between_requests_too_short_for_a_whole_micro_batch():
             # (but the one sent while a ran, which may end after it)
             assert after["busy_piece_s"] - before["busy_piece_s"] <= PIECE_S + 1e-6
             assert after["gap_piece_s"] - before["gap_piece_s"] >= 3 * PIECES * PIECE_S - 1e-6
+            assert after["in_pieces"]
+            loop.add(request("b", 10), None, None)
+            marks["b added"] = asyncio.get_running_loop().time()
+            await until(lambda: "b" in finished)
         finally:
             task.cancel()
 
     asyncio.run(run())
-    # besides the one begun beside a, which finishes first
     assert sum(t > marks["a done"] for t in starts) >= 3, starts
     assert not any(what == "micro_step" for what, _ in workers.log)
+    assert flight["most"] == 2
+    steps = [t for what, t in workers.ended if what == "step"]
+    pieces = [t for what, t in workers.ended if what == "piece"]
+    b_first = min(t for t in steps if t > marks["b added"])
+    assert sum(marks["b added"] < t < b_first for t in pieces) <= 2
+    if not share:  # none beside a (whose first step came before the job started)
+        assert not any(steps[0] < t < marks["a done"] for t in pieces)
+    # what the workers trained was recorded, micro-batch by micro-batch, though the next
+    # one began before the one before it was answered (one may be answered after the end)
+    assert 0 < workers.trained - job.trained_tokens <= 40 or workers.trained == job.trained_tokens
 
 
 def test_no_request_is_held_for_a_whole_micro_batch_while_one_is_in_pieces():

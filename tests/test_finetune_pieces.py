@@ -88,7 +88,7 @@ def test_the_worker_runs_a_micro_batch_in_pieces_and_times_each(base, device):
     worker._finetune("start", "job", 4, 8, TARGETS, 1e-3, 0)
     whole = Trainer(worker.runner.model, 4, 8, TARGETS, lr=1e-3)  # the same start
     expected = whole.micro_step(SEQS, MASKS, 7, last=False)["loss_sum"]
-    answers, args = [], (SEQS, MASKS, 7, False)
+    answers, args = [], (0, SEQS, MASKS, 7, False)  # no KV blocks lent
     while not answers or not answers[-1]["done"]:
         out, events = worker._finetune("piece", "job", *args)
         answers.append(asyncio.run(worker._piece_done(out, events)))

@@ -224,7 +224,9 @@ def test_memory_per_token_comes_from_the_largest_micro_batch_measured():
     assert job.bytes_per_token == 120
 
 
-def test_a_step_longer_than_the_bound_runs_only_after_a_lull():
+def test_a_step_longer_than_the_bound_never_runs_whole():
+    """A whole micro-batch longer than the bound would hold whoever arrives during it past
+    the bound: the job's micro-batches run in pieces instead, however long none arrived."""
     from engine_actors.config import EngineConfig
     from engine_actors.finetune_jobs import FineTuning
 
@@ -233,13 +235,16 @@ def test_a_step_longer_than_the_bound_runs_only_after_a_lull():
 
     ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
     ft.queue = [_job([10])]
-    assert ft.wants_step(Idle, 10.0, last_arrival=9.99)  # step time unknown: FineInfer's rule
+    assert ft.wants_step(Idle, 10.0) and not ft.in_pieces  # unknown: FineInfer's rule
     ft.step_s = 0.15  # within the bound: whoever comes waits at most the bound
-    assert ft.wants_step(Idle, 10.0, last_arrival=9.99)
-    ft.step_s = 0.3  # longer: it would hold a request that comes during it past the bound
-    assert not ft.wants_step(Idle, 10.0, last_arrival=9.5)
-    assert ft.wants_step(Idle, 10.0, last_arrival=9.39)  # none for twice its time
-    assert ft.wants_step(Idle, 10.0)  # none ever
+    assert ft.wants_step(Idle, 10.0) and not ft.in_pieces
+    ft.step_s = 0.3
+    assert not ft.wants_step(Idle, 10.0) and ft.in_pieces
+    ft.step_s, ft.take_back_s = 0.15, 0.1  # mapping lent memory back counts too
+    assert not ft.wants_step(Idle, 10.0) and ft.in_pieces
+    ft.take_back_s = None
+    ft.measure_pieces(0.5)  # a micro-batch in pieces took longer: its estimate grows
+    assert ft.step_s == pytest.approx(0.8 * 0.15 + 0.2 * 0.5) and ft.in_pieces
 
 
 def test_a_micro_batch_called_off_before_it_started_runs_next():
@@ -282,18 +287,6 @@ def test_a_micro_batch_called_off_before_it_started_runs_next():
         assert job.trained_tokens == 20 and job._rest == [2, 3]
 
     asyncio.run(run())
-
-
-def test_the_loop_wakes_when_a_lull_is_long_enough_for_a_long_step():
-    from engine_actors.config import EngineConfig
-    from engine_actors.finetune_jobs import FineTuning
-    ft = FineTuning(EngineConfig(finetune_deferral_ms=200), adapters=None)
-    ft.queue = [_job([10])]
-    ft.step_s = 0.3  # longer than the bound: it needs 0.6 s without arrivals
-    assert ft.wake_in(10.0, last_arrival=9.9) == pytest.approx(0.5)
-    assert ft.wake_in(10.0, last_arrival=9.0) is None
-    ft.step_s = 0.1  # within the bound: no lull needed
-    assert ft.wake_in(10.0, last_arrival=9.9) is None
 
 
 def test_stored_files_are_capped_and_deleting_frees_room(monkeypatch):

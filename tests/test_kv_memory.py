@@ -107,6 +107,50 @@ def test_training_borrows_kv_blocks_and_serving_resumes_exactly(tmp_path):
     assert worker.runner.num_graph_replays > replays
 
 
+@pytest.mark.gpu
+def test_pieces_borrow_kv_blocks_requests_run_beside_and_a_call_off_frees_them(tmp_path):
+    """A micro-batch in pieces lends itself KV blocks (its first piece); requests run
+    between its pieces on the other blocks; called off midway, its activations are freed
+    and the blocks map back, and serving resumes exactly (greedy, fp32, as transformers)."""
+    import random
+
+    from engine_actors.checkpoint import save_random_llama
+    from engine_actors.request import SamplingParams
+    from tests.engine_harness import InProcessEngine, hf_greedy
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    path = str(tmp_path)
+    save_random_llama(path, seed=6, num_key_value_heads=4, head_dim=64)
+    engine = InProcessEngine(device="cuda", model=path, dtype="float32", max_batch_size=8,
+                             max_num_tokens=8192)  # 512 blocks: 4 units of 128
+    kv, worker = engine.scheduler.kv, engine.worker
+    rng = random.Random(1)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run_and_check(reqs):
+        outputs = engine.run({0: [(rid, p, greedy) for rid, p in reqs]})
+        for rid, p in reqs:
+            assert outputs[rid] == hf_greedy(path, p, 8, "cuda"), rid
+
+    worker._finetune("start", "job", 8, 16, ["q_proj", "v_proj", "down_proj"], 1e-3, 0)
+    assert kv.lend(2, 128, 4) == 2  # the scheduler's side (finetune_memory.py)
+    seq = [rng.randrange(256) for _ in range(200)]
+    worker._finetune("piece", "job", 2, [seq], [[False] * 100 + [True] * 100], 100, True)
+    assert worker.runner.kv_memory.num_lent == 2 and worker.pieces is not None
+    run_and_check([(f"a{i}", [rng.randrange(256) for _ in range(300)]) for i in range(3)])
+    assert max(b for s in engine.steps for b in s.table_blocks) < 256  # not the lent ones
+    worker._finetune("piece", "job")  # the micro-batch goes on after the requests
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    worker._finetune("call_off", "job")
+    assert worker.pieces is None and torch.cuda.memory_allocated() < held
+    worker._finetune("take_back", "")  # as the engine loop does once it is called off
+    kv.take_back()
+    later = [(f"b{i}", [rng.randrange(256) for _ in range(700)]) for i in range(6)]
+    run_and_check(later)
+    assert max(b for s in engine.steps for b in s.table_blocks) >= 256  # lent range reused
+
+
 class _FlakyDriver:
     """Virtual memory calls that fail at the n-th unmap or map (counted from 1)."""
 

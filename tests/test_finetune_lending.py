@@ -1,0 +1,69 @@
+"""Micro-batches in pieces borrow KV blocks between requests (engine_actors/finetune_busy.py),
+through the engine loop with stand-in workers: requests run beside a paused micro-batch on
+the other blocks; one that needs the lent blocks has the micro-batch called off (its
+examples run later) and gets them back before its first step."""
+from __future__ import annotations
+
+import asyncio
+
+from tests.test_deferral import request, until
+from tests.test_finetune_busy import PieceWorkers, busy_engine
+
+MEMORY = {"free_bytes": 0, "lend_unit_blocks": 8, "lendable_units": 8, "lend_unit_bytes": 1000,
+          "bytes_per_token_guess": 40.0}  # nothing free beside the pool: an example needs a unit
+
+
+def test_pieces_borrow_kv_blocks_and_give_them_back_when_requests_need_them():
+    workers = PieceWorkers(4)
+    workers.pieces = 8
+    loop, finished = busy_engine(0.0, workers, epochs=3)  # 12 micro-batches of one example
+    # measured, as it were, over the bound (whose pieces' time stays over it too)
+    loop.finetuning.step_s, loop.finetuning.bound_s = 5.0, 0.005
+    kv, job = loop.scheduler.kv, loop.finetuning.jobs["ftjob-1"]
+    original_finetune, original_execute = workers.finetune, workers.execute
+    plan = {1: "small", 3: "big"}  # a request comes at the third piece of these micro-batches
+    seen = {"micro": 0, "piece": 0}
+    first_steps = []  # (request, KV blocks lent when its first step ran)
+
+    async def finetune(method, job_id, *args):
+        if method == "start":
+            await original_finetune(method, job_id, *args)
+            return dict(MEMORY)
+        if method == "piece":
+            seen["micro"] += bool(args)
+            seen["piece"] = 1 if args else seen["piece"] + 1
+            rid = plan.get(seen["micro"]) if seen["piece"] == 3 else None
+            if rid is not None and rid not in loop.scheduler.pool and rid not in finished:
+                # small: 18 tokens; big: reserves 228 tokens, 57 blocks, of 56 not lent
+                loop.add(request(rid, 10 if rid == "small" else 220), None, None)
+            out = await original_finetune(method, job_id, *args)
+            if out["done"]:
+                out["free_bytes"] = 0
+            return out
+        return await original_finetune(method, job_id, *args)
+
+    async def execute(step):
+        rows = {r.row: r.request_id for r in loop.scheduler.admitted.values()}
+        first_steps.extend((rows[r.row], kv.num_lent_blocks) for r in step.new_requests)
+        return await original_execute(step)
+
+    workers.finetune, workers.execute = finetune, execute
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: "small" in finished)
+            assert kv.num_lent_blocks == 8  # still held by the paused micro-batch
+            await until(lambda: "big" in finished and job.status == "succeeded")
+            await until(lambda: kv.num_lent_blocks == 0)  # the job is over: all given back
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert first_steps == [("small", 8), ("big", 0)]
+    log = [what for what, _ in workers.log if what in ("call_off", "take_back")]
+    assert log[:2] == ["call_off", "take_back"]  # once, for big; none for small
+    assert sum(units > 0 for units in workers.lent_units) >= 12  # every micro-batch borrowed
+    # every example trained once an epoch, the called-off micro-batch's again later
+    assert job.trained_tokens == 3 * 4 * 20 == workers.trained
+    assert loop.finetuning.busy.num_called_off == 1
