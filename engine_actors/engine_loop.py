@@ -118,8 +118,9 @@ class EngineLoop:
         except RequestRejected as e:
             return Refusal("too_long", str(e))
         self.last_arrival = now
-        if self.finetuning is not None:  # a micro-batch sent ahead is called off
-            self.finetuning.skip_ahead(self.executor)
+        if self.finetuning is not None:  # a micro-batch sent ahead is called off, and a
+            self.finetuning.skip_ahead(self.executor)  # run of pieces stops
+            self.finetuning.busy.interrupt(self.executor)
         self.wake()
         return None
 

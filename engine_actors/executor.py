@@ -168,6 +168,12 @@ class Executor:
         for w in self.workers:
             w.skip_training.remote(seq)
 
+    def stop_training(self, run: int) -> None:
+        """Runs of fine-tuning pieces numbered up to `run` stop after their current piece
+        (a request came); not waited for."""
+        for w in self.workers:
+            w.stop_training.remote(run)
+
     async def all_alive(self, timeout_s: float = 5.0) -> bool:
         try:
             await asyncio.wait_for(asyncio.gather(*[w.__ray_ready__.remote()

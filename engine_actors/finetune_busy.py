@@ -6,9 +6,10 @@ Between requests: FineInfer's rule (finetune_jobs.py) runs a whole micro-batch w
 request runs, and whoever arrives during it waits for all of it. When that is longer than
 the bound, no quiet spell makes it safe (arrivals are memoryless: at 2 req/s whole ones
 raised TTFT p99 tenfold, BENCHMARKS.md 2026-11-26), so the job's micro-batches run in pieces
-instead, back to back while no request runs, GAP_DEPTH in flight (the next is launched on
-the worker while one runs, hiding the call). A request that arrives waits for those at most,
-a few milliseconds. Such a micro-batch may borrow free KV blocks (finetune_memory.py), as a
+instead: while no request runs, one call runs the rest of a micro-batch's pieces back to
+back on the worker (a call a piece cost a quarter of the speed: BENCHMARKS.md, 2026-11-27),
+and a request that arrives stops it after its current piece (`interrupt`), so it waits a
+few milliseconds, not a micro-batch. Such a micro-batch may borrow free KV blocks (finetune_memory.py), as a
 whole one does; a request arriving then runs beside it on the other blocks while the
 micro-batch pauses, and one that needs the lent blocks has it called off (its activations
 freed, its examples next again) and the blocks mapped back before its first step.
@@ -17,7 +18,7 @@ Beside requests: with a share f > 0, every step or piece that ends earns f of it
 piece is sent once the credit is positive, and its device time, measured on the worker, is
 spent. So training takes about f of the time, and each running request's step comes at
 least f/(1 - f) later (more under load: the load's own work keeps its share; BENCHMARKS.md,
-2026-11-26). One piece is in flight at a time then, and nothing is lent while requests run.
+2026-11-26). A call is one piece then, and nothing is lent while requests run.
 While requests wait to be admitted, no piece is sent, so their step goes first (and an
 engine at its capacity, where requests always wait, does not train beside them at all).
 
@@ -28,7 +29,6 @@ run).
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 
 import ray
@@ -38,42 +38,39 @@ from engine_actors.finetune_job import Job
 from engine_actors.finetune_memory import plan_micro_batch
 
 CREDIT_CAP_S = 0.01  # time earned and not spent does not pile up past this
-# pieces in flight while no request runs: the next is launched on the worker while one runs
-GAP_DEPTH = 2
+RUN_ALL = 1 << 30  # pieces a run between requests may take: the rest of its micro-batch
 
 
 class BusyTraining:
     def __init__(self, ft, share: float):
         self.ft, self.share = ft, share  # ft: FineTuning (finetune_jobs.py)
         self.credit = 0.0  # seconds of device time training may still take
-        self.job: Job | None = None  # whose micro-batch's pieces are being sent
+        self.job: Job | None = None  # whose micro-batch is in pieces now
         self.batch: tuple[int, bool] = (0, False)  # its batch's trained tokens, last or not
-        self.unsent: int | None = None  # its pieces not sent yet (None: known at the first's end)
+        self.micro: list[int] = []  # its examples
         self.num_micro = 0  # micro-batches begun in pieces, in all (the latest one's number)
-        # in flight, oldest first: kind, job, sent while requests ran, its micro-batch's
-        # number and batch
-        self.calls: collections.deque[tuple[str, Job, bool, int, tuple[int, bool]]] = \
-            collections.deque()
+        # in flight: kind, job, sent while requests ran, its run's number
+        self.call: tuple[str, Job, bool, int] | None = None
+        self.num_runs = 0
         self.num_pieces = 0
         self.piece_s: float | None = None  # a piece's device time, averaged
         self.busy_s = 0.0  # device time of the pieces run while requests ran, in all
         self.gap_s = 0.0  # and of those run while none ran
-        self.micro_s = 0.0  # device time of the pieces of the micro-batch that ends next
-        self.micro: list[int] = []  # the examples of the one whose pieces are being sent
+        self.micro_s = 0.0  # device time of the pieces of the micro-batch in pieces
+        self.retry_at = 0.0  # no micro-batch fitted beside the pool: not before then
         # (job, number) of the micro-batch whose activations live in lent KV blocks
         self.lent: tuple[Job, int] | None = None
         self.num_called_off = 0
-        self.retry_at = 0.0  # no micro-batch fitted beside the pool: not before then
 
     @property
     def active(self) -> bool:
         """A micro-batch is in pieces or a call is in flight: no whole micro-batch runs."""
-        return self.job is not None or bool(self.calls)
+        return self.job is not None or self.call is not None
 
     @property
     def holds_lent(self) -> bool:
         """A micro-batch in pieces holds KV blocks lent to it: they are not taken back."""
-        if self.lent is not None and self.lent[0].status != "running" and not self.calls:
+        if self.lent is not None and self.lent[0].status != "running" and self.call is None:
             self.lent = None  # its job ended (its trainer and pieces dropped)
         return self.lent is not None
 
@@ -82,30 +79,29 @@ class BusyTraining:
         self.credit = min(self.credit + self.share * took, CREDIT_CAP_S)
 
     def launch(self, executor, kv, busy: bool, waiting: bool) -> asyncio.Future | None:
-        """The call to put in flight now (the queue's first job's start, or the next piece
-        of its micro-batch or of a new one), or None. `busy`: requests are running;
-        `waiting`: requests wait to be admitted (their step goes first)."""
+        """The call to put in flight now (the queue's first job's start, or a run of pieces
+        of its micro-batch or of a new one), or None. `busy`: requests are running (one
+        piece, paid for by the share); else the run takes the rest of the micro-batch,
+        until a request comes (`interrupt`). `waiting`: requests wait to be admitted
+        (their step goes first)."""
         ft = self.ft
-        if waiting or len(self.calls) >= (1 if busy else GAP_DEPTH) \
-                or (busy and self.credit <= 0) or (self.calls and self.calls[-1][0] == "start"):
+        if waiting or self.call is not None or (busy and self.credit <= 0):
             return None
         if self.job is not None and self.job.status != "running":
             self.job = None  # cancelled or failed: its pieces were dropped with its trainer
         if self.job is not None:
-            if self.unsent is None:  # how many pieces it has: known once its first ends
-                return None
             job, args = self.job, ()
         else:
             if not ft.queue or time.monotonic() < max(ft.retry_at, self.retry_at):
                 return None
             job = ft.queue[0]
             if not job.started:  # (its trainer's state must not sit in lent blocks)
-                if self.calls or kv.num_lent_blocks:
+                if kv.num_lent_blocks:
                     return None
-                self.calls.append(("start", job, busy, 0, (0, False)))
+                self.call = ("start", job, busy, 0)
                 return asyncio.ensure_future(ft.start_call(job, executor))
-            if job.status != "running" or (self.calls and not job.has_next()):
-                return None  # its last micro-batch is in flight
+            if job.status != "running":
+                return None
             try:  # KV blocks are lent only while no request runs
                 planned = plan_micro_batch(job, kv, ft.memory if not busy else
                                            {**ft.memory, "lendable_units": 0},
@@ -116,30 +112,30 @@ class BusyTraining:
                 self.retry_at = time.monotonic() + finetune_steps.MEMORY_RETRY_S
                 return None
             units, self.micro = planned
-            self.job, self.batch, self.unsent = job, job.take_micro(self.micro), None
+            self.job, self.batch, self.micro_s = job, job.take_micro(self.micro), 0.0
             self.num_micro += 1
             if units:
                 self.lent = (job, self.num_micro)
             args = (units, [job.examples[i][0] for i in self.micro],
                     [job.examples[i][1] for i in self.micro], *self.batch)
-        if self.unsent is not None:
-            self.unsent -= 1
-            if not self.unsent:  # its last piece: the next call begins a new micro-batch
-                self.job = None
-        self.calls.append(("piece", job, busy, self.num_micro, self.batch))
-        return asyncio.ensure_future(executor.finetune("piece", job.id, *args))
+        self.num_runs += 1
+        self.call = ("piece", job, busy, self.num_runs)
+        return asyncio.ensure_future(executor.finetune(
+            "piece", job.id, self.num_runs, 1 if busy else RUN_ALL, *args))
+
+    def interrupt(self, executor) -> None:
+        """A request came: a run of pieces between requests stops after its current piece."""
+        if self.call is not None and self.call[0] == "piece" and not self.call[2]:
+            executor.stop_training(self.call[3])
 
     async def done(self, call: asyncio.Future, executor) -> bool:
-        """The oldest call in flight has ended: its result recorded, or its job failed.
-        True: a worker is gone (the workers must be replaced, which fails the job)."""
-        kind, job, busy, micro, batch = self.calls.popleft()
+        """The call in flight has ended: its result recorded, or its job failed. True: a
+        worker is gone (the workers must be replaced, which fails the job)."""
+        kind, job, busy, _ = self.call
         try:
-            out = await call
+            out = await call  # (still in flight meanwhile: a request may interrupt it)
         except ray.exceptions.RayError as e:
-            if micro == self.num_micro:
-                self.job = None
-            if self.lent is not None and self.lent[1] == micro:
-                self.lent = None  # the worker freed its activations
+            self.call = self.job = self.lent = None  # the worker freed its activations
             if isinstance(e, ray.exceptions.RayActorError):
                 return True
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e
@@ -147,16 +143,13 @@ class BusyTraining:
                 self.ft._fail(job, f"{type(cause).__name__}: {cause}".splitlines()[0])
             await self.ft._drop(job, executor)
             return False
+        self.call = None
         if kind == "start":
             self.ft.started(job, out)
             return False
-        if micro == self.num_micro and self.unsent is None:  # the first of the latest
-            self.unsent = out["left"]
-            if not self.unsent:
-                self.job = None
-        self.num_pieces += 1
-        self.piece_s = out["gpu_s"] if self.piece_s is None \
-            else 0.9 * self.piece_s + 0.1 * out["gpu_s"]
+        self.num_pieces += out["ran"]
+        piece_s = out["gpu_s"] / out["ran"]
+        self.piece_s = piece_s if self.piece_s is None else 0.9 * self.piece_s + 0.1 * piece_s
         self.micro_s += out["gpu_s"]
         if busy:
             self.credit -= out["gpu_s"]
@@ -164,23 +157,20 @@ class BusyTraining:
         else:
             self.gap_s += out["gpu_s"]
         if out["done"]:
-            if self.lent is not None and self.lent[1] == micro:
-                self.lent = None
+            self.job = self.lent = None
             self.ft.memory = {**self.ft.memory, "free_bytes": out["free_bytes"]}
             self.ft.measure_pieces(self.micro_s)
-            self.micro_s = 0.0
             if job.status == "running":
-                await self.ft.record(job, out, *batch, executor)
+                await self.ft.record(job, out, *self.batch, executor)
         return False
 
     async def call_off(self, executor) -> bool:
         """Requests need the KV blocks lent to the micro-batch in pieces: it is called off
         (its activations freed on the workers, its examples next again), so they can be
         taken back. Only while none of its pieces is in flight (False: not now)."""
-        if self.calls or self.job is None or self.lent is None \
-                or self.lent[1] != self.num_micro:
+        if self.call is not None or self.job is None or self.lent is None:
             return False
-        job, self.job, self.lent, self.micro_s = self.job, None, None, 0.0
+        job, self.job, self.lent = self.job, None, None
         try:
             await executor.finetune("call_off", job.id)
         except ray.exceptions.RayError:  # the workers are gone: taking back fails next,
@@ -206,10 +196,8 @@ class BusyTraining:
 
     def reset(self) -> None:
         """The workers were replaced: whatever was in pieces is gone."""
-        self.job, self.credit, self.retry_at, self.micro_s = None, 0.0, 0.0, 0.0
-        self.lent = None
-        self.calls.clear()
-
+        self.job, self.call, self.lent = None, None, None
+        self.credit, self.retry_at, self.micro_s = 0.0, 0.0, 0.0
 
 def needs_lent_blocks(scheduler) -> bool:
     """Requests need the KV blocks lent to training: fewer blocks are unreserved than are

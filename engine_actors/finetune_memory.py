@@ -36,3 +36,23 @@ def plan_micro_batch(job: Job, kv, m: dict, max_tokens: int) -> tuple[int, list[
     if short <= 0 or not unit_bytes:
         return have, micro
     return kv.lend(have + -(-int(short) // unit_bytes), unit_blocks, lendable), micro
+
+
+def training_memory(runner, device: str, held: int) -> dict:
+    """A worker's answer on what a training step may use: device memory free beside the KV
+    pool (None on CPU: not bounded here; `held`: what the caching allocator holds and cannot
+    give back) and how the pool lends blocks (kv_memory.py)."""
+    import torch
+    unit_blocks, units, unit_bytes = runner.kv_memory.lendable()
+    free = None
+    if device == "cuda":
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - held
+        free = torch.cuda.mem_get_info()[0] + max(0, cached) - runner.kv_memory.lent_bytes
+    hf = runner.model.config  # activations kept for the backward pass, roughly
+    guess = runner.model.embed_tokens.weight.element_size() * hf.num_hidden_layers \
+        * (16 * hf.hidden_size + 6 * hf.intermediate_size)
+    return {"free_bytes": free, "lend_unit_blocks": unit_blocks, "lendable_units": units,
+            "lend_unit_bytes": unit_bytes, "bytes_per_token_guess": guess,
+            # the allocator freed its cache and retried (slow): memory ran short
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            if device == "cuda" else 0}

@@ -23,6 +23,7 @@ from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import cdiv
 from engine_actors.messages import StepInput
 from engine_actors.finetune import Trainer
+from engine_actors.finetune_memory import training_memory
 from engine_actors.finetune_pieces import Pieces
 from engine_actors.kv_profile import profile_kv_blocks
 from engine_actors.model_runner import ModelRunner, resolve_dtype
@@ -52,6 +53,7 @@ class Worker:
         self._held = 0  # bytes the caching allocator holds and cannot give back (CUDA)
         self.pieces: tuple[str, Pieces] | None = None  # (job, micro-batch) run in pieces
         self._piece_base = 0  # memory allocated before it
+        self._stop = 0  # runs of pieces numbered up to this stop after their current piece
 
     def address(self) -> str:
         """host:port for the process group's rendezvous (asked of rank 0)."""
@@ -188,11 +190,13 @@ class Worker:
         else:
             return getattr(self.trainers[job_id], method)(*args)
 
-    def _piece(self, job_id: str, *batch):
-        """Launch the next piece of a micro-batch run in pieces between steps (finetune_
-        pieces.py); `batch` (the KV units lent to it, sequences, masks, the batch's trained
-        tokens, whether it is the batch's last) starts a new one. Returns what `_piece_done`
-        completes, and the CUDA events around the piece (None on CPU)."""
+    def _piece(self, job_id: str, run: int, count: int, *batch):
+        """Launch up to `count` pieces of a micro-batch run in pieces between steps
+        (finetune_pieces.py), back to back, fewer when its micro-batch ends or when run
+        number `run` is told to stop (`stop_training`: a request came; at least one runs).
+        `batch` (the KV units lent to it, sequences, masks, the batch's trained tokens,
+        whether it is the batch's last) starts a new one. Returns what `_piece_done`
+        completes, and the CUDA events around the pieces (None on CPU)."""
         cuda = self.device == "cuda"
         if batch:
             self._lend(batch[0])
@@ -206,12 +210,15 @@ class Worker:
         start = time.perf_counter()
         if cuda:
             events[0].record()
+        ran, done = 0, False
         try:
-            done = pieces.run_next()
+            while not done and ran < count and not (ran and self._stopping(run)):
+                done = pieces.run_next()
+                ran += 1
         except Exception:
             self.pieces = None  # its activations freed
             raise
-        out = {"done": done, "left": pieces.num_pieces, "host_s": 0.0}
+        out = {"done": done, "left": pieces.num_pieces, "ran": ran, "host_s": 0.0}
         if done:
             self.pieces = None
             out.update(loss_sum=pieces.loss_sum.to("cpu", non_blocking=True),
@@ -240,9 +247,23 @@ class Worker:
                                "tensor-parallel rank")
         return skip
 
+    def _stopping(self, run: int) -> bool:
+        """Whether run `run` of pieces stops now, as the tensor-parallel ranks agree (each
+        asks after the same pieces; one that heard of the stop decides for all)."""
+        stop = self._stop >= run
+        if self.runner.parallel.tp_size > 1:
+            flag = torch.tensor([float(stop)], device=self.runner.model.embed_tokens.weight.device)
+            stop = bool(self.runner.parallel.all_reduce(flag).item())
+        return stop
+
+    async def stop_training(self, run: int) -> None:
+        """Runs of pieces numbered up to `run` stop after their current piece (a request
+        came). On the actor's loop, so it lands while the launch thread trains."""
+        self._stop = max(self._stop, run)
+
     async def _piece_done(self, out: dict, events) -> dict:
-        """A piece's answer once the device has run it: its device time (`gpu_s`; its
-        host time on CPU) and, after the micro-batch's last piece, its loss."""
+        """A run of pieces' answer once the device has run it: its device time (`gpu_s`;
+        its host time on CPU) and, after the micro-batch's last piece, its loss."""
         out["gpu_s"] = out["host_s"]
         if events is not None:
             await asyncio.to_thread(events[1].synchronize)
@@ -270,22 +291,7 @@ class Worker:
         return skip, failed
 
     def _training_memory(self) -> dict:
-        """What a training step may use: device memory free beside the KV pool (None on
-        CPU: not bounded here) and how the pool lends blocks (kv_memory.py)."""
-        unit_blocks, units, unit_bytes = self.runner.kv_memory.lendable()
-        free = None
-        if self.device == "cuda":
-            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - self._held
-            free = torch.cuda.mem_get_info()[0] + max(0, cached) \
-                - self.runner.kv_memory.lent_bytes
-        hf = self.runner.model.config  # activations kept for the backward pass, roughly
-        guess = self.runner.model.embed_tokens.weight.element_size() * hf.num_hidden_layers \
-            * (16 * hf.hidden_size + 6 * hf.intermediate_size)
-        return {"free_bytes": free, "lend_unit_blocks": unit_blocks, "lendable_units": units,
-                "lend_unit_bytes": unit_bytes, "bytes_per_token_guess": guess,
-                # the allocator freed its cache and retried (slow): memory ran short
-                "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)
-                if self.device == "cuda" else 0}
+        return training_memory(self.runner, self.device, self._held)
 
     def step_trace(self) -> list[tuple]:
         return list(self.trace)

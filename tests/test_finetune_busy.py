@@ -29,6 +29,9 @@ class PieceWorkers(Workers):
         self.trained = 0
         self.lent_units = []  # what each micro-batch was lent
         self.pieces = PIECES  # a micro-batch's
+        self.stop = 0  # runs of pieces up to this number stop (stop_training)
+        self.num_micro = 0  # micro-batches begun
+        self.on_piece = None  # called with (micro-batches begun, pieces run of the latest)
 
     async def execute(self, step):
         async with self.device:
@@ -36,21 +39,31 @@ class PieceWorkers(Workers):
             self.ended.append(("step", asyncio.get_running_loop().time()))
         return self.runner.execute(step)
 
+    def stop_training(self, run):
+        self.stop = max(self.stop, run)
+
     async def finetune(self, method, job_id, *args):
         if method != "piece":
             if method == "save":
                 self.log.append((method, job_id))
                 return None
             return await super().finetune(method, job_id, *args)
+        run, count, *batch = args
+        ran = 0
         async with self.device:  # the calls in order, as on the worker
-            if args:  # a new micro-batch: KV units lent, sequences, masks, trained tokens, last
-                self.left, self.tokens = self.pieces, sum(map(len, args[1]))
-                self.lent_units.append(args[0])
-            await asyncio.sleep(PIECE_S)
-            self.ended.append(("piece", asyncio.get_running_loop().time()))
-            self.log.append(("piece", job_id))
-            self.left -= 1
-            out = {"done": not self.left, "left": self.left, "gpu_s": PIECE_S}
+            if batch:  # a new micro-batch: KV units lent, sequences, masks, trained tokens, last
+                self.left, self.tokens = self.pieces, sum(map(len, batch[1]))
+                self.lent_units.append(batch[0])
+                self.num_micro += 1
+            while self.left and ran < count and not (ran and self.stop >= run):
+                await asyncio.sleep(PIECE_S)
+                self.ended.append(("piece", asyncio.get_running_loop().time()))
+                self.log.append(("piece", job_id))
+                self.left -= 1
+                ran += 1
+                if self.on_piece is not None:
+                    self.on_piece(self.num_micro, self.pieces - self.left)
+            out = {"done": not self.left, "left": self.left, "ran": ran, "gpu_s": ran * PIECE_S}
             if not self.left:
                 self.trained += self.tokens
                 out.update(loss_sum=1.0, loss_tokens=self.tokens, tokens=self.tokens,
@@ -135,7 +148,7 @@ def test_a_piece_that_raises_fails_its_job_and_the_request_is_served():
     original = workers.finetune
 
     async def raises(method, job_id, *args):
-        if method == "piece" and not args:  # the second piece of the first micro-batch
+        if method == "piece" and len(args) == 2:  # the second call of the first micro-batch
             raise ray.exceptions.RayTaskError(
                 "finetune", "Traceback ...", RuntimeError("CUDA out of memory."))
         return await original(method, job_id, *args)
@@ -182,26 +195,20 @@ def test_no_piece_while_requests_wait_to_be_admitted():
 @pytest.mark.parametrize("share", [0.0, 0.25])
 def test_micro_batches_longer_than_the_bound_run_in_pieces_between_requests(share):
     """A whole micro-batch would take longer than the deferral bound (5 ms here), so none
-    runs whole, however long no request comes: between requests, new micro-batches run in
-    pieces back to back, two in flight (the next launched while one runs), and a request
-    that comes waits for those two at most. Without a share, none runs beside requests."""
+    runs whole, however long no request comes: between requests, one call runs a micro-
+    batch's pieces back to back, and a request that comes stops it after the current
+    piece. Without a share, none runs beside requests."""
     workers = PieceWorkers(4)
+    workers.pieces = 8
     loop, finished = busy_engine(share, workers)
     # measured, as it were, over the bound (whose pieces' time stays over it too)
     loop.finetuning.step_s, loop.finetuning.bound_s = 5.0, 0.005
-    original, starts, flight = workers.finetune, [], {"now": 0, "most": 0}
+    original, calls = workers.finetune, []
 
     async def logged(method, job_id, *args):
-        if method != "piece":
-            return await original(method, job_id, *args)
-        if args:  # a new micro-batch
-            starts.append(asyncio.get_running_loop().time())
-        flight["now"] += 1
-        flight["most"] = max(flight["most"], flight["now"])
-        try:
-            return await original(method, job_id, *args)
-        finally:
-            flight["now"] -= 1
+        if method == "piece":
+            calls.append(args[1])  # how many pieces it may run
+        return await original(method, job_id, *args)
 
     workers.finetune = logged
     job, marks = loop.finetuning.jobs["ftjob-1"], {}
@@ -213,12 +220,12 @@ def test_micro_batches_longer_than_the_bound_run_in_pieces_between_requests(shar
             await until(lambda: "a" in finished)
             marks["a done"] = asyncio.get_running_loop().time()
             before = loop.finetuning.stats()["finetuning"]
-            await asyncio.sleep(20 * PIECE_S * PIECES)
+            await asyncio.sleep(30 * PIECE_S * workers.pieces)
             assert loop.scheduler.num_running == 0
             after = loop.finetuning.stats()["finetuning"]  # counted apart from those beside a
             # (but the one sent while a ran, which may end after it)
             assert after["busy_piece_s"] - before["busy_piece_s"] <= PIECE_S + 1e-6
-            assert after["gap_piece_s"] - before["gap_piece_s"] >= 3 * PIECES * PIECE_S - 1e-6
+            assert after["gap_piece_s"] - before["gap_piece_s"] >= 10 * workers.pieces * PIECE_S
             assert after["in_pieces"]
             loop.add(request("b", 10), None, None)
             marks["b added"] = asyncio.get_running_loop().time()
@@ -227,18 +234,17 @@ def test_micro_batches_longer_than_the_bound_run_in_pieces_between_requests(shar
             task.cancel()
 
     asyncio.run(run())
-    assert sum(t > marks["a done"] for t in starts) >= 3, starts
     assert not any(what == "micro_step" for what, _ in workers.log)
-    assert flight["most"] == 2
-    steps = [t for what, t in workers.ended if what == "step"]
     pieces = [t for what, t in workers.ended if what == "piece"]
+    gap = sum(t > marks["a done"] for t in pieces)
+    assert sum(count > 1 for count in calls) <= gap / 4  # several pieces a call
+    steps = [t for what, t in workers.ended if what == "step"]
     b_first = min(t for t in steps if t > marks["b added"])
-    assert sum(marks["b added"] < t < b_first for t in pieces) <= 2
+    assert sum(marks["b added"] < t < b_first for t in pieces) <= 1
     if not share:  # none beside a (whose first step came before the job started)
         assert not any(steps[0] < t < marks["a done"] for t in pieces)
-    # what the workers trained was recorded, micro-batch by micro-batch, though the next
-    # one began before the one before it was answered (one may be answered after the end)
-    assert 0 < workers.trained - job.trained_tokens <= 40 or workers.trained == job.trained_tokens
+    # what the workers trained was recorded (but a micro-batch answered after the end)
+    assert 0 <= workers.trained - job.trained_tokens <= 40
 
 
 def test_no_request_is_held_for_a_whole_micro_batch_while_one_is_in_pieces():

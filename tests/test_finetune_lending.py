@@ -22,32 +22,28 @@ def test_pieces_borrow_kv_blocks_and_give_them_back_when_requests_need_them():
     kv, job = loop.scheduler.kv, loop.finetuning.jobs["ftjob-1"]
     original_finetune, original_execute = workers.finetune, workers.execute
     plan = {1: "small", 3: "big"}  # a request comes at the third piece of these micro-batches
-    seen = {"micro": 0, "piece": 0}
     first_steps = []  # (request, KV blocks lent when its first step ran)
 
+    def on_piece(micro, piece):
+        rid = plan.get(micro) if piece == 3 else None
+        if rid is not None and rid not in loop.scheduler.pool and rid not in finished:
+            # small: 18 tokens; big: reserves 228 tokens, 57 blocks, of 56 not lent
+            loop.add(request(rid, 10 if rid == "small" else 220), None, None)
+
     async def finetune(method, job_id, *args):
+        out = await original_finetune(method, job_id, *args)
         if method == "start":
-            await original_finetune(method, job_id, *args)
             return dict(MEMORY)
-        if method == "piece":
-            seen["micro"] += bool(args)
-            seen["piece"] = 1 if args else seen["piece"] + 1
-            rid = plan.get(seen["micro"]) if seen["piece"] == 3 else None
-            if rid is not None and rid not in loop.scheduler.pool and rid not in finished:
-                # small: 18 tokens; big: reserves 228 tokens, 57 blocks, of 56 not lent
-                loop.add(request(rid, 10 if rid == "small" else 220), None, None)
-            out = await original_finetune(method, job_id, *args)
-            if out["done"]:
-                out["free_bytes"] = 0
-            return out
-        return await original_finetune(method, job_id, *args)
+        if method == "piece" and out["done"]:
+            out["free_bytes"] = 0
+        return out
 
     async def execute(step):
         rows = {r.row: r.request_id for r in loop.scheduler.admitted.values()}
         first_steps.extend((rows[r.row], kv.num_lent_blocks) for r in step.new_requests)
         return await original_execute(step)
 
-    workers.finetune, workers.execute = finetune, execute
+    workers.finetune, workers.execute, workers.on_piece = finetune, execute, on_piece
 
     async def run():
         task = asyncio.create_task(loop.run())

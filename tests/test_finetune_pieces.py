@@ -89,11 +89,19 @@ def test_the_worker_runs_a_micro_batch_in_pieces_and_times_each(base, device):
     whole = Trainer(worker.runner.model, 4, 8, TARGETS, lr=1e-3)  # the same start
     expected = whole.micro_step(SEQS, MASKS, 7, last=False)["loss_sum"]
     answers, args = [], (0, SEQS, MASKS, 7, False)  # no KV blocks lent
-    while not answers or not answers[-1]["done"]:
-        out, events = worker._finetune("piece", "job", *args)
+
+    def run(number, count, *args):
+        out, events = worker._finetune("piece", "job", number, count, *args)
         answers.append(asyncio.run(worker._piece_done(out, events)))
-        args = ()
-    assert len(answers) >= 3 and all(a["gpu_s"] > 0 for a in answers)
+
+    run(1, 1, *args)  # one piece a call, as beside requests
+    assert answers[0]["left"] >= 2  # forward, head, backward at least
+    asyncio.run(worker.stop_training(2))  # a request came: run 2 stops after one piece
+    run(2, 1 << 30)
+    run(3, 1 << 30)  # the rest, in one call
+    assert [a["ran"] for a in answers] == [1, 1, answers[0]["left"] - 1]
+    assert [a["done"] for a in answers] == [False, False, True] and answers[-1]["left"] == 0
+    assert all(a["gpu_s"] > 0 for a in answers)
     assert answers[-1]["loss_sum"] == pytest.approx(expected, rel=1e-2 if device == "cuda"
                                                     else 1e-6)
     assert answers[-1]["tokens"] == 14 and answers[-1]["loss_tokens"] == 7

@@ -135,11 +135,11 @@ def test_pieces_borrow_kv_blocks_requests_run_beside_and_a_call_off_frees_them(t
     worker._finetune("start", "job", 8, 16, ["q_proj", "v_proj", "down_proj"], 1e-3, 0)
     assert kv.lend(2, 128, 4) == 2  # the scheduler's side (finetune_memory.py)
     seq = [rng.randrange(256) for _ in range(200)]
-    worker._finetune("piece", "job", 2, [seq], [[False] * 100 + [True] * 100], 100, True)
+    worker._finetune("piece", "job", 1, 1, 2, [seq], [[False] * 100 + [True] * 100], 100, True)
     assert worker.runner.kv_memory.num_lent == 2 and worker.pieces is not None
     run_and_check([(f"a{i}", [rng.randrange(256) for _ in range(300)]) for i in range(3)])
     assert max(b for s in engine.steps for b in s.table_blocks) < 256  # not the lent ones
-    worker._finetune("piece", "job")  # the micro-batch goes on after the requests
+    worker._finetune("piece", "job", 2, 1)  # the micro-batch goes on after the requests
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     worker._finetune("call_off", "job")
