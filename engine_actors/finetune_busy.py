@@ -106,8 +106,13 @@ class BusyTraining:
                 planned = plan_micro_batch(job, kv, ft.memory if not busy else
                                            {**ft.memory, "lendable_units": 0},
                                            ft.cfg.finetune_max_tokens)
-            except ValueError:  # its next example needs lent blocks: when requests are gone
-                planned = None
+            except ValueError as e:  # its next example needs more than is free now
+                if busy:  # (lent blocks too: when requests are gone)
+                    planned = None
+                else:  # more than the whole pool: it never fits, and the job fails
+                    ft._fail(job, str(e))
+                    self.call = ("drop", job, busy, 0)
+                    return asyncio.ensure_future(ft._drop(job, executor))
             if planned is None:
                 self.retry_at = time.monotonic() + finetune_steps.MEMORY_RETRY_S
                 return None
@@ -146,6 +151,7 @@ class BusyTraining:
         self.call = None
         if kind == "start":
             self.ft.started(job, out)
+        if kind != "piece":
             return False
         self.num_pieces += out["ran"]
         piece_s = out["gpu_s"] / out["ran"]
@@ -159,7 +165,7 @@ class BusyTraining:
         if out["done"]:
             self.job = self.lent = None
             self.ft.memory = {**self.ft.memory, "free_bytes": out["free_bytes"]}
-            self.ft.measure_pieces(self.micro_s)
+            self.ft.measure_pieces(self.micro_s, out["tokens"])
             if job.status == "running":
                 await self.ft.record(job, out, *self.batch, executor)
         return False

@@ -138,11 +138,12 @@ class TrainingSteps:
         if self.metrics is not None:
             self.metrics.finetune_step_time.observe(elapsed)
 
-    def measure_pieces(self, device_s: float) -> None:
-        """A micro-batch run in pieces ended, their device time `device_s` in all: what a
-        whole one would take, as far as it shows (it decides whether micro-batches run
-        whole: FineTuning.in_pieces)."""
+    def measure_pieces(self, device_s: float, tokens: int) -> None:
+        """A micro-batch of `tokens` run in pieces ended, their device time `device_s` in
+        all: what a whole one would take, as far as it shows (it decides whether
+        micro-batches run whole: FineTuning.in_pieces)."""
         self.step_s = device_s if self.step_s is None else 0.8 * self.step_s + 0.2 * device_s
+        self.micro_tokens = 0.8 * self.micro_tokens + 0.2 * tokens
 
     async def _start(self, job: Job, executor, kv) -> bool | None:
         """Create the job's trainer on the workers. None: started; else it did not, and

@@ -63,3 +63,32 @@ def test_pieces_borrow_kv_blocks_and_give_them_back_when_requests_need_them():
     # every example trained once an epoch, the called-off micro-batch's again later
     assert job.trained_tokens == 3 * 4 * 20 == workers.trained
     assert loop.finetuning.busy.num_called_off == 1
+
+
+def test_an_example_larger_than_the_whole_pool_fails_its_job_in_pieces():
+    """Between requests a micro-batch in pieces may have every lendable block; an example
+    that needs more fails its job (named sizes), and serving goes on."""
+    workers = PieceWorkers(4)
+    loop, finished = busy_engine(0.0, workers)
+    loop.finetuning.step_s, loop.finetuning.bound_s = 5.0, 0.005  # in pieces
+    job, original = loop.finetuning.jobs["ftjob-1"], workers.finetune
+
+    async def finetune(method, job_id, *args):
+        out = await original(method, job_id, *args)
+        # 20-token examples need 1,000 bytes: 8 units of 10 bytes are far from enough
+        return {**MEMORY, "lend_unit_bytes": 10} if method == "start" else out
+
+    workers.finetune = finetune
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: job.status == "failed")
+            loop.add(request("a", 5), None, None)
+            await until(lambda: "a" in finished)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert "a training example of 20 tokens needs" in job.error["message"]
+    assert ("drop", "ftjob-1") in workers.log and not workers.lent_units

@@ -243,8 +243,9 @@ def test_a_step_longer_than_the_bound_never_runs_whole():
     ft.step_s, ft.take_back_s = 0.15, 0.1  # mapping lent memory back counts too
     assert not ft.wants_step(Idle, 10.0) and ft.in_pieces
     ft.take_back_s = None
-    ft.measure_pieces(0.5)  # a micro-batch in pieces took longer: its estimate grows
+    ft.measure_pieces(0.5, 1000)  # a micro-batch in pieces took longer: its estimate grows
     assert ft.step_s == pytest.approx(0.8 * 0.15 + 0.2 * 0.5) and ft.in_pieces
+    assert ft.micro_tokens == pytest.approx(200)  # from 0, as after whole ones
 
 
 def test_a_micro_batch_called_off_before_it_started_runs_next():
