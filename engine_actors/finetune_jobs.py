@@ -164,7 +164,7 @@ class FineTuning(TrainingSteps):
         """Whether a whole micro-batch runs now (FineInfer's rule). One longer than the
         bound never does: whoever arrived during it would wait past the bound, and no quiet
         spell says none will (arrivals are memoryless). Its micro-batches run in pieces
-        instead (`in_pieces`), a request waiting for a piece or two at most."""
+        instead (`in_pieces`), a request waiting for a piece at most."""
         if not self.queue or scheduler.num_running or now < self.retry_at \
                 or self.busy.active or self.in_pieces:
             return False
