@@ -29,6 +29,7 @@ run).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import ray
@@ -37,6 +38,7 @@ from engine_actors import finetune_steps
 from engine_actors.finetune_job import Job
 from engine_actors.finetune_memory import plan_micro_batch
 
+logger = logging.getLogger("orca_serve.finetune")
 CREDIT_CAP_S = 0.01  # time earned and not spent does not pile up past this
 RUN_ALL = 1 << 30  # pieces a run between requests may take: the rest of its micro-batch
 
@@ -179,8 +181,10 @@ class BusyTraining:
         job, self.job, self.lent = self.job, None, None
         try:
             await executor.finetune("call_off", job.id)
-        except ray.exceptions.RayError:  # the workers are gone: taking back fails next,
-            pass  # and they are replaced
+        except ray.exceptions.RayError as e:  # the workers are gone: taking the blocks back
+            # fails next, and the workers are replaced
+            logger.warning("calling off a micro-batch in pieces failed: %s",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
         if job.status == "running":
             job.untake(self.micro)
         self.num_called_off += 1

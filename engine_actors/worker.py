@@ -200,11 +200,10 @@ class Worker:
         cuda = self.device == "cuda"
         if batch:
             self._lend(batch[0])
-            batch = batch[1:]
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 self._piece_base = torch.cuda.memory_allocated()
-            self.pieces = (job_id, Pieces(self.trainers[job_id], *batch))
+            self.pieces = (job_id, Pieces(self.trainers[job_id], *batch[1:]))
         pieces = self.pieces[1]
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
         start = time.perf_counter()
