@@ -18,7 +18,7 @@ Beside requests: with a share f > 0, every step or piece that ends earns f of it
 piece is sent once the credit is positive, and its device time, measured on the worker, is
 spent. So training takes about f of the time, and each running request's step comes at
 least f/(1 - f) later (more under load: the load's own work keeps its share; BENCHMARKS.md,
-2026-11-26). A call is one piece then, and nothing is lent while requests run.
+2026-11-26). A call is one piece then, and no more blocks are lent while requests run.
 While requests wait to be admitted, no piece is sent, so their step goes first (and an
 engine at its capacity, where requests always wait, does not train beside them at all).
 
@@ -41,6 +41,7 @@ from engine_actors.finetune_memory import plan_micro_batch
 logger = logging.getLogger("orca_serve.finetune")
 CREDIT_CAP_S = 0.01  # time earned and not spent does not pile up past this
 RUN_ALL = 1 << 30  # pieces a run between requests may take: the rest of its micro-batch
+MAX_STOP_WAITS = 4096  # the latest runs' stop waits kept (for /health)
 
 
 class BusyTraining:
@@ -63,6 +64,8 @@ class BusyTraining:
         # (job, number) of the micro-batch whose activations live in lent KV blocks
         self.lent: tuple[Job, int] | None = None
         self.num_called_off = 0
+        self.stopped_at: float | None = None  # when the run in flight was told to stop
+        self.stop_waits: list[float] = []  # from then until its end, per stopped run
 
     @property
     def active(self) -> bool:
@@ -132,7 +135,9 @@ class BusyTraining:
 
     def interrupt(self, executor) -> None:
         """A request came: a run of pieces between requests stops after its current piece."""
-        if self.call is not None and self.call[0] == "piece" and not self.call[2]:
+        if self.call is not None and self.call[0] == "piece" and not self.call[2] \
+                and self.stopped_at is None:
+            self.stopped_at = time.monotonic()
             executor.stop_training(self.call[3])
 
     async def done(self, call: asyncio.Future, executor) -> bool:
@@ -142,6 +147,7 @@ class BusyTraining:
         try:
             out = await call  # (still in flight meanwhile: a request may interrupt it)
         except ray.exceptions.RayError as e:
+            self._ended_stop()
             self.call = self.job = self.lent = None  # the worker freed its activations
             if isinstance(e, ray.exceptions.RayActorError):
                 return True
@@ -150,6 +156,7 @@ class BusyTraining:
                 self.ft._fail(job, f"{type(cause).__name__}: {cause}".splitlines()[0])
             await self.ft._drop(job, executor)
             return False
+        self._ended_stop()
         self.call = None
         if kind == "start":
             self.ft.started(job, out)
@@ -172,6 +179,22 @@ class BusyTraining:
                 await self.ft.record(job, out, *self.batch, executor)
         return False
 
+    def stop_wait_ms(self) -> dict:
+        """How long runs took to stop for a request that came (the latest runs')."""
+        waits = sorted(self.stop_waits)
+        if not waits:
+            return {"count": 0}
+        at = lambda q: round(waits[min(len(waits) - 1, int(q * len(waits)))] * 1e3, 1)
+        return {"count": len(waits), "p50": at(0.5), "p99": at(0.99), "max": at(1.0)}
+
+    def _ended_stop(self) -> None:
+        """The call in flight ended: if a request stopped it, how long that took (what the
+        request waited for training)."""
+        if self.stopped_at is not None:
+            self.stop_waits = self.stop_waits[-MAX_STOP_WAITS + 1:] + [
+                time.monotonic() - self.stopped_at]
+            self.stopped_at = None
+
     async def call_off(self, executor) -> bool:
         """Requests need the KV blocks lent to the micro-batch in pieces: it is called off
         (its activations freed on the workers, its examples next again), so they can be
@@ -191,22 +214,25 @@ class BusyTraining:
         return True
 
     async def settle_lent(self, executor, scheduler) -> bool:
-        """Before inference runs: the KV blocks lent to training come back, unless a
-        micro-batch in pieces holds them (requests run beside it on the other blocks), or
-        no request is there while a started job goes on (its next micro-batch reuses them;
-        a new trainer's state must not sit in them). A micro-batch holding blocks that
-        requests need is called off first. False: the workers cannot map them again and
-        must be replaced."""
-        if self.holds_lent and needs_lent_blocks(scheduler):
-            await self.call_off(executor)  # once none of its pieces is in flight
+        """Before inference runs: the KV blocks lent to training stay lent while requests do
+        not need them (`needs_lent_blocks`), whether a micro-batch in pieces holds them
+        (requests run beside it on the other blocks) or the next one of the started job
+        will reuse them: mapping them back, and lending them again, would hold up the
+        request's step (~ms) for nothing. A micro-batch holding blocks that requests need is
+        called off first, once none of its pieces is in flight. A new trainer's state must
+        not sit in them, and nothing keeps them once no job trains. False: the workers
+        cannot map them again and must be replaced."""
+        needed = bool(scheduler.pool) and needs_lent_blocks(scheduler)
+        if self.holds_lent and needed:
+            await self.call_off(executor)  # (not while a piece is in flight: later)
         queue = self.ft.queue
-        if self.holds_lent or not scheduler.pool and queue and queue[0].started:
+        if self.holds_lent or not needed and queue and queue[0].started:
             return True
         return await self.ft.take_back(executor, scheduler.kv)
 
     def reset(self) -> None:
         """The workers were replaced: whatever was in pieces is gone."""
-        self.job, self.call, self.lent = None, None, None
+        self.job, self.call, self.lent, self.stopped_at = None, None, None, None
         self.credit, self.retry_at, self.micro_s = 0.0, 0.0, 0.0
 
 def needs_lent_blocks(scheduler) -> bool:

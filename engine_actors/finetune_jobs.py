@@ -261,4 +261,9 @@ class FineTuning(TrainingSteps):
                                "busy_piece_ms": round(self.busy.piece_s * 1e3, 2)
                                if self.busy.piece_s else None,
                                "busy_piece_s": round(self.busy.busy_s, 3),
-                               "gap_piece_s": round(self.busy.gap_s, 3)}}
+                               "gap_piece_s": round(self.busy.gap_s, 3),
+                               # runs of pieces stopped for a request: how long until they did
+                               "stop_wait_ms": self.busy.stop_wait_ms(),
+                               "take_backs": self.num_take_backs,
+                               "take_back_ms": None if self.take_back_s is None
+                               else round(self.take_back_s * 1e3, 1)}}

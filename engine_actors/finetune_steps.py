@@ -47,6 +47,7 @@ class TrainingSteps:
         self.step_s: float | None = None  # measured time of one step, averaged
         self.train_s: float | None = None  # of which the trainer's, on the worker
         self.take_back_s: float | None = None  # mapping lent memory back, averaged
+        self.num_take_backs = 0
         self.micro_tokens = 0.0  # tokens of a micro-batch, averaged
         self.memory: dict | None = None  # the worker's: free bytes, how the KV pool lends
         self.retry_at = 0.0  # no micro-batch fitted in memory: not before then
@@ -232,6 +233,7 @@ class TrainingSteps:
                 await self._drop(job, executor)
                 continue
             kv.take_back()
+            self.num_take_backs += 1
             took = time.monotonic() - start
             self.take_back_s = took if self.take_back_s is None \
                 else 0.8 * self.take_back_s + 0.2 * took

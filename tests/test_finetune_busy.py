@@ -241,6 +241,9 @@ def test_micro_batches_longer_than_the_bound_run_in_pieces_between_requests(shar
     steps = [t for what, t in workers.ended if what == "step"]
     b_first = min(t for t in steps if t > marks["b added"])
     assert sum(marks["b added"] < t < b_first for t in pieces) <= 1
+    # the engine's count of how long the run took to stop for b: its piece, ~PIECE_S
+    waits = loop.finetuning.stats()["finetuning"]["stop_wait_ms"]
+    assert waits["count"] >= 1 and waits["max"] < 1e3 * (b_first - marks["b added"]) + 5
     if not share:  # none beside a (whose first step came before the job started)
         assert not any(steps[0] < t < marks["a done"] for t in pieces)
     # what the workers trained was recorded (but a micro-batch answered after the end)

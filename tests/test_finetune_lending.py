@@ -92,3 +92,50 @@ def test_an_example_larger_than_the_whole_pool_fails_its_job_in_pieces():
     asyncio.run(run())
     assert "a training example of 20 tokens needs" in job.error["message"]
     assert ("drop", "ftjob-1") in workers.log and not workers.lent_units
+
+
+def test_lent_blocks_stay_lent_for_a_request_between_micro_batches_that_needs_none():
+    """A request that arrives as a micro-batch in pieces ends (none holds the lent blocks
+    then) runs with them still lent when it does not need them: no take-back holds up its
+    first step, and the next micro-batch reuses them."""
+    workers = PieceWorkers(4)
+    workers.pieces = 4
+    loop, finished = busy_engine(0.0, workers, epochs=2)  # 8 micro-batches of one example
+    loop.finetuning.step_s, loop.finetuning.bound_s = 5.0, 0.005  # in pieces
+    kv, job, original = loop.scheduler.kv, loop.finetuning.jobs["ftjob-1"], workers.finetune
+    first_steps = []  # (request, KV blocks lent when its first step ran)
+
+    def on_piece(micro, piece):  # during the last piece of the second micro-batch
+        if micro == 2 and piece == workers.pieces and "late" not in loop.scheduler.pool:
+            loop.add(request("late", 10), None, None)
+
+    async def finetune(method, job_id, *args):
+        out = await original(method, job_id, *args)
+        if method == "start":
+            return dict(MEMORY)
+        if method == "piece" and out["done"]:
+            out["free_bytes"] = 0
+        return out
+
+    original_execute = workers.execute
+
+    async def execute(step):
+        rows = {r.row: r.request_id for r in loop.scheduler.admitted.values()}
+        first_steps.extend((rows[r.row], kv.num_lent_blocks) for r in step.new_requests)
+        return await original_execute(step)
+
+    workers.finetune, workers.execute, workers.on_piece = finetune, execute, on_piece
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: "late" in finished and job.status == "succeeded")
+            await until(lambda: kv.num_lent_blocks == 0)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert first_steps == [("late", 8)]
+    log = [what for what, _ in workers.log if what in ("call_off", "take_back")]
+    assert log == ["take_back"]  # once, when the job was over
+    assert workers.lent_units == [1] + [1] * 7  # lent once, then reused
