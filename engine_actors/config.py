@@ -91,7 +91,9 @@ class EngineConfig:
     # finetune_deferral_ms (FineInfer's deferred continuous batching); a micro-batch holds at most
     # finetune_max_tokens tokens; adapters are saved under finetune_dir (default: a temp dir).
     # A micro-batch measured longer than the bound runs in pieces of a few ms instead, so a
-    # request waits a few ms, not a whole micro-batch (slower training: BENCHMARKS.md).
+    # request waits a few ms, not a whole micro-batch (BENCHMARKS.md, 2026-11-27: 4,096
+    # tokens keep the device, not the host, the bottleneck of pieces: 0.96-0.97 of the
+    # trainer alone with no load, against 0.86 at 2,048).
     # finetune_busy_share > 0: while requests run, training also takes about this share of
     # the GPU's time, in pieces of a few ms between steps (running requests slow by up to
     # about twice that share at half load; engine_actors/finetune_busy.py). 0: only
@@ -99,7 +101,7 @@ class EngineConfig:
     enable_finetuning: bool = False
     finetune_deferral_ms: PositiveFloat = 200.0
     finetune_busy_share: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
-    finetune_max_tokens: PositiveInt = 2048
+    finetune_max_tokens: PositiveInt = 4096
     finetune_dir: str | None = None
 
     # Tool calls: the output format to parse ("auto": from the chat template, else the

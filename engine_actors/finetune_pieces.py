@@ -12,6 +12,11 @@ so each segment's backward pass runs on its own. The pieces, in order:
   micro-batch.
 The activations stay on the device between pieces. The gradients are those of
 `Trainer.micro_step` (tests/test_finetune_pieces.py checks).
+
+The host launches a piece only once the one two before it has run on the device, so at
+most two are queued there. A request that stops a run of pieces waits for those two, not
+for however many the host got ahead (micro-batches of 4,096 tokens are device-bound: runs
+took a median 22 ms, up to 69 ms, to stop; BENCHMARKS.md, 2026-11-27).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 
 # a backward piece's matmul work (two forward layers' worth per layer), about 3 ms on an H200
 PIECE_FLOPS = 2e12
+QUEUED = 2  # pieces launched and possibly not yet run on the device, at most
 
 
 class Pieces:
@@ -56,6 +62,7 @@ class Pieces:
         self.casts = None  # the LoRA weights in the model's dtype (flat A and B)
         self.leaves: list = [None] * n  # each segment's slices of them, detached
         self.loss_sum = self.loss_tokens = None
+        self.launched: list = []  # CUDA events after the latest pieces launched
 
     @property
     def num_pieces(self) -> int:
@@ -64,6 +71,8 @@ class Pieces:
 
     def run_next(self) -> bool:
         """Launch the next piece; True once the last one is launched."""
+        while len(self.launched) >= QUEUED:  # (the wait lets go of the GIL)
+            self.launched.pop(0).synchronize()
         kind, s = self.todo.pop(0)
         with torch.enable_grad():
             if kind == "forward":
@@ -73,6 +82,9 @@ class Pieces:
                 self._head()
             else:
                 self._backward(s)
+        if self.ids.is_cuda:
+            self.launched.append(torch.cuda.Event())
+            self.launched[-1].record()
         return not self.todo
 
     def _forward(self, s: int) -> None:

@@ -106,3 +106,32 @@ def test_the_worker_runs_a_micro_batch_in_pieces_and_times_each(base, device):
                                                     else 1e-6)
     assert answers[-1]["tokens"] == 14 and answers[-1]["loss_tokens"] == 7
     assert worker.pieces is None  # its activations freed
+
+
+@pytest.mark.gpu
+def test_the_host_launches_at_most_two_pieces_ahead_of_the_device(base):
+    """Behind a long kernel, the host launches two pieces and then waits until the first
+    has run before it launches a third: a request that stops a run waits for two pieces,
+    not for however many the host got ahead."""
+    import time
+    engine = InProcessEngine("cuda", model=base, dtype="float32", max_num_tokens=4096)
+    trainer = Trainer(engine.worker.runner.model, 4, 8, TARGETS, lr=1e-3)
+    run_all(Pieces(trainer, SEQS, MASKS, 7, last=False, piece_flops=1))  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10 ** 7)
+    end.record()
+    end.synchronize()
+    cycles = int(10 ** 7 * 0.3 / (start.elapsed_time(end) / 1e3))  # ~0.3 s of device time
+    pieces = Pieces(trainer, SEQS, MASKS, 7, last=False, piece_flops=1)
+    assert pieces.num_pieces >= 4
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    pieces.run_next()
+    pieces.run_next()
+    two = time.perf_counter() - began
+    pieces.run_next()  # waits for the first, behind the long kernel
+    three = time.perf_counter() - began
+    assert two < 0.1 and three > 0.25, (two, three)
+    run_all(pieces)
