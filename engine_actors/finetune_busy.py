@@ -237,10 +237,14 @@ class BusyTraining:
 
 def needs_lent_blocks(scheduler) -> bool:
     """Requests need the KV blocks lent to training: fewer blocks are unreserved than are
-    lent, or the first waiting request's reservation does not fit in them."""
-    kv = scheduler.kv
-    if kv.num_unreserved_blocks < kv.num_lent_blocks:
+    lent, or than running requests that grow past their reservation (a policy that reserves
+    nothing) could take in the next two steps, or the first waiting request's reservation
+    does not fit in them. (Running requests are never preempted for training's memory.)"""
+    kv, policy = scheduler.kv, scheduler.policy
+    growing = sum(policy.reservation(r) < r.max_num_tokens for r in scheduler.admitted.values())
+    growth = 2 * (growing + kv.blocks_for(scheduler.budget.max_num_tokens)) if growing else 0
+    if kv.num_unreserved_blocks < max(kv.num_lent_blocks, growth):
         return True
     first = scheduler.waiting[0] if scheduler.waiting else None
     return first is not None and kv.blocks_for(
-        max(scheduler.policy.reservation(first), first.num_tokens)) > kv.num_unreserved_blocks
+        max(policy.reservation(first), first.num_tokens)) > kv.num_unreserved_blocks

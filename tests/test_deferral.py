@@ -156,7 +156,8 @@ def test_nothing_is_held_when_the_batch_cannot_drain_within_the_bound():
 def test_lent_blocks_that_cannot_come_back_fail_the_job_and_serving_goes_on():
     workers = Workers(4, take_back_failures=1)
     loop, finished = engine(1000.0, workers)
-    loop.scheduler.kv.lend(2, 8, 8)  # as after a training step
+    # as after a training step; more than half the pool, so requests need the blocks back
+    loop.scheduler.kv.lend(5, 8, 8)
     job = loop.finetuning.jobs["ftjob-1"]
     job.started, job.status = True, "running"
     loop.finetuning.retry_at = time.monotonic() + 100  # no further step: serving resumes

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from engine_actors.config import EngineConfig
+from engine_actors.finetune_busy import needs_lent_blocks
+from engine_actors.request import Request
+from engine_actors.scheduler import Scheduler
 from tests.test_deferral import request, until
 from tests.test_finetune_busy import PieceWorkers, busy_engine
 
@@ -139,3 +145,23 @@ def test_lent_blocks_stay_lent_for_a_request_between_micro_batches_that_needs_no
     log = [what for what, _ in workers.log if what in ("call_off", "take_back")]
     assert log == ["take_back"]  # once, when the job was over
     assert workers.lent_units == [1] + [1] * 7  # lent once, then reused
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_requests_that_grow_past_their_reservation_need_the_lent_blocks(policy):
+    """FCFS reserves a request's prompt and max_tokens, so it never takes more; a policy
+    that reserves nothing lets running requests grow, and the lent blocks are needed once
+    fewer are unreserved than two steps of theirs could take (no running request is
+    preempted for training's memory)."""
+    cfg = EngineConfig(scheduling_policy=policy, block_size=4, max_num_batched_tokens=128)
+    scheduler = Scheduler.from_config(cfg, 64, 512, (0,))
+    engine_request = request("a", 20)
+    scheduler.add(Request("a", engine_request.prompt_token_ids, engine_request.sampling, 0.0,
+                          None))
+    assert scheduler.schedule(None) is not None  # admitted: its prompt's 2 blocks
+    kv = scheduler.kv
+    assert kv.lend(1, 8, 8) == 1 and kv.num_lent_blocks == 8
+    # fcfs: 64 - 8 lent - 7 held or reserved; priority: 64 - 8 - 2, fewer than the 66 blocks
+    # two steps of one growing request could take (1 each, and 32 for a budget of tokens)
+    assert kv.num_unreserved_blocks == (49 if policy == "fcfs" else 54)
+    assert needs_lent_blocks(scheduler) == (policy == "priority")
