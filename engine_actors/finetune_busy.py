@@ -29,6 +29,7 @@ run).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 
@@ -182,10 +183,10 @@ class BusyTraining:
     def stop_wait_ms(self) -> dict:
         """How long runs took to stop for a request that came (the latest runs')."""
         waits = sorted(self.stop_waits)
-        if not waits:
-            return {"count": 0}
-        at = lambda q: round(waits[min(len(waits) - 1, int(q * len(waits)))] * 1e3, 1)
-        return {"count": len(waits), "p50": at(0.5), "p99": at(0.99), "max": at(1.0)}
+        out = {"count": len(waits)}
+        for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0)) if waits else ():
+            out[name] = round(waits[min(len(waits) - 1, int(q * len(waits)))] * 1e3, 1)
+        return out
 
     def _ended_stop(self) -> None:
         """The call in flight ended: if a request stopped it, how long that took (what the
@@ -236,15 +237,18 @@ class BusyTraining:
         self.credit, self.retry_at, self.micro_s = 0.0, 0.0, 0.0
 
 def needs_lent_blocks(scheduler) -> bool:
-    """Requests need the KV blocks lent to training: fewer blocks are unreserved than are
-    lent, or than running requests that grow past their reservation (a policy that reserves
-    nothing) could take in the next two steps, or the first waiting request's reservation
-    does not fit in them. (Running requests are never preempted for training's memory.)"""
-    kv, policy = scheduler.kv, scheduler.policy
-    growing = sum(policy.reservation(r) < r.max_num_tokens for r in scheduler.admitted.values())
-    growth = 2 * (growing + kv.blocks_for(scheduler.budget.max_num_tokens)) if growing else 0
-    if kv.num_unreserved_blocks < max(kv.num_lent_blocks, growth):
-        return True
-    first = scheduler.waiting[0] if scheduler.waiting else None
-    return first is not None and kv.blocks_for(
-        max(policy.reservation(first), first.num_tokens)) > kv.num_unreserved_blocks
+    """Requests need the KV blocks lent to training when they could take more than the
+    unreserved blocks within the next two steps, or when fewer are unreserved than are lent.
+    They could take: what the waiting requests hold once admitted (those a step could admit,
+    however the policy orders them: one skipped for its adapter hides none behind it), and
+    for requests whose policy reserves less than their most tokens, which grow, a block each
+    and a step's tokens, each step. (Running requests are never preempted for training's
+    memory, nor left waiting for it.)"""
+    kv, policy, budget = scheduler.kv, scheduler.policy, scheduler.budget
+    waiting = scheduler.waiting[:budget.max_num_requests]
+    take = sum(kv.blocks_for(max(policy.reservation(r), r.num_tokens)) for r in waiting)
+    growing = sum(policy.reservation(r) < r.max_num_tokens
+                  for r in itertools.chain(scheduler.admitted.values(), waiting))
+    if growing:
+        take += 2 * (growing + kv.blocks_for(budget.max_num_tokens))
+    return kv.num_unreserved_blocks < max(kv.num_lent_blocks, take)

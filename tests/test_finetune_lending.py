@@ -165,3 +165,19 @@ def test_requests_that_grow_past_their_reservation_need_the_lent_blocks(policy):
     # two steps of one growing request could take (1 each, and 32 for a budget of tokens)
     assert kv.num_unreserved_blocks == (49 if policy == "fcfs" else 54)
     assert needs_lent_blocks(scheduler) == (policy == "priority")
+
+
+@pytest.mark.parametrize("second_tokens,needed", [(20, False), (180, True)])
+def test_any_waiting_request_a_step_could_admit_may_need_the_lent_blocks(second_tokens,
+                                                                        needed):
+    """Not only the first waiting request: one behind it (which the policy may reach
+    first, the first skipped for its adapter) that fits only with the lent blocks needs
+    them; two that fit beside them do not."""
+    scheduler = Scheduler.from_config(EngineConfig(block_size=4), 64, 512, (0,))
+    for rid, tokens in (("first", 20), ("second", second_tokens)):
+        r = request(rid, tokens)
+        scheduler.add(Request(rid, r.prompt_token_ids, r.sampling, 0.0, None))
+    kv = scheduler.kv
+    assert kv.lend(2, 8, 8) == 2 and kv.num_unreserved_blocks == 48
+    # first: 8 + 20 tokens, 7 blocks; second: 7 or 47 (8 + 180 tokens)
+    assert needs_lent_blocks(scheduler) == needed
