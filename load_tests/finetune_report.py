@@ -49,6 +49,10 @@ def table(r: dict) -> str:
         lines.append(f"| dedicated again, after the server | {after:.0f} | {after / d:.2f} |")
     lines += ["", f"Pieces took {r.get('piece_time_share', 0):.3f} of the loaded phase beside "
               f"requests and {r.get('gap_piece_time_share', 0):.3f} between them."]
+    waits = (r.get("finetuning_health") or {}).get("stop_wait_ms") or {}
+    if waits.get("count"):
+        lines.append(f"Runs of pieces stopped for a request: {waits['count']}, in "
+                     f"{waits['p50']} / {waits['p99']} / {waits['max']} ms (p50 / p99 / max).")
     return "\n".join(lines)
 
 

@@ -251,3 +251,17 @@ def test_finetune_report_reads_a_run_and_plots(tmp_path):
     assert finetune_report.point(str(path)) == pytest.approx((0.1, 0.1, 1.2))
     finetune_report.main([str(path), "--out", str(tmp_path / "f.png")])
     assert (tmp_path / "f.png").stat().st_size > 10_000
+
+
+def test_finetune_table_says_how_long_runs_of_pieces_took_to_stop():
+    from load_tests.finetune_report import table
+    phase = {"ttft_ms": {"p99": 40.0}, "normalized_latency_ms": {"median": 6.0}}
+    run = {"serve": phase, "serve+ft": phase, "dedicated_tokens_s": 10000.0,
+           "loaded_tokens_s": 5000.0, "idle_tokens_s": 9500.0,
+           "finetuning_health": {"stop_wait_ms": {"count": 3, "p50": 10.5, "p99": 30.1,
+                                                  "max": 32.0}}}
+    text = table(run)
+    assert "| on the server, no load | 9500 | 0.95 |" in text
+    assert "stopped for a request: 3, in 10.5 / 30.1 / 32.0 ms" in text
+    del run["finetuning_health"]
+    assert "stopped" not in table(run)
