@@ -29,6 +29,7 @@ run).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -42,7 +43,7 @@ from engine_actors.finetune_memory import plan_micro_batch
 logger = logging.getLogger("orca_serve.finetune")
 CREDIT_CAP_S = 0.01  # time earned and not spent does not pile up past this
 RUN_ALL = 1 << 30  # pieces a run between requests may take: the rest of its micro-batch
-MAX_STOP_WAITS = 4096  # the latest runs' stop waits kept (for /health)
+MAX_STOP_WAITS = 4096
 
 
 class BusyTraining:
@@ -66,7 +67,8 @@ class BusyTraining:
         self.lent: tuple[Job, int] | None = None
         self.num_called_off = 0
         self.stopped_at: float | None = None  # when the run in flight was told to stop
-        self.stop_waits: list[float] = []  # from then until its end, per stopped run
+        # from then until its end, for the latest stopped runs (/health)
+        self.stop_waits: collections.deque[float] = collections.deque(maxlen=MAX_STOP_WAITS)
 
     @property
     def active(self) -> bool:
@@ -192,8 +194,7 @@ class BusyTraining:
         """The call in flight ended: if a request stopped it, how long that took (what the
         request waited for training)."""
         if self.stopped_at is not None:
-            self.stop_waits = self.stop_waits[-MAX_STOP_WAITS + 1:] + [
-                time.monotonic() - self.stopped_at]
+            self.stop_waits.append(time.monotonic() - self.stopped_at)
             self.stopped_at = None
 
     async def call_off(self, executor) -> bool:

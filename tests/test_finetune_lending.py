@@ -19,22 +19,16 @@ MEMORY = {"free_bytes": 0, "lend_unit_blocks": 8, "lendable_units": 8, "lend_uni
           "bytes_per_token_guess": 40.0}  # nothing free beside the pool: an example needs a unit
 
 
-def test_pieces_borrow_kv_blocks_and_give_them_back_when_requests_need_them():
+def lending_engine(pieces: int, epochs: int):
+    """An engine whose job trains in pieces (measured, as it were, over the bound) with
+    nothing free beside the pool, so every micro-batch borrows; and the (request, KV blocks
+    lent) of each request's first step."""
     workers = PieceWorkers(4)
-    workers.pieces = 8
-    loop, finished = busy_engine(0.0, workers, epochs=3)  # 12 micro-batches of one example
-    # measured, as it were, over the bound (whose pieces' time stays over it too)
+    workers.pieces = pieces
+    loop, finished = busy_engine(0.0, workers, epochs=epochs)  # micro-batches of one example
     loop.finetuning.step_s, loop.finetuning.bound_s = 5.0, 0.005
-    kv, job = loop.scheduler.kv, loop.finetuning.jobs["ftjob-1"]
     original_finetune, original_execute = workers.finetune, workers.execute
-    plan = {1: "small", 3: "big"}  # a request comes at the third piece of these micro-batches
-    first_steps = []  # (request, KV blocks lent when its first step ran)
-
-    def on_piece(micro, piece):
-        rid = plan.get(micro) if piece == 3 else None
-        if rid is not None and rid not in loop.scheduler.pool and rid not in finished:
-            # small: 18 tokens; big: reserves 228 tokens, 57 blocks, of 56 not lent
-            loop.add(request(rid, 10 if rid == "small" else 220), None, None)
+    first_steps = []
 
     async def finetune(method, job_id, *args):
         out = await original_finetune(method, job_id, *args)
@@ -46,10 +40,26 @@ def test_pieces_borrow_kv_blocks_and_give_them_back_when_requests_need_them():
 
     async def execute(step):
         rows = {r.row: r.request_id for r in loop.scheduler.admitted.values()}
-        first_steps.extend((rows[r.row], kv.num_lent_blocks) for r in step.new_requests)
+        first_steps.extend((rows[r.row], loop.scheduler.kv.num_lent_blocks)
+                           for r in step.new_requests)
         return await original_execute(step)
 
-    workers.finetune, workers.execute, workers.on_piece = finetune, execute, on_piece
+    workers.finetune, workers.execute = finetune, execute
+    return workers, loop, finished, first_steps
+
+
+def test_pieces_borrow_kv_blocks_and_give_them_back_when_requests_need_them():
+    workers, loop, finished, first_steps = lending_engine(8, epochs=3)  # 12 micro-batches
+    kv, job = loop.scheduler.kv, loop.finetuning.jobs["ftjob-1"]
+    plan = {1: "small", 3: "big"}  # a request comes at the third piece of these micro-batches
+
+    def on_piece(micro, piece):
+        rid = plan.get(micro) if piece == 3 else None
+        if rid is not None and rid not in loop.scheduler.pool and rid not in finished:
+            # small: 18 tokens; big: reserves 228 tokens, 57 blocks, of 56 not lent
+            loop.add(request(rid, 10 if rid == "small" else 220), None, None)
+
+    workers.on_piece = on_piece
 
     async def run():
         task = asyncio.create_task(loop.run())
@@ -104,33 +114,14 @@ def test_lent_blocks_stay_lent_for_a_request_between_micro_batches_that_needs_no
     """A request that arrives as a micro-batch in pieces ends (none holds the lent blocks
     then) runs with them still lent when it does not need them: no take-back holds up its
     first step, and the next micro-batch reuses them."""
-    workers = PieceWorkers(4)
-    workers.pieces = 4
-    loop, finished = busy_engine(0.0, workers, epochs=2)  # 8 micro-batches of one example
-    loop.finetuning.step_s, loop.finetuning.bound_s = 5.0, 0.005  # in pieces
-    kv, job, original = loop.scheduler.kv, loop.finetuning.jobs["ftjob-1"], workers.finetune
-    first_steps = []  # (request, KV blocks lent when its first step ran)
+    workers, loop, finished, first_steps = lending_engine(4, epochs=2)  # 8 micro-batches
+    kv, job = loop.scheduler.kv, loop.finetuning.jobs["ftjob-1"]
 
     def on_piece(micro, piece):  # during the last piece of the second micro-batch
         if micro == 2 and piece == workers.pieces and "late" not in loop.scheduler.pool:
             loop.add(request("late", 10), None, None)
 
-    async def finetune(method, job_id, *args):
-        out = await original(method, job_id, *args)
-        if method == "start":
-            return dict(MEMORY)
-        if method == "piece" and out["done"]:
-            out["free_bytes"] = 0
-        return out
-
-    original_execute = workers.execute
-
-    async def execute(step):
-        rows = {r.row: r.request_id for r in loop.scheduler.admitted.values()}
-        first_steps.extend((rows[r.row], kv.num_lent_blocks) for r in step.new_requests)
-        return await original_execute(step)
-
-    workers.finetune, workers.execute, workers.on_piece = finetune, execute, on_piece
+    workers.on_piece = on_piece
 
     async def run():
         task = asyncio.create_task(loop.run())
