@@ -130,6 +130,10 @@ def _tp_rank(rank: int, base: str, address: str, targets: list[str], ref_path: s
     trainer.save(out_path + ".adapter", base)  # collective: the shards are gathered
     if rank == 0:
         torch.save({"grads": grads, "loss_sum": out["loss_sum"]}, out_path)
+    # both ranks done before either tears gloo down: a rank that exited while the other
+    # still had its group open once aborted ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("pieces", [False, True])
