@@ -188,6 +188,11 @@ def test_worker_failure_errors_in_flight_requests_then_recovers(url, fault):
                                 ray.kill(workers[0])
                             else:
                                 ray.get(scheduler.executor_call.remote("inject_fault", 0))
+        # the rebuild goes on after the stream's error event: keep watching it (stopping at
+        # that event, the watcher saw it only when a request of its was in flight then)
+        deadline = time.monotonic() + 30
+        while fault == "kill_worker" and not unhealthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         stop.set()
         watcher.join()
 
