@@ -158,8 +158,7 @@ class EngineLoop:
             if kv.num_lent_blocks and not await ft.busy.settle_lent(self.executor,
                                                                     self.scheduler):
                 # what training borrowed cannot be mapped again: new workers, a whole pool
-                self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
-                await self._restart_workers()
+                await self._workers_failed(in_flight)
                 kv.take_back()
                 continue
             hold_from = None  # FineInfer's deferral of new requests (finetune_jobs.py)

@@ -99,8 +99,9 @@ class BusyTraining:
             self.job = None  # cancelled or failed: its pieces were dropped with its trainer
         if self.job is not None:
             job, args = self.job, ()
-        else:
-            if not ft.queue or time.monotonic() < max(ft.retry_at, self.retry_at):
+        else:  # (between requests, a micro-batch that fits the bound runs whole instead)
+            if not ft.queue or not busy and not ft.in_pieces \
+                    or time.monotonic() < max(ft.retry_at, self.retry_at):
                 return None
             job = ft.queue[0]
             if not job.started:  # (its trainer's state must not sit in lent blocks)
@@ -146,6 +147,8 @@ class BusyTraining:
     async def done(self, call: asyncio.Future, executor) -> bool:
         """The call in flight has ended: its result recorded, or its job failed. True: a
         worker is gone (the workers must be replaced, which fails the job)."""
+        if self.call is None:  # the workers were replaced meanwhile (`reset`)
+            return False
         kind, job, busy, _ = self.call
         try:
             out = await call  # (still in flight meanwhile: a request may interrupt it)

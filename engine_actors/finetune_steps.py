@@ -80,7 +80,9 @@ class TrainingSteps:
                 if sent is None:
                     self.retry_at = time.monotonic() + MEMORY_RETRY_S
                     return False
-            if pipeline and pipeline() and job.status == "running" and job.has_next():
+            # (not after one called off: its examples must be next again)
+            if pipeline and not sent.skip and pipeline() and job.status == "running" \
+                    and job.has_next():
                 self.ahead = self._send(job, kv, executor, after=sent.seq)  # None: no memory
                 self.num_ahead += self.ahead is not None
             out = await sent.call
@@ -152,6 +154,8 @@ class TrainingSteps:
         # a new trainer's state must not sit in memory lent by an earlier job
         if kv.num_lent_blocks and not await self.take_back(executor, kv):
             return True
+        if job.status != "queued":  # cancelled while the blocks were mapped back
+            return False
         return None if self.started(job, await self.start_call(job, executor)) else False
 
     def start_call(self, job: Job, executor):

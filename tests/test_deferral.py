@@ -278,3 +278,93 @@ def test_a_job_cancelled_while_its_adapter_is_saved_stays_cancelled():
     workers.finetune = slow_save
     asyncio.run(ft._finish(job, workers))
     assert job.status == "cancelled" and job.fine_tuned_model is None
+
+
+def test_a_job_cancelled_while_lent_blocks_come_back_before_its_start_never_starts():
+    """Before a job's trainer is created, blocks an earlier job borrowed are mapped back; a
+    cancel that lands meanwhile ends it: it never starts, and serving goes on."""
+    workers = Workers(4)
+    loop, finished = engine(1000.0, workers)
+    ft = loop.finetuning
+    job = ft.queue[0]
+    loop.scheduler.kv.lend(1, 8, 8)  # still lent after the earlier job's last micro-batch
+    original = workers.finetune
+
+    async def cancel_meanwhile(method, job_id, *args):
+        if method == "take_back":
+            await ft.cancel(job.id, workers)
+        return await original(method, job_id, *args)
+
+    workers.finetune = cancel_meanwhile
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: ("take_back", "") in workers.log)
+            loop.add(request("a", 3), None, None)
+            await until(lambda: "a" in finished or task.done())
+            assert not task.done()  # the engine loop did not fail
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert job.status == "cancelled" and ("start", "ftjob-1") not in workers.log
+
+
+class Generations(Workers):
+    """Stand-in workers whose steps in flight fail once they are replaced."""
+    generation = 0
+
+    async def execute(self, step):
+        generation = self.generation
+        by_row = {r.row: r.request_id for r in self.scheduler.admitted.values()}
+        async with self.device:
+            await asyncio.sleep(ITERATION_S)
+        if generation != self.generation:
+            raise ray.exceptions.RayActorError()
+        self.log += [("step", by_row[r.row]) for r in step.new_requests]
+        return self.runner.execute(step)
+
+
+def test_lent_blocks_that_cannot_come_back_while_steps_run_restart_the_workers_once():
+    """Blocks kept lent beside running requests cannot be mapped back when a request needs
+    them: the workers are replaced once (the steps in flight on the old ones are dropped
+    with them), and a request that waited then runs on the new workers."""
+    workers = Generations(4, take_back_failures=1)
+    loop, finished = engine(1000.0, workers)
+    errors = {}
+    deliver = loop.deliver
+
+    def record(outputs, error):
+        errors.update((o.request_id, error) for o in outputs if o.finish_reason is not None)
+        deliver(outputs, error)
+
+    loop.deliver = record
+    loop.scheduler.kv.lend(1, 8, 8)  # kept lent for the job's next micro-batch
+    job = loop.finetuning.jobs["ftjob-1"]
+    job.started, job.status = True, "running"
+    loop.finetuning.retry_at = time.monotonic() + 100  # no further training step
+    restarts = []
+
+    async def restart():
+        restarts.append(True)
+        workers.generation += 1
+        loop.finetuning.workers_replaced()
+
+    loop._restart_workers = restart
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            loop.add(request("a", 100), None, None)  # fits beside the lent blocks
+            await until(lambda: ("step", "a") in workers.log)
+            loop.finetuning._end(job, "succeeded")  # nothing keeps them lent now...
+            job.started = False
+            loop.add(request("b", 120), None, None)  # ...and b needs them
+            await until(lambda: "b" in finished)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert len(restarts) == 1
+    assert errors["a"] is not None and errors["b"] is None

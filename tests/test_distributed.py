@@ -241,15 +241,21 @@ TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
                                                  reason="needs 2 GPUs")]
 
 
-@pytest.mark.parametrize("device,busy_share", [
-    ("cpu", 0.0), ("cpu", 0.5), pytest.param("cuda", 0.0, marks=TWO_GPUS),
-    pytest.param("cuda", 0.5, marks=TWO_GPUS)])
-def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, device,
-                                                  busy_share):
+# how the job trains beside base requests: whole micro-batches in idle moments (FineInfer's
+# rule); in pieces between requests, each run stopped by the next request (a bound that no
+# whole micro-batch fits: finetune_busy.py); in pieces beside them with a share of the time
+MODES = {"whole": {}, "between": {"finetune_deferral_ms": 0.001},
+         "beside": {"finetune_busy_share": 0.5}}
+
+
+@pytest.mark.parametrize("device,mode", [
+    ("cpu", "whole"), ("cpu", "between"), ("cpu", "beside"),
+    *(pytest.param("cuda", mode, marks=TWO_GPUS) for mode in MODES)])
+def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, device, mode):
     """A job trains over T=2 (every rank its shards), while the base model serves; its
-    adapter, saved whole, then answers the trained prompt with the trained tokens. With a
-    busy share, base requests keep coming while it trains, and its pieces run between their
-    steps: every rank must run steps and pieces in one order (their collectives match),
+    adapter, saved whole, then answers the trained prompt with the trained tokens. In
+    pieces, base requests keep coming while it trains: every rank must run steps and
+    pieces in one order, and stop a run after the same piece (their collectives match),
     and the base model's tokens stay the same. On CPU over gloo; on two GPUs over NCCL."""
     import ray
 
@@ -261,8 +267,7 @@ def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, devi
             "lora": {"r": 8, "alpha": 16, "target_modules": list(TARGETS)}}
     base = [("base", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
     actor = start_engine(checkpoint, 2, 1, device=device, dtype="float32",
-                         enable_finetuning=True, max_lora_rank=8,
-                         finetune_busy_share=busy_share)
+                         enable_finetuning=True, max_lora_rank=8, **MODES[mode])
     during = []
     try:
         before = asyncio.run(run_in_waves(actor, base, waves=1))
@@ -271,23 +276,27 @@ def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, devi
             job = ray.get(actor.finetune_call.remote("job", job["id"]))
             if job["status"] not in ("queued", "running"):
                 break
-            if busy_share:  # a wave of base requests; pieces run beside them
+            if mode != "whole":  # a wave of base requests
                 long = [(f"d{len(during)}-{i}", prompt, SamplingParams(
                     max_tokens=24, temperature=0.0, ignore_eos=True)) for i in range(3)]
                 during.append(asyncio.run(run_in_waves(actor, long, waves=1)))
             else:
                 time.sleep(0.1)
         assert job["status"] == "succeeded", job
-        pieces = ray.get(actor.stats.remote())["finetuning"]["busy_pieces"]
+        health = ray.get(actor.stats.remote())["finetuning"]
         tuned = [("tuned",) + base[0][1:] + (job["fine_tuned_model"],)]
         outputs = asyncio.run(run_in_waves(actor, base + tuned, waves=1))
     finally:
         stop_engine(actor)
     assert before[base[0][0]] != answer  # the test can fail
     assert outputs["tuned"] == answer and outputs["base"] == before["base"]
-    if busy_share:
-        assert pieces > 0 and during
-        assert all(tokens[:5] == before["base"] for wave in during for tokens in wave.values())
+    if mode == "beside":
+        assert health["busy_pieces"] > 0
+    if mode == "between":  # runs of pieces that requests stopped, every rank after one piece
+        assert health["in_pieces"] and health["stop_wait_ms"]["count"] > 0, health
+    if mode != "whole":
+        assert during and all(tokens[:5] == before["base"] for wave in during
+                              for tokens in wave.values())
 
 
 @pytest.mark.gpu

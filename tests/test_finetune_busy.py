@@ -259,3 +259,30 @@ def test_no_request_is_held_for_a_whole_micro_batch_while_one_is_in_pieces():
     assert ft.hold_from(10.0, drain_s=0.0) == pytest.approx(10.0 - (0.2 - 0.1))
     ft.busy.job = ft.queue[0]  # a micro-batch in pieces under way
     assert ft.hold_from(10.0, drain_s=0.0) is None
+
+
+def test_between_requests_micro_batches_that_fit_the_bound_run_whole():
+    """No request runs but a step is still in flight (that of a request just aborted): a job
+    whose whole micro-batches fit the bound does not start one in pieces then (a request
+    it held could not stop it, and its time would count as a whole one's)."""
+    workers = PieceWorkers(4)
+    loop, finished = busy_engine(0.0, workers)
+    ft = loop.finetuning
+    ft.step_s = 0.05  # measured within the 1-s bound: micro-batches run whole
+    job = ft.queue[0]
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: job.status == "running" and job.trained_tokens)
+            loop.add(request("a", 200), None, None)
+            await until(lambda: loop.scheduler.num_running == 1)
+            await asyncio.sleep(0.05)
+            loop.scheduler.abort("a")  # the client left; its next step is in flight
+            trained = job.trained_tokens
+            await until(lambda: job.trained_tokens > trained)
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+    assert not ft.in_pieces and ("piece", "ftjob-1") not in workers.log

@@ -90,3 +90,33 @@ def test_a_request_that_comes_while_a_job_starts_keeps_the_pipeline_off(monkeypa
     calls = asyncio.run(run())
     assert calls and calls[0][1] == 1 and not any(n == 2 for _, n in calls[:2])
     assert workers.log.index(("finished", "a")) < workers.log.index(("micro_step", "ftjob-1")) + 4
+
+
+def test_no_micro_batch_is_sent_ahead_of_one_called_off(monkeypatch):
+    """A request came and went (aborted at once) while a micro-batch waited on the workers:
+    it is called off, and nothing is sent ahead before its examples are next again, so
+    they run next, in their batch (not after the micro-batches behind them)."""
+    monkeypatch.setattr("engine_actors.finetune_jobs.QUIET_S", 0.0)
+    workers = Workers(4)
+    loop, finished = engine(200.0, workers)
+    ft = loop.finetuning
+    sends = []
+    send = ft._send
+    monkeypatch.setattr(ft, "_send", lambda *a, **k: sends.append(send(*a, **k)) or sends[-1])
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: ft.ahead is not None and len(sends) >= 3)
+            ahead = ft.ahead
+            loop.add(request("a", 3), None, None)  # calls it off...
+            loop.scheduler.abort("a")  # ...and is gone before the next iteration
+            await until(lambda: sends.index(ahead) + 2 < len(sends))
+        finally:
+            task.cancel()
+        return ahead
+
+    ahead = asyncio.run(run())
+    assert ("skipped", "ftjob-1") in workers.log
+    after = sends[sends.index(ahead) + 1:]
+    assert after[0].micro == ahead.micro, (ahead.micro, [s.micro for s in after])
