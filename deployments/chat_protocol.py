@@ -47,7 +47,7 @@ class ToolCallMessage(_Base):
         import json
         try:
             arguments = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deeply: as sent
             arguments = self.function.arguments
         return {"id": self.id, "type": "function",
                 "function": {"name": self.function.name, "arguments": arguments}}

@@ -75,10 +75,10 @@ class HermesParser:
                 pos = again
                 continue
             pos = end + len(CALL_END)
-            try:
+            try:  # (nested past Python's recursion limit: not a call either)
                 call = make_call(json.loads(text[start + len(CALL_START):end]),
                                  ("arguments",))
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 call = None
             if call is None:
                 content.append(text[start:pos])
@@ -116,9 +116,9 @@ class Llama3JsonParser:
             # raw_decode rather than split(";"): a ";" may be inside a JSON string.
             try:
                 obj, pos = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError:
+                call = make_call(obj, ("parameters", "arguments"))
+            except (json.JSONDecodeError, RecursionError):
                 return None
-            call = make_call(obj, ("parameters", "arguments"))
             if call is None:
                 return None
             calls.append(call)

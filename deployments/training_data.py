@@ -42,19 +42,23 @@ def parse_training_file(content: bytes, tokenizer, max_tokens: int
 def read_rows(content: bytes) -> list[tuple[int, dict]]:
     """The examples of a training file as (line number, row), each of a known shape (no
     tokenizer needed: the CLI checks a file with this before it sends it)."""
-    try:
-        text = content.decode("utf-8")
+    try:  # (a byte order mark, as some editors write, is not part of the first line)
+        text = content.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise APIError(400, "training_file is not UTF-8 text", "training_file",
                        "invalid_training_file") from None
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # lines end at "\n" only: JSON strings may hold U+2028 and the like unescaped, which
+    # str.splitlines would split at ("\r" before it is whitespace to JSON)
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError as e:
             raise _error(number, f"not valid JSON: {e}") from None
+        except RecursionError:
+            raise _error(number, "nested too deeply") from None
         if not isinstance(row, dict):
             raise _error(number, "each line must be a JSON object")
         if "\\u" in line:

@@ -154,18 +154,36 @@ def json_grammar(kind: str, value: str) -> str:
 
 
 def check_grammar(spec: tuple[str, str]) -> None:
-    """Raise ValueError when a grammar spec cannot be compiled (before it reaches the
-    engine: the ingress answers 400)."""
+    """Raise ValueError when a grammar spec cannot be compiled, or matches no text at all
+    (a schema that only refers to itself, an empty character class), before it reaches
+    the engine: the ingress answers 400. Its mask would allow no token, and the request
+    would sample garbage."""
     import xgrammar as xgr
     kind, value = spec
+    if kind not in ("json_schema", "structural_tag", "regex"):
+        return
     try:
-        if kind in ("json_schema", "structural_tag"):  # as the engine will compile it
-            xgr.Grammar.from_ebnf(json_grammar(kind, value))
-        elif kind == "regex":
-            xgr.Grammar.from_regex(value)
+        compiler = _bytes_compiler()
+        grammar = compiler.compile_regex(value) if kind == "regex" \
+            else compiler.compile_grammar(json_grammar(kind, value))  # as the engine will
     except Exception as e:  # xgrammar raises RuntimeError("[time] file.cc:line: message")
         message = str(e).strip().splitlines()[-1]
         raise ValueError(re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message)) from None
+    # over single bytes and an end token, every text (and the empty one) has a first token
+    mask = xgr.allocate_token_bitmask(1, 257)
+    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
+    if not mask.any():
+        raise ValueError("no text matches it")
+
+
+@functools.cache
+def _bytes_compiler():
+    """A grammar compiler over a vocabulary of the 256 bytes and an end token (cheap to
+    compile for: checks that need no model's tokenizer)."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"],
+                             vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
+    return xgr.GrammarCompiler(info)
 
 
 def advance(matchers: list[object | None], result: StepResult) -> StepResult:

@@ -109,6 +109,28 @@ def test_a_surrogate_in_a_training_file_names_its_line():
     assert info.value.status == 400 and "line 2" in info.value.message
 
 
+def test_a_training_line_nested_past_the_recursion_limit_names_its_line():
+    from deployments.training_data import read_rows
+    deep = '{"prompt": "a", "completion": "b", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(APIError) as info:
+        read_rows(b'{"prompt": "a", "completion": "b"}\n' + deep.encode())
+    assert info.value.status == 400 and "line 2" in info.value.message
+
+
+def test_training_lines_end_at_newlines_only_and_a_byte_order_mark_is_not_text():
+    from deployments.training_data import read_rows
+    rows = [{"prompt": "a\u2028b\u2029c\x85d", "completion": "e"}, {"prompt": "f", "completion": "g"}]
+    content = "\ufeff" + "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows)
+    assert [row for _, row in read_rows(content.encode())] == rows
+
+
+def test_tool_call_arguments_nested_past_the_recursion_limit_stay_a_string():
+    from deployments.chat_protocol import ToolCallMessage
+    deep = "[" * 5000 + "]" * 5000
+    call = ToolCallMessage(id="c", function={"name": "f", "arguments": deep})
+    assert call.for_template()["function"]["arguments"] == deep
+
+
 @pytest.mark.parametrize("suffix", ["", "my-model_v2.1", "café"])
 def test_usual_suffixes_pass(suffix):
     raw = json.dumps({"training_file": "file-x", "model": "m", "suffix": suffix}).encode()

@@ -94,6 +94,11 @@ def test_json_object_choice_and_regex(url):
      "response_format"),
     ("guided_regex", "(unclosed", "guided_regex"),
     ("response_format", {"type": "json_schema"}, "response_format.json_schema"),
+    # grammars that match no text: their mask would allow no token
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x",
+                                                               "schema": {"$ref": "#"}}},
+     "response_format"),
+    ("guided_regex", "[^\\x00-\\U0010FFFF]", "guided_regex"),
 ])
 def test_a_bad_grammar_is_a_400_naming_the_field(url, field, value, param):
     r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={

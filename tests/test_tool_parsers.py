@@ -78,6 +78,15 @@ def test_hermes_malformed_call_is_content_and_good_one_kept(mode, bad):
     assert run("hermes", GOOD + "\n" + bad, mode) == (bad, [WEATHER])
 
 
+@pytest.mark.parametrize("mode", ["parse", "stream-random-0"])
+def test_calls_nested_past_the_recursion_limit_are_content(mode):
+    deep = "[" * 5000 + "]" * 5000
+    hermes = f'<tool_call>\n{{"name": "f", "arguments": {{"x": {deep}}}}}\n</tool_call>'
+    assert run("hermes", hermes + "\n" + GOOD, mode) == (hermes, [WEATHER])
+    llama = f'{{"name": "f", "parameters": {{"x": {deep}}}}}'
+    assert run("llama3_json", llama, mode) == (llama, [])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_hermes_unterminated_call_at_end_is_content(mode):
     text = GOOD + '\n<tool_call>\n{"name": "get_time", "argu'
