@@ -169,8 +169,10 @@ class BusyTraining:
         if kind != "piece":
             return False
         self.num_pieces += out["ran"]
-        piece_s = out["gpu_s"] / out["ran"]
-        self.piece_s = piece_s if self.piece_s is None else 0.9 * self.piece_s + 0.1 * piece_s
+        if out["ran"]:  # (none: a request stopped the run before its first piece)
+            piece_s = out["gpu_s"] / out["ran"]
+            self.piece_s = piece_s if self.piece_s is None \
+                else 0.9 * self.piece_s + 0.1 * piece_s
         self.micro_s += out["gpu_s"]
         if busy:
             self.credit -= out["gpu_s"]

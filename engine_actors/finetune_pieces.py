@@ -16,7 +16,8 @@ The activations stay on the device between pieces. The gradients are those of
 The host launches a piece only once the one two before it has run on the device, so at
 most two are queued there. A request that stops a run of pieces waits for those two, not
 for however many the host got ahead (micro-batches of 4,096 tokens are device-bound: runs
-took a median 22 ms, up to 69 ms, to stop; BENCHMARKS.md, 2026-11-27).
+took a median 22 ms, up to 69 ms, to stop; BENCHMARKS.md, 2026-11-27). The worker asks
+whether to stop after that wait, just before each launch (`wait_queued`).
 """
 from __future__ import annotations
 
@@ -69,10 +70,15 @@ class Pieces:
         """Pieces not launched yet."""
         return len(self.todo)
 
+    def wait_queued(self) -> None:
+        """Until fewer than QUEUED launched pieces may not have run (the wait lets go of the
+        GIL). A stop is best asked after it: one heard meanwhile launches nothing more."""
+        while len(self.launched) >= QUEUED:
+            self.launched.pop(0).synchronize()
+
     def run_next(self) -> bool:
         """Launch the next piece; True once the last one is launched."""
-        while len(self.launched) >= QUEUED:  # (the wait lets go of the GIL)
-            self.launched.pop(0).synchronize()
+        self.wait_queued()
         kind, s = self.todo.pop(0)
         with torch.enable_grad():
             if kind == "forward":

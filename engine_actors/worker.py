@@ -191,10 +191,9 @@ class Worker:
             return getattr(self.trainers[job_id], method)(*args)
 
     def _piece(self, job_id: str, run: int, count: int, *batch):
-        """Launch up to `count` pieces of a micro-batch run in pieces between steps
-        (finetune_pieces.py), back to back, fewer when its micro-batch ends or when run
-        number `run` is told to stop (`stop_training`: a request came; at least one runs).
-        `batch` (the KV units lent to it, sequences, masks, the batch's trained tokens,
+        """Launch up to `count` pieces of a micro-batch in pieces (finetune_pieces.py), back
+        to back, fewer when it ends or run `run` is told to stop (`stop_training`: a request
+        came). `batch` (KV units lent to it, sequences, masks, the batch's trained tokens,
         whether it is the batch's last) starts a new one. Returns what `_piece_done`
         completes, and the CUDA events around the pieces (None on CPU)."""
         cuda = self.device == "cuda"
@@ -210,8 +209,9 @@ class Worker:
         if cuda:
             events[0].record()
         ran, done = 0, False
-        try:
-            while not done and ran < count and not (ran and self._stopping(run)):
+        try:  # (a run may stop before its first piece: a request came as it was sent)
+            while not done and ran < count and not (pieces.wait_queued() or count > 1
+                                                    and self._stopping(run)):
                 done = pieces.run_next()
                 ran += 1
         except Exception:

@@ -55,7 +55,7 @@ class PieceWorkers(Workers):
                 self.left, self.tokens = self.pieces, sum(map(len, batch[1]))
                 self.lent_units.append(batch[0])
                 self.num_micro += 1
-            while self.left and ran < count and not (ran and self.stop >= run):
+            while self.left and ran < count and not (count > 1 and self.stop >= run):
                 await asyncio.sleep(PIECE_S)
                 self.ended.append(("piece", asyncio.get_running_loop().time()))
                 self.log.append(("piece", job_id))

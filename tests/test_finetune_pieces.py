@@ -96,12 +96,12 @@ def test_the_worker_runs_a_micro_batch_in_pieces_and_times_each(base, device):
 
     run(1, 1, *args)  # one piece a call, as beside requests
     assert answers[0]["left"] >= 2  # forward, head, backward at least
-    asyncio.run(worker.stop_training(2))  # a request came: run 2 stops after one piece
+    asyncio.run(worker.stop_training(2))  # a request came as run 2 was sent: it runs none
     run(2, 1 << 30)
     run(3, 1 << 30)  # the rest, in one call
-    assert [a["ran"] for a in answers] == [1, 1, answers[0]["left"] - 1]
+    assert [a["ran"] for a in answers] == [1, 0, answers[0]["left"]]
     assert [a["done"] for a in answers] == [False, False, True] and answers[-1]["left"] == 0
-    assert all(a["gpu_s"] > 0 for a in answers)
+    assert all(a["gpu_s"] > 0 for a in answers if a["ran"])
     assert answers[-1]["loss_sum"] == pytest.approx(expected, rel=1e-2 if device == "cuda"
                                                     else 1e-6)
     assert answers[-1]["tokens"] == 14 and answers[-1]["loss_tokens"] == 7
@@ -139,3 +139,32 @@ def test_the_host_launches_at_most_two_pieces_ahead_of_the_device(base):
     slept = start.elapsed_time(end) / 1e3  # (the clock may have changed since)
     assert slept > 0.05 and two < 0.5 * slept and three > 0.9 * slept, (two, three, slept)
     run_all(pieces)
+
+
+@pytest.mark.gpu
+def test_a_stop_heard_while_the_host_waits_for_the_device_launches_no_more_pieces(
+        base, monkeypatch):
+    """Behind a long kernel, the worker's run of pieces launches two and waits for the
+    first; a request's stop that comes meanwhile ends the run there, with no third piece
+    queued behind the two for the request's step to wait for."""
+    import asyncio
+    import functools
+    import threading
+    import time
+    monkeypatch.setattr("engine_actors.worker.Pieces", functools.partial(Pieces, piece_flops=1))
+    engine = InProcessEngine("cuda", model=base, dtype="float32", max_num_tokens=4096)
+    worker = engine.worker
+    worker._finetune("start", "job", 4, 8, TARGETS, 1e-3, 0)
+    out, events = worker._finetune("piece", "job", 1, 1, 0, SEQS, MASKS, 7, False)
+    assert out["left"] >= 4, out  # one piece run; enough left that the run cannot end
+    torch.cuda.synchronize()
+    torch.cuda._sleep(10 ** 9)  # ~0.5-1 s of device time ahead of the next pieces
+    done = []
+    thread = threading.Thread(target=lambda: done.append(
+        worker._finetune("piece", "job", 2, 1 << 30)))
+    thread.start()
+    time.sleep(0.2)  # two pieces launched; the host waits for the first
+    asyncio.run(worker.stop_training(2))
+    thread.join()
+    assert done[0][0]["ran"] == 2 and not done[0][0]["done"], done[0][0]
+    worker._finetune("call_off", "job")
