@@ -3,15 +3,20 @@
 Each line is `{"prompt": str, "completion": str}` (the completion is trained on, followed
 by the end-of-sequence token) or `{"messages": [{"role", "content"}, ...]}` (the assistant
 messages are trained on, each as the chat template renders it, except those with OpenAI's
-`"weight": 0`). Prompts are tokenized as the completions and chat routes tokenize them, so
-the served adapter sees what it was trained on. The first token of a sequence is never
+`"weight": 0`), with OpenAI's tool calls: assistant messages with `tool_calls`, `tool`
+messages with their results, and the line's `tools` rendered by the template as the chat
+route renders a request's. Prompts are tokenized as the completions and chat routes
+tokenize them, so the served adapter sees what it was trained on. The first token of a sequence is never
 trained on (nothing before it predicts it). A bad line is a 400 that names it.
 """
 from __future__ import annotations
 
 import json
 
-from deployments.protocol import APIError, check_unicode
+from pydantic import ValidationError
+
+from deployments.chat_protocol import ChatMessage, Tool
+from deployments.protocol import APIError, check_unicode, validation_error
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -26,7 +31,7 @@ def parse_training_file(content: bytes, tokenizer, max_tokens: int
     examples = []
     for number, row in read_rows(content):
         if "messages" in row:
-            tokens, mask = _chat(row["messages"], tokenizer, number)
+            tokens, mask = _chat(row["messages"], row.get("tools"), tokenizer, number)
         else:
             tokens, mask = _completion(row["prompt"], row["completion"], tokenizer)
         if len(tokens) > max_tokens:
@@ -68,6 +73,7 @@ def read_rows(content: bytes) -> list[tuple[int, dict]]:
                 raise _error(number, e.message) from None
         if "messages" in row:
             _check_messages(row["messages"], number)
+            _check_tools(row.get("tools"), number)
         elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
             if not row["completion"]:
                 raise _error(number, "completion must not be empty")
@@ -83,17 +89,42 @@ def read_rows(content: bytes) -> list[tuple[int, dict]]:
 
 def _check_messages(messages, number: int) -> None:
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-            for m in messages):
+            isinstance(m, dict) and m.get("role") in ROLES and (
+                isinstance(m.get("content"), str) or m.get("tool_calls") and m.get("content")
+                is None) for m in messages):
         raise _error(number, "messages must be a non-empty list of {\"role\": one of "
-                             f"{', '.join(ROLES)}, \"content\": string}}")
+                             f"{', '.join(ROLES)}, \"content\": string (or null beside "
+                             "an assistant's tool_calls)}")
     for i, m in enumerate(messages):
+        if m.get("tool_calls") is not None and m["role"] != "assistant":
+            raise _error(number, f"messages[{i}].tool_calls: only assistant messages make "
+                                 "tool calls")
+        try:  # as the chat route takes a message (tool calls' shape, tool_call_id, name)
+            ChatMessage.model_validate(_without_weight(m))
+        except ValidationError as e:
+            raise _error(number, validation_error(e, f"messages[{i}]").message) from None
         if "weight" in m and (m["role"] != "assistant" or type(m["weight"]) is not int
                               or m["weight"] not in (0, 1)):
             raise _error(number, f"messages[{i}].weight: only assistant messages take a "
                                  "weight, 0 (not trained on) or 1")
     if not any(_trained(m) for m in messages):
         raise _error(number, "messages have no assistant message to train on")
+
+
+def _check_tools(tools, number: int) -> None:
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise _error(number, "tools must be a list of tools, as a chat request's")
+    for i, tool in enumerate(tools):
+        try:
+            Tool.model_validate(tool)
+        except ValidationError as e:
+            raise _error(number, validation_error(e, f"tools[{i}]").message) from None
+
+
+def _without_weight(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k != "weight"}
 
 
 def _trained(message: dict) -> bool:
@@ -108,15 +139,18 @@ def _completion(prompt: str, completion: str, tokenizer):
     return prompt_ids + target, [False] * len(prompt_ids) + [True] * len(target)
 
 
-def _chat(messages, tokenizer, number: int):
+def _chat(messages, tools, tokenizer, number: int):
     tokens, mask = [], []
+    # as the chat route renders a request (Frontend.chat_ids): tool call arguments as objects
+    rendered = [ChatMessage.model_validate(_without_weight(m)).for_template() for m in messages]
+    tools = [Tool.model_validate(t).model_dump(by_alias=True, exclude_none=True)
+             for t in tools] if tools else None
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        turn = [{k: v for k, v in m.items() if k != "weight"} for m in messages[:i + 1]]
         try:  # the assistant message: what the template adds after the prompt before it
-            prompt = _template(tokenizer, turn[:i], True) if i else []
-            full = _template(tokenizer, turn, False)
+            prompt = _template(tokenizer, rendered[:i], True, tools) if i else []
+            full = _template(tokenizer, rendered[:i + 1], False, tools)
         except Exception as e:
             raise _error(number, f"messages could not be formatted: {e}") from None
         if full[:len(prompt)] != prompt or prompt[:len(tokens)] != tokens:
@@ -128,7 +162,8 @@ def _chat(messages, tokenizer, number: int):
     return tokens, mask
 
 
-def _template(tokenizer, messages, generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                        tokenize=True, return_dict=False)
+def _template(tokenizer, messages, generation_prompt: bool, tools) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                        add_generation_prompt=generation_prompt,
+                                        return_dict=False)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -230,6 +230,47 @@ def test_training_file_masks_completions_and_assistant_turns():
         parse_training_file(json.dumps({"prompt": "abcdef", "completion": "g"}).encode(), tok, 4)
 
 
+def test_training_lines_with_tools_and_tool_calls_render_as_the_chat_route_does():
+    """OpenAI's format for training tool use: the line's tools, an assistant message whose
+    tool_calls stand for its content, the tool's answer. The tools are in the untrained
+    prompt, the call (arguments as the template writes an object) is trained on."""
+    from deployments.protocol import APIError
+    from deployments.training_data import parse_training_file
+    from engine_actors.checkpoint import load_tokenizer, resolve_model_path
+    tok = load_tokenizer(resolve_model_path("tiny-random-llama"))
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "w",
+                                             "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    row = {"tools": [tool], "parallel_tool_calls": False, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "It is fine."}]}
+    (ids, mask), = parse_training_file(json.dumps(row).encode(), tok, 2048)
+    as_object = [dict(m, content=m["content"] or "") for m in row["messages"]]
+    as_object[1]["tool_calls"] = [dict(call, function={"name": "get_weather",
+                                                       "arguments": {"city": "Rome"}})]
+    text = tok.apply_chat_template(as_object, tools=[tool], tokenize=False)
+    assert ids == tok.encode(text, add_special_tokens=False)
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    untrained = tok.decode([t for t, m in zip(ids, mask) if not m])
+    assert '"name": "get_weather"' in trained and '{"city": "Rome"}' in trained
+    assert "It is fine." in trained and "sunny" not in trained
+    assert '"description": "w"' in untrained and "weather?" in untrained
+    for bad, match in [
+            ({**row, "tools": tool}, "line 1: tools must be a list"),
+            ({**row, "tools": [{"type": "function"}]}, r"line 1: tools\[0\].function"),
+            ({"messages": [{"role": "user", "content": "x", "tool_calls": [call]},
+                           {"role": "assistant", "content": "y"}]},
+             r"line 1: messages\[0\].tool_calls: only assistant"),
+            ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant",
+              "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]},
+             r"line 1: messages\[1\].tool_calls.0.function.name")]:
+        with pytest.raises(APIError, match=match):
+            parse_training_file(json.dumps(bad).encode(), tok, 2048)
+
+
 @pytest.mark.gpu
 def test_varlen_attention_gives_the_per_sequence_gradients(base):
     """bf16 on CUDA: one variable-length flash call per layer trains as the call per
