@@ -53,8 +53,10 @@ class LoRASpec(_Base):
 class FineTuningJobRequest(_Base):
     training_file: str
     model: str
-    # part of the model's name: no ':' (its separator), '/' (a URL path's) or whitespace
-    suffix: str | None = Field(default=None, max_length=64, pattern=r"^[^:/\s]*$")
+    # part of the model's name: no ':' (its separator), '/' or '\\' (a path's), whitespace
+    # or control characters
+    suffix: str | None = Field(default=None, max_length=64,
+                               pattern=r"^[^:/\\\s\x00-\x1f\x7f]*$")
     seed: int = Field(default=0, ge=-2**63, lt=2**63)  # a torch generator's seed
     method: Method | None = None
     hyperparameters: Hyperparameters | None = None  # deprecated by OpenAI for `method`

@@ -90,6 +90,8 @@ def test_a_guided_json_string_that_is_no_schema_or_too_long_is_a_400(schema):
     ({"hyperparameters": {"learning_rate": 1e300}}, "hyperparameters.learning_rate"),
     ({"seed": 2 ** 70}, "seed"),
     ({"suffix": "a:b/../c"}, "suffix"),
+    ({"suffix": "a\x00b"}, "suffix"),
+    ({"suffix": "a\\b"}, "suffix"),
     ({"hyperparameters": {"n_epochs": 10 ** 6}}, "hyperparameters.n_epochs"),
 ])
 def test_impossible_fine_tuning_settings_are_a_400(body, param):
