@@ -137,8 +137,13 @@ class FineTuning(TrainingSteps):
             if metadata == "null":
                 return not job.metadata
             return all((job.metadata or {}).get(k) == v for k, v in (metadata or {}).items())
-        jobs = [j for j in reversed(self.jobs.values()) if wanted(j)]
-        return _page([j.to_dict() for j in jobs], after, limit, "fine-tuning job")
+        jobs = list(reversed(self.jobs.values()))
+        if after is not None:  # (any job's id: it may be one the filter leaves out)
+            at = next((i for i, j in enumerate(jobs) if j.id == after), None)
+            if at is None:
+                return Refusal("unknown_after", f"after: no fine-tuning job {after!r}")
+            jobs = jobs[at + 1:]
+        return _page([j.to_dict() for j in jobs if wanted(j)], None, limit, "fine-tuning job")
 
     def events(self, job_id: str, after: str | None = None,
                limit: int = 20) -> dict | Refusal | None:

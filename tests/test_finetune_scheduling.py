@@ -336,3 +336,18 @@ def test_an_ended_job_frees_its_examples_and_keeps_its_record():
     assert job.examples == [] and not job.has_next()
     record = ft.job(job.id)
     assert record["status"] == "cancelled" and record["total_steps"] == 6  # 2 x ceil(5 / 2)
+
+
+def test_jobs_listed_by_metadata_page_after_any_job_even_one_the_filter_leaves_out():
+    import dataclasses
+
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+    ft = FineTuning(EngineConfig(), adapters=None)
+    for i, team in enumerate(["a", "b", "a", "b"]):  # created oldest first
+        ft.jobs[f"j{i}"] = dataclasses.replace(_job([4]), id=f"j{i}", metadata={"team": team})
+    ids = lambda listed: [j["id"] for j in listed["data"]]  # noqa: E731
+    assert ids(ft.list_jobs(metadata={"team": "a"})) == ["j2", "j0"]  # newest first
+    assert ids(ft.list_jobs(after="j3", metadata={"team": "a"})) == ["j2", "j0"]
+    assert ids(ft.list_jobs(after="j2", limit=1, metadata={"team": "b"})) == ["j1"]
+    assert ft.list_jobs(after="nope").code == "unknown_after"
