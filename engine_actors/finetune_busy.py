@@ -93,10 +93,10 @@ class BusyTraining:
         until a request comes (`interrupt`). `waiting`: requests wait to be admitted
         (their step goes first)."""
         ft = self.ft
-        if waiting or self.call is not None or (busy and self.credit <= 0):
-            return None
         if self.job is not None and self.job.status != "running":
             self.job = None  # cancelled or failed: its pieces were dropped with its trainer
+        if waiting or self.call is not None or (busy and self.credit <= 0):
+            return None
         if self.job is not None:
             job, args = self.job, ()
         else:  # (between requests, a micro-batch that fits the bound runs whole instead)

@@ -286,3 +286,31 @@ def test_between_requests_micro_batches_that_fit_the_bound_run_whole():
 
     asyncio.run(run())
     assert not ft.in_pieces and ("piece", "ftjob-1") not in workers.log
+
+
+def test_a_job_cancelled_in_pieces_while_requests_run_holds_nothing_back():
+    """A micro-batch was in pieces when its job was cancelled, and requests keep running:
+    no micro-batch counts as in pieces any more (which would keep FineInfer's deferral and
+    whole micro-batches off for the next job until the requests are gone)."""
+    workers = PieceWorkers(4)
+    workers.pieces = 50
+    loop, finished = busy_engine(0.0, workers)
+    ft = loop.finetuning
+    ft.step_s = 5.0  # over the 1-s bound: in pieces between requests
+    job = ft.queue[0]
+
+    async def run():
+        task = asyncio.create_task(loop.run())
+        try:
+            await until(lambda: ft.busy.job is job)  # a micro-batch in pieces
+            loop.add(request("a", 200), None, None)  # stops the run; a runs from now
+            await until(lambda: loop.scheduler.num_running == 1 and ft.busy.call is None)
+            await ft.cancel(job.id, workers)
+            await asyncio.sleep(0.1)  # a's steps go on
+            assert loop.scheduler.num_running == 1
+            return ft.busy.active
+        finally:
+            task.cancel()
+
+    assert asyncio.run(run()) is False
+    assert job.status == "cancelled"
