@@ -108,6 +108,15 @@ class BlockPool:
                 else:
                     self._evictable[b] = h
 
+    def forget_cached(self) -> None:
+        """The workers were replaced: no block's KV exists now, so none is cached (a block
+        still referenced becomes free when released)."""
+        for b in self._evictable:
+            heapq.heappush(self._free, b)
+        self._evictable.clear()
+        self._cached.clear()
+        self._hash.clear()
+
     def register(self, block: int, h: bytes) -> None:
         """`block` is full and its KV written: later prompts may reuse it."""
         if self.caching and h not in self._cached and block not in self._hash:

@@ -61,8 +61,7 @@ class EngineLoop:
         self.cfg, self.info = cfg, info
         self.executor, self.scheduler = executor, scheduler
         self.metrics, self.deliver = metrics, deliver
-        self.depth = cfg.max_steps_in_flight
-        self.num_steps = 0
+        self.depth, self.num_steps = cfg.max_steps_in_flight, 0
         self.iteration_s: float | None = None  # one step's time, averaged
         self._last_done = 0.0  # when the latest step ended
         self.last_tick = time.monotonic()  # the loop's heartbeat
@@ -104,9 +103,8 @@ class EngineLoop:
 
     def queue_full(self) -> Refusal | None:
         waiting = self.scheduler.num_waiting
-        if waiting >= self.cfg.max_queued_requests:
-            return Refusal("queue_full", f"{waiting} requests are already waiting; retry later")
-        return None
+        return Refusal("queue_full", f"{waiting} requests are already waiting; retry later") \
+            if waiting >= self.cfg.max_queued_requests else None
 
     def add(self, r: EngineRequest, sink, lora) -> Refusal | None:
         """Queue a request (its outputs go to `sink`; `lora`: its adapter or None)."""
@@ -151,7 +149,7 @@ class EngineLoop:
             if not in_flight and ft is not None and (
                     ft.ahead or ft.wants_step(self.scheduler, now)):
                 if await ft.step(self.executor, self.scheduler.kv, pipeline=self._quiet):
-                    await self._restart_workers()  # requests are deferred; a worker died
+                    await self._replace_workers()  # requests are deferred; a worker died
                     self.scheduler.kv.take_back()
                 continue
             kv = self.scheduler.kv
@@ -224,6 +222,13 @@ class EngineLoop:
             other.cancel()
         in_flight.clear()
         self.deliver(self.scheduler.fail_started(), WORKER_FAILURE)
+        await self._replace_workers()
+
+    async def _replace_workers(self) -> None:
+        """New workers hold no KV and no adapter: no block is cached, no slot loaded."""
+        self.scheduler.kv.pool.forget_cached()
+        if self.scheduler.loras is not None:
+            self.scheduler.loras.reset()
         await self._restart_workers()
 
     def _admissible(self, hold_from: float | None) -> bool:
@@ -232,8 +237,7 @@ class EngineLoop:
                    for r in self.scheduler.waiting)
 
     def _quiet(self) -> bool:
-        """A lull: fine-tuning's next micro-batch may wait on the workers (its call hidden;
-        a request that comes calls it off)."""
+        """A lull: fine-tuning's next micro-batch may wait on the workers (calls hidden)."""
         return not self.scheduler.pool \
             and time.monotonic() - self.last_arrival >= finetune_jobs.QUIET_S
 
@@ -250,8 +254,7 @@ class EngineLoop:
         now = time.monotonic()
         self.metrics.batch_requests.observe(len(batch.scheduled))
         self.metrics.batch_tokens.observe(batch.step.num_tokens)
-        for item in batch.scheduled:
-            req = item.request
+        for req in (item.request for item in batch.scheduled):
             if req.num_iterations == 1 and req.num_preemptions == 0:  # its first iteration
                 self.metrics.queue_time.observe(now - req.arrival_time)
 
@@ -287,8 +290,7 @@ class EngineLoop:
         self.metrics.prefix_cache(s.kv.num_queried_tokens, s.kv.num_hit_tokens)
 
     async def drain(self, timeout_s: float) -> list[RequestOutput]:
-        """Wait up to timeout_s for the requests to finish; ends those left (their outputs,
-        finish "abort")."""
+        """Wait up to timeout_s for the requests to finish; ends those left (finish "abort")."""
         deadline = time.monotonic() + timeout_s
         while self.scheduler.pool and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -122,6 +122,7 @@ class LoRASlots:
         self.adapter: list[AdapterInfo | None] = [None] * num_slots
         self.refs = [0] * num_slots
         self._slot_of: dict[int, int] = {}  # adapter id -> slot
+        self._unloaded: set[int] = set()  # ids unloaded while requests still use them
         self._unused: collections.OrderedDict[int, None] = collections.OrderedDict(
             (s, None) for s in range(num_slots))  # least recently used first
 
@@ -161,15 +162,31 @@ class LoRASlots:
         self.refs[slot] -= 1
         if self.refs[slot] == 0:
             self._unused[slot] = None  # most recently used
+            info = self.adapter[slot]
+            if info is not None and info.id in self._unloaded:
+                self._unloaded.discard(info.id)
+                self._drop(slot)
 
     def forget(self, info: AdapterInfo) -> None:
-        """`info` was unloaded: its slot goes first once unused (requests already admitted
-        with it finish)."""
-        slot = self._slot_of.pop(info.id, None)
-        if slot is not None:
-            self.adapter[slot] = None
-            if self.refs[slot] == 0:
-                self._unused.move_to_end(slot, last=False)
+        """`info` was unloaded: its slot goes first once unused. Until then it stays
+        resident, and requests queued with it share it (they finish with it)."""
+        slot = self._slot_of.get(info.id)
+        if slot is None:
+            return
+        if self.refs[slot]:
+            self._unloaded.add(info.id)
+        else:
+            self._drop(slot)
+
+    def _drop(self, slot: int) -> None:
+        """The slot's adapter is no longer resident; the slot is the first to reuse."""
+        del self._slot_of[self.adapter[slot].id]
+        self.adapter[slot] = None
+        self._unused.move_to_end(slot, last=False)
+
+    def reset(self) -> None:
+        """New workers hold no adapter: every slot is empty (no request holds one)."""
+        self.__init__(self.num_slots)
 
     @property
     def resident(self) -> list[str]:

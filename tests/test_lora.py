@@ -175,6 +175,36 @@ def test_slots_evict_the_least_recently_used_unused_adapter():
     assert slots.resident == ["a3", "a4"]
 
 
+
+def test_an_adapter_unloaded_while_its_requests_run_and_wait_serves_them_all():
+    """One slot; a request of adapter x runs and another of x waits when x is unloaded:
+    the waiting one shares the resident slot (a reload would need a free slot, and the
+    scheduler crashed looking for one), and the slot is free once both are done."""
+    from engine_actors.config import EngineConfig
+    from engine_actors.lora import Adapters
+    from engine_actors.request import Request
+    from engine_actors.scheduler import Scheduler
+    from tests.fake_runner import FakeRunner
+    cfg = EngineConfig(block_size=4, enable_lora=True, max_loras=1)
+    scheduler = Scheduler.from_config(cfg, 64, 512, (0,))
+    adapters = Adapters(cfg)
+    x = info(1)
+    adapters.registry.adapters["a1"], adapters.slots = x, scheduler.loras
+    runner = FakeRunner(4)
+    sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    scheduler.add(Request("a", [1, 2, 3, 4, 5], sampling, 0.0, lora=x))
+    batch = scheduler.schedule()
+    scheduler.add(Request("b", [6, 7, 8], sampling, 1.0, lora=x))
+    assert adapters.unload("a1") is None
+    finished, loads = set(), list(batch.step.lora_loads)
+    while batch is not None:
+        outputs = scheduler.process(batch, runner.execute(batch.step))
+        finished |= {o.request_id for o in outputs if o.finish_reason is not None}
+        batch = scheduler.schedule()
+        loads += list(batch.step.lora_loads) if batch is not None else []
+    assert finished == {"a", "b"} and len(loads) == 1  # loaded once, shared by b
+    assert scheduler.loras.resident == [] and scheduler.loras.has_room_for(info(2), set())
+
 # CPU: the Triton interpreter in fp32. GPU: compiled, in bf16 and fp32.
 @pytest.mark.parametrize("device,dtype", [
     pytest.param("cpu", torch.float32, id="interpreter-fp32"),
