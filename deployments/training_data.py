@@ -6,8 +6,9 @@ messages are trained on, each as the chat template renders it, except those with
 `"weight": 0`), with OpenAI's tool calls: assistant messages with `tool_calls`, `tool`
 messages with their results, and the line's `tools` rendered by the template as the chat
 route renders a request's. Prompts are tokenized as the completions and chat routes
-tokenize them, so the served adapter sees what it was trained on. The first token of a sequence is never
-trained on (nothing before it predicts it). A bad line is a 400 that names it.
+tokenize them, so the served adapter sees what it was trained on. The first token of a
+sequence is never trained on (nothing before it predicts it). A bad line is a 400 that
+names it.
 """
 from __future__ import annotations
 

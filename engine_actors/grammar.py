@@ -179,11 +179,12 @@ def check_grammar(spec: tuple[str, str]) -> None:
 @functools.cache
 def _bytes_compiler():
     """A grammar compiler over a vocabulary of the 256 bytes and an end token (cheap to
-    compile for: checks that need no model's tokenizer)."""
+    compile for: checks that need no model's tokenizer). It keeps nothing: every request's
+    grammar passes through it, and its cache would grow without bound."""
     import xgrammar as xgr
     info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"],
                              vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
-    return xgr.GrammarCompiler(info)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
 def advance(matchers: list[object | None], result: StepResult) -> StepResult:
