@@ -20,9 +20,10 @@ from deployments.list_params import query_limit, query_order
 from deployments.protocol import APIError, _Base, check_unicode, refusal_error
 from deployments.training_data import parse_training_file
 from engine_actors.finetune_jobs import MAX_FILE_BYTES
-from engine_actors.lora import TARGETS
+from engine_actors.lora_files import TARGETS
 
 DEFAULT_LEARNING_RATE = 2e-4  # learning_rate_multiplier 1 (a common LoRA rate)
+FORM_OVERHEAD_BYTES = 1 << 16  # a multipart body's parts besides the file: boundaries, purpose
 
 
 class Hyperparameters(_Base):
@@ -133,6 +134,10 @@ def _listed(out) -> JSONResponse:
     return JSONResponse(out)
 
 
+def _file_too_large() -> APIError:
+    return APIError(413, f"file over {MAX_FILE_BYTES} bytes", "file", "file_too_large")
+
+
 def _not_found(kind: str, name: str, param: str | None = None) -> APIError:
     return APIError(404, f"No such {kind}: {name}", param, "not_found", "not_found_error")
 
@@ -169,6 +174,9 @@ class FineTuningAPI:
     async def upload(self, request: Request):
         try:
             self._check_enabled()
+            size = request.headers.get("content-length", "")
+            if size.isdigit() and int(size) > MAX_FILE_BYTES + FORM_OVERHEAD_BYTES:
+                raise _file_too_large()  # before the body is read (files spool to disk)
             try:
                 form = await request.form(max_files=1, max_part_size=MAX_FILE_BYTES)
             except ClientDisconnect:
@@ -185,8 +193,7 @@ class FineTuningAPI:
             check_unicode([upload.filename or ""])  # a part's charset may make a surrogate
             content = await upload.read()
             if len(content) > MAX_FILE_BYTES:
-                raise APIError(413, f"file over {MAX_FILE_BYTES} bytes", "file",
-                               "file_too_large")
+                raise _file_too_large()
             meta = await self._call("add_file", upload.filename or "upload.jsonl", purpose,
                                     content)
             if not isinstance(meta, dict):

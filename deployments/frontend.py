@@ -144,6 +144,14 @@ class Frontend:
         model = getattr(req, "model", None)
         return model if model not in (None, self.cfg.model_name) else None
 
+    async def check_served(self, req) -> None:
+        """APIError 404 unless `model` names the base model or a loaded adapter: for the
+        routes that never reach the engine (which would refuse it)."""
+        name = self.adapter(req)
+        if name is not None and name not in await self.call("adapter_call", "paths"):
+            raise APIError(404, f"The model `{name}` does not exist.", "model",
+                           "model_not_found")
+
     def tool_parser(self, info: ModelInfo) -> str:
         """The tool-call format of the served model (the tool_call_parser arg, or its
         family's)."""

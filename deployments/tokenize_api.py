@@ -54,6 +54,7 @@ class TokenizeAPI:
         try:
             req = await self.frontend.parse(request, TokenizeRequest)
             info = await self.frontend.ready()
+            await self.frontend.check_served(req)
             if req.prompt is not None:
                 special = req.add_special_tokens is not False
                 ids = await self.frontend.tokenize(
@@ -74,6 +75,7 @@ class TokenizeAPI:
         try:
             req = await self.frontend.parse(request, DetokenizeRequest)
             info = await self.frontend.ready()
+            await self.frontend.check_served(req)
             if any(not 0 <= t < info.vocab_size for t in req.tokens):
                 raise APIError(400, f"tokens must be token ids in [0, {info.vocab_size})",
                                "tokens", "invalid_value")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
+from engine_actors.lora_files import target_shapes
 
 # Bump when the built-in model changes so stale copies are not reused.
 _DEFAULT_VERSION = 2
@@ -250,6 +251,8 @@ class ModelInfo:
     architecture: str = "LlamaForCausalLM"
     # generation_config.json's temperature/top_p/top_k: used when a request leaves them unset
     sampling_defaults: dict = field(default_factory=dict)
+    num_layers: int = 0
+    lora_shapes: dict = field(default_factory=dict)  # LoRA target -> (in, out) features
 
 
 def model_info(cfg: EngineConfig) -> ModelInfo:
@@ -275,7 +278,8 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
         eos |= _as_ids(gen.get("eos_token_id"))
         defaults = {k: gen[k] for k in SAMPLING_DEFAULTS if gen.get(k) is not None}
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
-                     hf.vocab_size, architecture(hf), defaults)
+                     hf.vocab_size, architecture(hf), defaults, hf.num_hidden_layers,
+                     target_shapes(hf))
 
 
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")

@@ -225,7 +225,11 @@ class FineTuning(TrainingSteps):
         else:
             if job.status != "running":  # cancelled while it was saved (and dropped)
                 return
-            refusal = self.adapters.load(name, path)
+            refusal = await self.adapters.load(name, path)
+            if job.status != "running":  # cancelled while its files were read (and dropped)
+                if refusal is None:
+                    self.adapters.unload(name)
+                return
             if refusal is not None:
                 self._fail(job, refusal.message)
             else:

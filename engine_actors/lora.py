@@ -1,109 +1,61 @@
 """LoRA adapters on the scheduler's side: which adapters exist, and which device slot holds
 which adapter.
 
-An adapter is a PEFT directory (`adapter_config.json`, `adapter_model.safetensors`). The
-registry checks it once, when it is added, and gives it a fresh id: a request carries its
-adapter's info, and the id keys the request's prefix-cache entries (an adapter loaded again
-under the same name never reuses the old one's KV). Workers hold `max_loras` slots of
+The registry checks an adapter once, when it is added (lora_files.py), and gives it a fresh
+id: a request carries its adapter's info, and the id keys the request's prefix-cache entries
+(an adapter loaded again under the same name never reuses the old one's KV). Workers hold `max_loras` slots of
 weights; `LoRASlots` assigns adapters to slots on demand, evicts the least recently used
 slot that no admitted request uses, and tells the workers what to load through the step
 message. A request whose adapter cannot get a slot waits; it is never refused for that.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
+import dataclasses
 import itertools
-import json
-import math
-import os
-from dataclasses import dataclass
 
+import ray
+
+from engine_actors.lora_files import (AdapterInfo, LoRAError, check_tensors, read_adapter,
+                                      read_weights)
 from engine_actors.messages import Refusal
-
-# the projections an adapter may target (q/k/v/o and the MLP's gate/up/down)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served; the message says why."""
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterInfo:
-    name: str
-    path: str
-    rank: int
-    scale: float  # lora_alpha / r (or / sqrt(r) with rsLoRA), folded into B when loaded
-    targets: tuple[str, ...]
-    id: int  # unique per registration
-
-    @property
-    def cache_salt(self) -> str:
-        return f"lora-{self.id}"
-
-
-def read_adapter(name: str, path: str, max_rank: int, adapter_id: int) -> AdapterInfo:
-    """Check a PEFT LoRA directory; LoRAError naming what is wrong."""
-    config_file = os.path.join(path, "adapter_config.json")
-    if not os.path.isfile(config_file):
-        raise LoRAError(f"LoRA adapter {name!r}: no adapter_config.json in {path!r}")
-    if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
-        raise LoRAError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {path!r}")
-    try:
-        with open(config_file) as f:
-            cfg = json.load(f)
-    except ValueError as e:
-        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not JSON: {e}") from None
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise LoRAError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    rank = cfg.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise LoRAError(f"LoRA adapter {name!r}: bad rank r={rank!r}")
-    if rank > max_rank:
-        raise LoRAError(f"LoRA adapter {name!r} has rank {rank}, over max_lora_rank "
-                        f"{max_rank}; restart with a larger max_lora_rank")
-    unsupported = [k for k, bad in [("use_dora", True), ("fan_in_fan_out", True)]
-                   if cfg.get(k) is bad]
-    if cfg.get("modules_to_save"):
-        unsupported.append("modules_to_save")
-    if cfg.get("bias", "none") != "none":
-        unsupported.append(f"bias={cfg['bias']!r}")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        unsupported.append("rank_pattern/alpha_pattern")
-    if unsupported:
-        raise LoRAError(f"LoRA adapter {name!r}: {', '.join(unsupported)} not supported")
-    targets = cfg.get("target_modules")
-    if targets == "all-linear":
-        targets = list(TARGETS)
-    if isinstance(targets, str) or not targets:
-        raise LoRAError(f"LoRA adapter {name!r}: target_modules must list module names, "
-                        f"got {targets!r}")
-    others = sorted(set(targets) - set(TARGETS))
-    if others:
-        raise LoRAError(f"LoRA adapter {name!r}: target modules {others} not supported "
-                        f"(supported: {', '.join(TARGETS)})")
-    alpha = cfg.get("lora_alpha", rank)
-    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    return AdapterInfo(name, os.path.abspath(path), rank, float(scale),
-                       tuple(t for t in TARGETS if t in targets), adapter_id)
 
 
 class LoRARegistry:
-    """The adapters requests may name."""
+    """The adapters requests may name. `model`: the model's target_shapes and layer count,
+    which every adapter's tensors are checked against (set once the engine has started)."""
 
-    def __init__(self, max_rank: int):
+    def __init__(self, max_rank: int, model: tuple[dict, int] | None = None):
         self.max_rank = max_rank
+        self.model = model
         self.adapters: dict[str, AdapterInfo] = {}
         self._ids = itertools.count(1)
 
     def add(self, name: str, path: str, reserved: set[str] = frozenset()) -> AdapterInfo:
+        self.check_name(name, reserved)
+        return self.insert(self.read(name, path), reserved)
+
+    def check_name(self, name: str, reserved: set[str] = frozenset()) -> None:
         if not name or name in reserved:
             raise LoRAError(f"{name!r} cannot name a LoRA adapter")
         if name in self.adapters:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded")
+
+    def read(self, name: str, path: str) -> AdapterInfo:
+        """The adapter at `path`, checked, with its weights read (in any thread: nothing
+        here changes); LoRAError naming what is wrong."""
+        if self.model is None:
+            raise RuntimeError("adapters are read once the model is known")
         info = read_adapter(name, path, self.max_rank, next(self._ids))
-        self.adapters[name] = info
+        data = read_weights(info)
+        check_tensors(info, data, *self.model)
+        # in the object store, the workers fetch it when they load a slot
+        return dataclasses.replace(info, weights=ray.put(data) if ray.is_initialized() else data)
+
+    def insert(self, info: AdapterInfo, reserved: set[str] = frozenset()) -> AdapterInfo:
+        self.check_name(info.name, reserved)  # (another of that name may have come since)
+        self.adapters[info.name] = info
         return info
 
     def remove(self, name: str) -> AdapterInfo:
@@ -204,9 +156,11 @@ class Adapters:
         self.slots: LoRASlots | None = None  # the scheduler's, once the engine is up
 
     def load_configured(self) -> None:
-        """The lora_modules arg's adapters (LoRAError fails the start)."""
+        """Check the lora_modules arg's adapters' configs before the workers start (a
+        LoRAError fails the start); they are read and added once the model is known."""
         for name, path in self.cfg.lora_modules.items():
-            self.registry.add(name, path, reserved={self.cfg.model_name})
+            self.registry.check_name(name, {self.cfg.model_name})
+            read_adapter(name, path, self.cfg.max_lora_rank, 0)
 
     def of(self, name: str | None) -> AdapterInfo | Refusal | None:
         """The adapter a request names (None: the base model), or why it cannot run."""
@@ -218,12 +172,24 @@ class Adapters:
         self.on_request(name)
         return info
 
-    def load(self, name: str, path: str) -> Refusal | None:
+    async def know_engine(self, engine) -> None:
+        """The engine started: its slots, its model to check adapters against, and the
+        configured adapters (LoRAError if one does not fit)."""
+        self.slots = engine.scheduler.loras
+        self.registry.model = (engine.info.lora_shapes, engine.info.num_layers)
+        for name, path in self.cfg.lora_modules.items():
+            self.registry.insert(await asyncio.to_thread(self.registry.read, name, path))
+
+    async def load(self, name: str, path: str) -> Refusal | None:
+        """Add an adapter at run time; its files are read in a thread (steps go on)."""
         if not self.cfg.lora_enabled:
             return Refusal("lora_disabled", "LoRA adapters are not enabled on this server "
                            "(start it with enable_lora: true)")
+        reserved = {self.cfg.model_name}
         try:
-            self.registry.add(name, path, reserved={self.cfg.model_name})
+            self.registry.check_name(name, reserved)
+            self.registry.insert(await asyncio.to_thread(self.registry.read, name, path),
+                                 reserved)
         except LoRAError as e:
             return Refusal("invalid_adapter", str(e))
         return None

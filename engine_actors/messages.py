@@ -63,8 +63,9 @@ class StepInput:
     # requests whose prompt log-probabilities this chunk computes: (index in the batch,
     # alternatives k, the prompt token after the chunk or -1 when the chunk ends the prompt)
     prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
-    # LoRA adapters to load before this step runs: (slot, PEFT directory, scale)
-    lora_loads: list[tuple[int, str, float]] = field(default_factory=list)
+    # LoRA adapters to load before this step runs: (slot, weights file's bytes or their
+    # ray.put ref, scale)
+    lora_loads: list[tuple[int, object, float]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

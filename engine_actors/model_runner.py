@@ -162,8 +162,8 @@ class ModelRunner:
             raise RuntimeError("fault injected into the forward pass")
         self.head.add(step.new_requests, self.parallel.is_last_stage)
         if self.row_lora is not None:
-            for slot, path, scale in step.lora_loads:
-                lora_layers.load_adapter(self.model, slot, path, scale)
+            for slot, weights, scale in step.lora_loads:
+                lora_layers.load_adapter(self.model, slot, weights, scale)
             for r in step.new_requests:
                 self.row_lora[r.row] = r.lora_slot
         num_reqs, num_tokens = len(step.rows), len(step.token_ids)

@@ -192,7 +192,7 @@ class Scheduler:
         if req.lora is not None:
             req.lora_slot, load = self.loras.acquire(req.lora, adapters)
             if load:
-                step.lora_loads.append((req.lora_slot, req.lora.path, req.lora.scale))
+                step.lora_loads.append((req.lora_slot, req.lora.weights, req.lora.scale))
         self.admitted[req.request_id] = req
         req.num_computed_tokens = len(hits) * self.kv.block_size
         if req.num_cached_tokens < 0:  # what its response reports: the first admission's

@@ -8,13 +8,12 @@ where outputs go out to their requests' sinks. An ingress replica submits with
 all its requests.
 
 Lifetime: created when the application is built (deployments/engine_client.py's
-`start_engine_early`; or by an ingress
-replica that finds none, after one died or left), a named, detached actor, one per distinct configuration, which
-starts its engine at once; it tears itself down, workers and placement group included, when
-its last client unregisters while the application is being deleted, when the last client
-leaves otherwise (a scale-down, a redeploy), its last stream breaks or none ever opens, and
-no client comes back within ORPHAN_GRACE_S, or when the engine fails in a way it cannot
-recover from.
+`start_engine_early`; or by an ingress replica that finds none, after one died or left), a
+named, detached actor, one per distinct configuration, which starts its engine at once; it
+tears itself down, workers and placement group included, when its last client unregisters
+while the application is being deleted, when the last client leaves otherwise (a
+scale-down, a redeploy), its last stream breaks or none ever opens, and no client comes back
+within ORPHAN_GRACE_S, or when the engine fails in a way it cannot recover from.
 """
 from __future__ import annotations
 
@@ -99,12 +98,15 @@ class SchedulerActor:
             self.adapters.load_configured()
             self.engine = await EngineLoop.start(self.cfg, f"{actor_name(self.cfg)}-workers",
                                                  self.metrics, self._deliver, self._clock)
-            self.adapters.slots = self.engine.scheduler.loras
+            await self.adapters.know_engine(self.engine)
             self.engine.finetuning = self.finetuning
             gc.collect()  # then the startup heap: full collections under load skip it
             gc.freeze()
             self._spawn(self._run())
         except Exception as e:
+            if self.engine is not None:  # a configured adapter does not fit the model
+                self.engine.shutdown()
+                self.engine = None
             self._start_error = start_failure_cause(e)
             logger.error("engine failed to start: %s", self._start_error)
             logger.debug("start failure", exc_info=True)
@@ -225,7 +227,8 @@ class SchedulerActor:
 
     async def adapter_call(self, method: str, *args):  # lora.Adapters' load, unload, paths
         await self.ready()
-        return getattr(self.adapters, method)(*args)
+        result = getattr(self.adapters, method)(*args)
+        return await result if asyncio.iscoroutine(result) else result
 
     async def finetune_call(self, method: str, *args):
         """FineTuning's add_file, list_files, file, delete_file, create, job, list_jobs,
@@ -237,8 +240,7 @@ class SchedulerActor:
             return await self.finetuning.cancel(*args, self.engine.executor)
         return getattr(self.finetuning, method)(*args)
 
-    def response_call(self, method: str, *args):
-        """ResponseStore's put, get, chain, holding, delete."""
+    def response_call(self, method: str, *args):  # ResponseStore: put/get/chain/holding/delete
         return getattr(self.responses, method)(*args)
 
     # ---- background batches -------------------------------------------------------------
@@ -248,8 +250,7 @@ class SchedulerActor:
         return await self.batches.submit(batch_id, requests, priority,
                                          self.cfg.max_queued_requests)
 
-    def batch_call(self, method: str, batch_id: str) -> dict | None:
-        """Batches' `status` or `cancel` of one batch (None: no such batch)."""
+    def batch_call(self, method: str, batch_id: str) -> dict | None:  # status, cancel; None: none
         return getattr(self.batches, method)(batch_id)
 
     async def batch_results(self, batch_id: str):

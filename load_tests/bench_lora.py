@@ -28,7 +28,7 @@ import torch
 from engine_actors.checkpoint import load_hf_config, resolve_model_path
 from engine_actors.kv_cache import cdiv
 from engine_actors.layers import lora as lora_layers
-from engine_actors.lora import TARGETS
+from engine_actors.lora_files import TARGETS
 from engine_actors.model_runner import ModelRunner
 from load_tests.bench_decode import decode_arguments, time_decode
 
@@ -141,7 +141,8 @@ def bench_decode_steps(args) -> dict:
         adapters = save_random_adapters(path, tmp, slots, args.rank)
         runner = new_runner(path, batch, ctx, iters, lora=(slots, args.rank))
         for slot, adapter in enumerate(adapters.values()):
-            lora_layers.load_adapter(runner.model, slot, adapter, 2.0)
+            with open(os.path.join(adapter, "adapter_model.safetensors"), "rb") as f:
+                lora_layers.load_adapter(runner.model, slot, f.read(), 2.0)
     rows["base (LoRA on)"] = time_decode(runner, batch, ctx, iters)
     for n in args.adapters:
         rows[f"{n} adapters"] = time_decode(runner, batch, ctx, iters,

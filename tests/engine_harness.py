@@ -26,7 +26,7 @@ class InProcessEngine:
         self.worker.init_kv_cache(num_blocks)
         self.scheduler = Scheduler.from_config(self.cfg, num_blocks, info.max_model_len,
                                                info.eos_token_ids)
-        self.loras = LoRARegistry(self.cfg.max_lora_rank)
+        self.loras = LoRARegistry(self.cfg.max_lora_rank, (info.lora_shapes, info.num_layers))
         for name, path in self.cfg.lora_modules.items():
             self.loras.add(name, path)
         self.steps = []

@@ -259,7 +259,7 @@ def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, devi
     and the base model's tokens stay the same. On CPU over gloo; on two GPUs over NCCL."""
     import ray
 
-    from engine_actors.lora import TARGETS
+    from engine_actors.lora_files import TARGETS
     prompt, answer = [5, 6, 7, 8], [40, 41, 42, 43, 44]
     spec = {"model": "m", "training_file": "file-tp", "suffix": "tp", "seed": 0,
             "examples": [(prompt + answer, [False] * len(prompt) + [True] * len(answer))],

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import threading
 import time
+import urllib.parse
 
 import httpx
 import pytest
@@ -149,6 +151,18 @@ def test_bad_requests_are_refused_clearly(url):
                                files={"file": ("t.jsonl", io.BytesIO(b"{}"))})
     assert wrong_purpose.status_code == 400
     assert httpx.get(f"{url}/v1/fine_tuning/jobs/ftjob-nope").status_code == 404
+
+
+def test_an_upload_over_the_limit_is_refused_before_it_is_read(url):
+    """A declared 10 GB upload gets its 413 at once (it used to be read, to disk, first)."""
+    address = urllib.parse.urlsplit(url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as s:
+        s.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n"
+                  b"Content-Type: multipart/form-data; boundary=b\r\n\r\n--b\r\n")
+        reply = b""
+        while b"file_too_large" not in reply and (chunk := s.recv(65536)):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413") and b"file_too_large" in reply, reply
 
 
 def test_files_are_listed_and_read_back_then_a_deleted_file_is_gone(url):

@@ -4,15 +4,18 @@ the slot pool (LRU eviction, waiting for a slot); the Triton kernels against the
 reference; adapters that cannot be served refused clearly."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import types
 
 import numpy as np
 import pytest
 import torch
 
 from engine_actors.checkpoint import save_random_llama
-from engine_actors.lora import AdapterInfo, LoRAError, LoRARegistry, LoRASlots
+from engine_actors.lora import LoRARegistry, LoRASlots
+from engine_actors.lora_files import AdapterInfo, LoRAError
 from engine_actors.request import SamplingParams
 from kernels.lora import group_tokens, lora_ref, lora_triton, max_tiles
 from tests.engine_harness import InProcessEngine, hf_greedy
@@ -86,14 +89,18 @@ def test_adapters_change_the_model(models):
 @pytest.mark.parametrize("device,overlap", [
     ("cpu", True), ("cpu", False),
     pytest.param("cuda", True, marks=pytest.mark.gpu)])  # Triton kernels, CUDA graphs
-def test_mixed_adapters_match_transformers_peft(models, device, overlap):
+def test_mixed_adapters_match_transformers_peft(models, device, overlap, tmp_path):
     """Three adapters and the base model in the same iterations, ragged prompts arriving over
-    time, two slots for three adapters (adapters are evicted and requests wait for a slot)."""
+    time, two slots for three adapters (adapters are evicted and requests wait for a slot).
+    The adapters' directories are gone once they are added: they are read once."""
+    import shutil
     base, paths = models
-    engine = InProcessEngine(device, model=base, dtype="float32", lora_modules=paths,
+    copies = {name: str(shutil.copytree(path, tmp_path / name)) for name, path in paths.items()}
+    engine = InProcessEngine(device, model=base, dtype="float32", lora_modules=copies,
                              max_loras=2, max_lora_rank=8,
                              max_batch_size=8, block_size=4, max_num_batched_tokens=64,
                              max_num_tokens=2048, async_scheduling=overlap)
+    shutil.rmtree(tmp_path)
     rng = random.Random(2)
     shared = [rng.randrange(256) for _ in range(12)]  # same tokens, different adapters
     arrivals, expected = {}, {}
@@ -125,9 +132,16 @@ def test_mixed_adapters_match_transformers_peft(models, device, overlap):
         assert engine.worker.runner.num_graph_replays > 0
 
 
+def model_of(base: str) -> tuple[dict, int]:
+    from engine_actors.checkpoint import model_info
+    from engine_actors.config import EngineConfig
+    info = model_info(EngineConfig(model=base))
+    return info.lora_shapes, info.num_layers
+
+
 def test_adapter_over_max_rank_and_unsupported_ones_are_refused(models, tmp_path):
     base, paths = models
-    registry = LoRARegistry(max_rank=4)
+    registry = LoRARegistry(max_rank=4, model=model_of(base))
     with pytest.raises(LoRAError, match="rank 8, over max_lora_rank 4"):
         registry.add("chat", paths["chat"])
     registry.add("sql", paths["sql"])
@@ -136,18 +150,87 @@ def test_adapter_over_max_rank_and_unsupported_ones_are_refused(models, tmp_path
     with pytest.raises(LoRAError, match="no adapter_config.json"):
         registry.add("nothing", str(tmp_path))
     cfg = json.loads(open(f"{paths['code']}/adapter_config.json").read())
-    for change, message in [({"use_dora": True}, "use_dora"),
-                            ({"target_modules": ["embed_tokens"]}, "embed_tokens"),
-                            ({"modules_to_save": ["lm_head"]}, "modules_to_save")]:
-        bad = tmp_path / next(iter(change))
+    for i, (change, message) in enumerate([
+            ({"use_dora": True}, "use_dora"),
+            ({"target_modules": ["embed_tokens"]}, "embed_tokens"),
+            ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+            ({"target_modules": [["q_proj"]]}, "must list module names"),
+            ({"target_modules": 5}, "must list module names"),
+            ({"r": True}, "bad rank"),
+            ({"lora_alpha": "8"}, "lora_alpha must be a finite number"),
+            ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number"),
+            ([1, 2], "not a JSON object")]):
+        bad = tmp_path / f"bad{i}"
         bad.mkdir()
-        (bad / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+        text = json.dumps({**cfg, **change} if isinstance(change, dict) else change)
+        (bad / "adapter_config.json").write_text(text)
         (bad / "adapter_model.safetensors").write_bytes(b"")
         with pytest.raises(LoRAError, match=message):
             registry.add(bad.name, str(bad))
+    (tmp_path / "bad0" / "adapter_config.json").write_text("[" * 100_000)
+    with pytest.raises(LoRAError, match="is not JSON"):
+        registry.add("deep", str(tmp_path / "bad0"))
     assert registry.remove("sql").name == "sql"
     with pytest.raises(LoRAError, match="no LoRA adapter named"):
         registry.remove("sql")
+
+
+def altered_copy(src: str, dst, change) -> str:
+    """A copy of the adapter at src whose tensors went through change(dict)."""
+    from safetensors.torch import load_file, save_file
+    dst.mkdir()
+    (dst / "adapter_config.json").write_text(open(f"{src}/adapter_config.json").read())
+    tensors = load_file(f"{src}/adapter_model.safetensors")
+    changed = change(tensors)  # a new dict, or None: changed in place
+    save_file(tensors if changed is None else changed, str(dst / "adapter_model.safetensors"))
+    return str(dst)
+
+
+def test_adapters_whose_tensors_do_not_fit_the_model_are_refused(models, tmp_path):
+    """An adapter of another model (a bigger hidden size), a tensor of a layer the model
+    lacks, an integer or a non-finite tensor, or a truncated file is refused when added,
+    not in a worker's step."""
+    base, paths = models
+    other = tmp_path / "other-base"
+    save_random_llama(str(other), seed=5, hidden_size=96)
+    save_adapter(str(other), str(tmp_path / "other"), 4, 8, ["o_proj", "gate_proj"], seed=3)
+    layer = "base_model.model.model.layers.{}.self_attn.o_proj.lora_{}.weight"
+
+    def copy(name, change):
+        return altered_copy(paths["code"], tmp_path / name, change)
+    in_layers = "in the model's 4 layers"
+    bad = {"other": (str(tmp_path / "other"), r"has shape \[(4, 96|96, 4)\], not "),
+           "layer9": (copy("layer9", lambda t: t.update(
+               {layer.format(9, "A"): t[layer.format(0, "A")].clone()})), in_layers),
+           "layer²": (copy("layer²", lambda t: {k.replace(".0.", ".²."): v
+                                                for k, v in t.items()}), in_layers),
+           "ints": (copy("ints", lambda t: {k: v.to(torch.int32) for k, v in t.items()}),
+                    r"dtype torch\.int32, not a float"),
+           "inf": (copy("inf", lambda t: {**t, layer.format(1, "B"): torch.full_like(
+               t[layer.format(1, "B")], float("inf"))}), "not finite"),
+           "cut": (copy("cut", lambda t: None), "cannot read")}
+    cut = tmp_path / "cut" / "adapter_model.safetensors"
+    cut.write_bytes(cut.read_bytes()[:200])
+    shapes, num_layers = model_of(base)
+    assert num_layers == 4 and shapes["o_proj"] == (64, 64) and shapes["k_proj"] == (64, 32)
+    registry = LoRARegistry(max_rank=8, model=(shapes, num_layers))
+    for name, (path, message) in bad.items():
+        with pytest.raises(LoRAError, match=message):
+            registry.add(name, path)
+    assert sorted(registry.adapters) == []
+    for name, path in paths.items():  # every adapter of this model fits
+        registry.add(name, path)
+    # a configured adapter is read once the model is known, and fails the start
+    from engine_actors.config import EngineConfig
+    from engine_actors.lora import Adapters
+    adapters = Adapters(EngineConfig(model=base, lora_modules={
+        "code": paths["code"], "other": bad["other"][0]}))
+    adapters.load_configured()  # (its config is fine)
+    engine = types.SimpleNamespace(
+        info=types.SimpleNamespace(lora_shapes=shapes, num_layers=num_layers),
+        scheduler=types.SimpleNamespace(loras=None))
+    with pytest.raises(LoRAError, match="'other'"):
+        asyncio.run(adapters.know_engine(engine))
 
 
 def info(i: int) -> AdapterInfo:
@@ -173,7 +256,6 @@ def test_slots_evict_the_least_recently_used_unused_adapter():
     slots.release(0)
     assert slots.acquire(info(4), keep={3}) == (1, True)
     assert slots.resident == ["a3", "a4"]
-
 
 
 def test_an_adapter_unloaded_while_its_requests_run_and_wait_serves_them_all():
@@ -204,6 +286,7 @@ def test_an_adapter_unloaded_while_its_requests_run_and_wait_serves_them_all():
         loads += list(batch.step.lora_loads) if batch is not None else []
     assert finished == {"a", "b"} and len(loads) == 1  # loaded once, shared by b
     assert scheduler.loras.resident == [] and scheduler.loras.has_room_for(info(2), set())
+
 
 # CPU: the Triton interpreter in fp32. GPU: compiled, in bf16 and fp32.
 @pytest.mark.parametrize("device,dtype", [

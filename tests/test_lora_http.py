@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from engine_actors.checkpoint import save_random_llama
-from tests.test_lora import peft_greedy, save_adapter
+from tests.test_lora import altered_copy, peft_greedy, save_adapter
 
 pytestmark = pytest.mark.own_server  # conftest runs these modules last
 
@@ -128,7 +128,10 @@ def test_adapters_load_and_unload_while_requests_run(url, models):
 
 def test_adapters_that_cannot_be_served_are_refused(url, models, tmp_path):
     _, paths = models
+    narrow = altered_copy(paths["code"], tmp_path / "narrow", lambda t: {
+        k: v[:, :-1].clone() if "lora_A" in k else v for k, v in t.items()})
     cases = [({"lora_name": "huge", "lora_path": paths["huge"]}, 400, "over max_lora_rank 8"),
+             ({"lora_name": "narrow", "lora_path": narrow}, 400, "not [2, 64]"),
              ({"lora_name": "chat2", "lora_path": str(tmp_path)}, 400, "adapter_config.json"),
              ({"lora_name": BASE, "lora_path": paths["code"]}, 400, "cannot name"),
              ({"lora_name": "x"}, 400, "lora_path")]
@@ -137,3 +140,10 @@ def test_adapters_that_cannot_be_served_are_refused(url, models, tmp_path):
         assert r.status_code == status and text in r.json()["error"]["message"], r.text
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "never"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "tok",
+                                                        "lora_path": paths["code"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    for route, body in [("tokenize", {"prompt": "hi"}), ("detokenize", {"tokens": [5]})]:
+        for model, status in [("never", 404), ("tok", 200), (BASE, 200)]:
+            r = httpx.post(f"{url}/{route}", json={**body, "model": model}, timeout=30)
+            assert r.status_code == status, (route, model, r.text)

@@ -10,7 +10,7 @@ import ray
 from engine_actors.checkpoint import ModelInfo
 from engine_actors.config import EngineConfig
 from engine_actors.engine_loop import EngineLoop
-from engine_actors.lora import AdapterInfo
+from engine_actors.lora_files import AdapterInfo
 from engine_actors.messages import EngineRequest
 from engine_actors.metrics import EngineMetrics
 from engine_actors.request import SamplingParams

@@ -9,7 +9,6 @@ when the step message says so (`load_adapter`) and sets the step's tiles before 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,41 +69,42 @@ def attach(model, num_slots: int, rank: int) -> None:
                                       module.weight.device)
 
 
-def load_adapter(model, slot: int, path: str, scale: float) -> None:
-    """Fill `slot` with the adapter at `path` (PEFT's safetensors; the scheduler checked its
-    config), this stage's layers and this rank's shards; B takes the scale."""
-    from safetensors import safe_open
+def load_adapter(model, slot: int, weights, scale: float) -> None:
+    """Fill `slot` with an adapter: `weights`, its PEFT safetensors file's bytes (or their
+    ray.put ref), whose tensors the scheduler checked against the model; this stage's layers
+    and this rank's shards; B takes the scale."""
+    import ray
+    from safetensors.torch import load
     layers = list(model.layers.values())
     for layer in layers:
         for module_path, _ in MODULES.values():
             lora = layer.get_submodule(module_path).lora
             lora.a[slot].zero_()
             lora.b[slot].zero_()
-    with safe_open(os.path.join(path, "adapter_model.safetensors"), framework="pt") as f:
-        for key in f.keys():
-            names = key.split(".")
-            kind = next((n for n in names if n in ("lora_A", "lora_B")), None)
-            if kind is None or "layers" not in names:
-                raise ValueError(f"LoRA adapter {path}: unexpected tensor {key}")
-            layer_id = names[names.index("layers") + 1]
-            target = names[names.index(kind) - 1]
-            if layer_id not in model.layers:
-                continue  # another pipeline stage's layer
-            module_path, part = MODULES[target]
-            module = model.layers[layer_id].get_submodule(module_path)
-            lora = module.lora
-            tensor = f.get_tensor(key).to(lora.a.dtype)
-            if kind == "lora_A":  # [r, in]
-                r = tensor.shape[0]
-                if hasattr(module, "local_columns"):  # row-parallel: this rank's inputs
-                    tensor = module.local_columns(tensor)
-                lora.a[slot, part * lora.rank:part * lora.rank + r] = tensor
-            else:  # [out, r]
-                r = tensor.shape[1]
-                cols = slice(part * lora.rank, part * lora.rank + r)
-                tensor = tensor * scale
-                if hasattr(module, "local_rows"):  # column-parallel: this rank's outputs
-                    start, rows = module.local_rows(tensor, part)
-                    lora.b[slot, start:start + rows.shape[0], cols] = rows
-                else:
-                    lora.b[slot, :, cols] = tensor
+    if isinstance(weights, ray.ObjectRef):
+        weights = ray.get(weights)
+    for key, tensor in load(weights).items():
+        names = key.split(".")
+        kind = next(n for n in names if n in ("lora_A", "lora_B"))
+        layer_id = names[names.index("layers") + 1]
+        target = names[names.index(kind) - 1]
+        if layer_id not in model.layers:
+            continue  # another pipeline stage's layer
+        module_path, part = MODULES[target]
+        module = model.layers[layer_id].get_submodule(module_path)
+        lora = module.lora
+        tensor = tensor.to(lora.a.dtype)
+        if kind == "lora_A":  # [r, in]
+            r = tensor.shape[0]
+            if hasattr(module, "local_columns"):  # row-parallel: this rank's inputs
+                tensor = module.local_columns(tensor)
+            lora.a[slot, part * lora.rank:part * lora.rank + r] = tensor
+        else:  # [out, r]
+            r = tensor.shape[1]
+            cols = slice(part * lora.rank, part * lora.rank + r)
+            tensor = tensor * scale
+            if hasattr(module, "local_rows"):  # column-parallel: this rank's outputs
+                start, rows = module.local_rows(tensor, part)
+                lora.b[slot, start:start + rows.shape[0], cols] = rows
+            else:
+                lora.b[slot, :, cols] = tensor
