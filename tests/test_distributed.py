@@ -149,6 +149,16 @@ def compare_configs(checkpoint, configs, **engine_args):
     return requests, results
 
 
+def single_worker(model, requests, waves=3):
+    """One worker's tokens, in-process (tests/engine_harness.py): the same scheduler and
+    worker code as a (1, 1) engine over Ray, the same engine args as start_engine's."""
+    from tests.engine_harness import InProcessEngine
+    engine = InProcessEngine(model=model, max_batch_size=6, max_num_batched_tokens=40,
+                             max_num_tokens=2048)
+    size = -(-len(requests) // waves)
+    return engine.run({2 * i: requests[i * size:(i + 1) * size] for i in range(waves)})
+
+
 def seeded_workload(n=8):
     """Sampled with seeds and penalties: P=2 continues each batch from the last stage's
     samples returned over the device link, and the penalties count the continued tokens
@@ -164,7 +174,8 @@ def test_tp_pp_outputs_equal_a_single_worker(ray_cluster, checkpoint):
     """Greedy, and seeded sampling with penalties: every split gives one worker's tokens."""
     requests = workload() + seeded_workload()
     results = {}
-    for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
+    results[(1, 1)] = single_worker(checkpoint, requests)
+    for tp, pp in [(2, 1), (1, 2), (2, 2)]:
         actor = start_engine(checkpoint, tp, pp)
         results[(tp, pp)] = asyncio.run(run_in_waves(actor, requests))
         stop_engine(actor)
@@ -202,17 +213,17 @@ def test_tp_with_more_ranks_than_kv_heads(ray_cluster, tmp_path):
     """One KV head, two ranks: each rank holds the replicated head; outputs equal one
     worker's."""
     save_random_llama(str(tmp_path), seed=11, num_key_value_heads=1)
-    requests, results = compare_configs(str(tmp_path), [(1, 1), (2, 1)])
-    assert results[(2, 1)] == results[(1, 1)]
+    requests, results = compare_configs(str(tmp_path), [(2, 1)])
+    assert results[(2, 1)] == single_worker(str(tmp_path), requests)
 
 
-def test_tp_that_cannot_split_the_kv_heads_is_refused_at_start(ray_cluster, tmp_path):
+def test_tp_that_cannot_split_the_kv_heads_is_refused_at_start(tmp_path):
     """6 query heads, 2 KV heads, 3 ranks: rank 1 would need half of each KV head."""
-    import ray
+    from engine_actors.checkpoint import model_info
     save_random_llama(str(tmp_path), hidden_size=96, num_attention_heads=6,
                       num_key_value_heads=2)
-    with pytest.raises(ray.exceptions.RayTaskError, match="multiple of the other"):
-        start_engine(str(tmp_path), 3, 1)
+    with pytest.raises(ValueError, match="multiple of the other"):
+        model_info(EngineConfig.from_args({"model": str(tmp_path), "tensor_parallel_size": 3}))
 
 
 def test_lora_adapters_sharded_over_tp_and_pp_equal_transformers_peft(ray_cluster, checkpoint,
@@ -243,13 +254,15 @@ TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 # how the job trains beside base requests: whole micro-batches in idle moments (FineInfer's
 # rule); in pieces between requests, each run stopped by the next request (a bound that no
-# whole micro-batch fits: finetune_busy.py); in pieces beside them with a share of the time
-MODES = {"whole": {}, "between": {"finetune_deferral_ms": 0.001},
+# whole micro-batch fits: finetune_busy.py); in pieces beside them with a share of the time.
+# "beside" (busy share only while requests run) first trains a job with no request at all:
+# whole micro-batches, sent ahead, as with the defaults.
+MODES = {"between": {"finetune_deferral_ms": 0.001},
          "beside": {"finetune_busy_share": 0.5}}
 
 
 @pytest.mark.parametrize("device,mode", [
-    ("cpu", "whole"), ("cpu", "between"), ("cpu", "beside"),
+    ("cpu", "between"), ("cpu", "beside"),
     *(pytest.param("cuda", mode, marks=TWO_GPUS) for mode in MODES)])
 def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, device, mode):
     """A job trains over T=2 (every rank its shards), while the base model serves; its
@@ -261,42 +274,51 @@ def test_finetuning_over_two_tensor_parallel_ranks(ray_cluster, checkpoint, devi
 
     from engine_actors.lora_files import TARGETS
     prompt, answer = [5, 6, 7, 8], [40, 41, 42, 43, 44]
-    spec = {"model": "m", "training_file": "file-tp", "suffix": "tp", "seed": 0,
-            "examples": [(prompt + answer, [False] * len(prompt) + [True] * len(answer))],
-            "n_epochs": 40, "batch_size": 1, "learning_rate": 1e-2,
-            "lora": {"r": 8, "alpha": 16, "target_modules": list(TARGETS)}}
     base = [("base", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
-    actor = start_engine(checkpoint, 2, 1, device=device, dtype="float32",
-                         enable_finetuning=True, max_lora_rank=8, **MODES[mode])
-    during = []
-    try:
-        before = asyncio.run(run_in_waves(actor, base, waves=1))
+
+    def train(suffix: str, with_requests: bool):
+        """A job to its end, base requests in waves while it trains if asked; (the tuned
+        and base tokens after it, the engine's fine-tuning stats, the waves' tokens)."""
+        spec = {"model": "m", "training_file": "file-tp", "suffix": suffix, "seed": 0,
+                "examples": [(prompt + answer, [False] * len(prompt) + [True] * len(answer))],
+                "n_epochs": 40, "batch_size": 1, "learning_rate": 1e-2,
+                "lora": {"r": 8, "alpha": 16, "target_modules": list(TARGETS)}}
+        during = []
         job = ray.get(actor.finetune_call.remote("create", spec))
         for _ in range(600):
             job = ray.get(actor.finetune_call.remote("job", job["id"]))
             if job["status"] not in ("queued", "running"):
                 break
-            if mode != "whole" and len(during) < 8:  # a wave of base requests
-                long = [(f"d{len(during)}-{i}", prompt, SamplingParams(
+            if with_requests and len(during) < 8:  # a wave of base requests
+                long = [(f"d{suffix}{len(during)}-{i}", prompt, SamplingParams(
                     max_tokens=24, temperature=0.0, ignore_eos=True)) for i in range(3)]
                 during.append(asyncio.run(run_in_waves(actor, long, waves=1)))
             else:
                 time.sleep(0.1)
         assert job["status"] == "succeeded", job
         health = ray.get(actor.stats.remote())["finetuning"]
-        tuned = [("tuned",) + base[0][1:] + (job["fine_tuned_model"],)]
+        tuned = [(f"tuned-{suffix}",) + base[0][1:] + (job["fine_tuned_model"],)]
         outputs = asyncio.run(run_in_waves(actor, base + tuned, waves=1))
+        return outputs[tuned[0][0]], outputs["base"], health, during
+
+    actor = start_engine(checkpoint, 2, 1, device=device, dtype="float32",
+                         enable_finetuning=True, max_lora_rank=8, **MODES[mode])
+    try:
+        before = asyncio.run(run_in_waves(actor, base, waves=1))["base"]
+        assert before != answer  # the test can fail
+        if mode == "beside":  # idle: whole micro-batches, the next one sent ahead
+            tuned, after, health, _ = train("idle", with_requests=False)
+            assert tuned == answer and after == before
+            assert health["micro_batches_sent_ahead"] > 0 and health["busy_pieces"] == 0
+        tuned, after, health, during = train("tp", with_requests=True)
     finally:
         stop_engine(actor)
-    assert before[base[0][0]] != answer  # the test can fail
-    assert outputs["tuned"] == answer and outputs["base"] == before["base"]
+    assert tuned == answer and after == before
     if mode == "beside":
         assert health["busy_pieces"] > 0
     if mode == "between":  # runs of pieces that requests stopped, every rank after one piece
         assert health["in_pieces"] and health["stop_wait_ms"]["count"] > 0, health
-    if mode != "whole":
-        assert during and all(tokens[:5] == before["base"] for wave in during
-                              for tokens in wave.values())
+    assert during and all(tokens[:5] == before for wave in during for tokens in wave.values())
 
 
 @pytest.mark.gpu

@@ -88,14 +88,27 @@ def test_one_step_gradients_equal_transformers_peft(base, targets, device):
 
 
 def _tp_rank(rank: int, base: str, address: str, targets: list[str], ref_path: str,
-             out_path: str, pieces: bool = False) -> None:
+             out_path: str) -> None:
+    """Both ways of running the micro-batch, whole then in pieces, in one gloo group (one
+    process start for both): `out_path` + ".whole" / ".pieces"."""
+    from engine_actors.parallel import init_parallel
+    parallel = init_parallel(address, rank, 2, 1, "cpu", 60)
+    for pieces in (False, True):
+        _tp_rank_once(rank, parallel, base, targets, ref_path,
+                      out_path + (".pieces" if pieces else ".whole"), pieces)
+    # both ranks done before either tears gloo down: a rank that exited while the other
+    # still had its group open once aborted ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _tp_rank_once(rank: int, parallel, base: str, targets: list[str], ref_path: str,
+                  out_path: str, pieces: bool) -> None:
     """One of two tensor-parallel ranks (gloo): set the reference's LoRA weights, shard by
     shard, run one micro-batch (whole, or in pieces of a layer), sum the whole tensors'
     gradients, gather the shards."""
     from engine_actors.layers.lora import MODULES
     from engine_actors.model_runner import ModelRunner
-    from engine_actors.parallel import init_parallel
-    parallel = init_parallel(address, rank, 2, 1, "cpu", 60)
     model = ModelRunner(base, "cpu", torch.float32, 64, 16, 4, 0, parallel=parallel).model
     trainer = Trainer(model, 4, 8, targets, lr=1e-3)
     ref = torch.load(ref_path)
@@ -130,14 +143,9 @@ def _tp_rank(rank: int, base: str, address: str, targets: list[str], ref_path: s
     trainer.save(out_path + ".adapter", base)  # collective: the shards are gathered
     if rank == 0:
         torch.save({"grads": grads, "loss_sum": out["loss_sum"]}, out_path)
-    # both ranks done before either tears gloo down: a rank that exited while the other
-    # still had its group open once aborted ("terminate called without an active exception")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("pieces", [False, True])
-def test_tensor_parallel_gradients_equal_transformers_peft(base, tmp_path, pieces):
+def test_tensor_parallel_gradients_equal_transformers_peft(base, tmp_path):
     """T=2 (gloo): each rank trains its shards of the adapter; gathered, the gradients of
     one step (whole, or in pieces: finetune_pieces.py) equal transformers + peft's on the
     same batch, and the saved adapter holds the whole weights."""
@@ -148,10 +156,15 @@ def test_tensor_parallel_gradients_equal_transformers_peft(base, tmp_path, piece
     params = peft_params(peft_backward(base, 4, 8, targets))
     torch.save({k: p.detach() for k, p in params.items()}, tmp_path / "ref.pt")
     mp.spawn(_tp_rank, args=(base, free_address(), targets, str(tmp_path / "ref.pt"),
-                             str(tmp_path / "out.pt"), pieces), nprocs=2)
-    grads = torch.load(tmp_path / "out.pt")["grads"]
+                             str(tmp_path / "out.pt")), nprocs=2)
+    for way in ("whole", "pieces"):
+        check_tp_outputs(params, str(tmp_path / f"out.pt.{way}"))
+
+
+def check_tp_outputs(params, out_path: str) -> None:
+    grads = torch.load(out_path)["grads"]
     from safetensors.torch import load_file
-    saved = load_file(str(tmp_path / "out.pt.adapter" / "adapter_model.safetensors"))
+    saved = load_file(out_path + ".adapter/adapter_model.safetensors")
     for (layer, target, kind), p in params.items():
         block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
         name = f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{kind}.weight"
