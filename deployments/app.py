@@ -9,6 +9,7 @@ from deployments.chat_protocol import check_template_kwargs
 from deployments.engine_client import start_engine_early
 from deployments.ingress import OpenAIIngress
 from deployments.protocol import APIError
+from deployments.serve_run_stop import stop_serve_run
 from engine_actors.config import ConfigError, EngineConfig
 
 
@@ -21,11 +22,13 @@ def build_app(args: dict | None = None) -> Application:
     args = dict(args or {})
     if "api_key" not in args and os.environ.get("ORCA_SERVE_API_KEY"):
         args["api_key"] = os.environ["ORCA_SERVE_API_KEY"]
-    cfg = EngineConfig.from_args(args)
     try:
+        cfg = EngineConfig.from_args(args)
         check_template_kwargs(cfg.default_chat_template_kwargs, "default_chat_template_kwargs")
-    except APIError as e:
-        raise ConfigError(e.message) from None
+    except (ConfigError, APIError) as e:
+        cause = f"ConfigError: {getattr(e, 'message', e)}"
+        stop_serve_run(cause)  # else `serve run` would go on, its application failed
+        raise ConfigError(cause) from None
     start_engine_early(cfg)
     # Serve drains a stopping replica before its shutdown hook runs our own drain: leave
     # room for both before Serve gives up and kills it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator
 from pydantic_core import PydanticCustomError
@@ -128,6 +128,9 @@ def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwarg
 
 
 class ChatCompletionRequest(SamplingFields):
+    UNFOLLOWED: ClassVar[dict[str, object]] = {
+        **SamplingFields.UNFOLLOWED, "add_generation_prompt": True, "echo": False,
+        "continue_final_message": False, "chat_template": None, "documents": None}
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None

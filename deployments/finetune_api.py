@@ -17,7 +17,8 @@ from starlette.routing import Route
 
 from deployments.frontend import Frontend
 from deployments.list_params import query_limit, query_order
-from deployments.protocol import APIError, _Base, check_unicode, refusal_error
+from deployments.protocol import APIError, _Base, refusal_error
+from deployments.request_body import check_unicode
 from deployments.training_data import parse_training_file
 from engine_actors.finetune_jobs import MAX_FILE_BYTES
 from engine_actors.lora_files import TARGETS

@@ -14,7 +14,8 @@ from starlette.requests import Request
 
 from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
 from deployments.http_metrics import HTTPMetrics
-from deployments.protocol import APIError, parse_body
+from deployments.protocol import APIError
+from deployments.request_body import parse_body
 from deployments.structured import default_tool_parser
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
 from engine_actors.config import EngineConfig

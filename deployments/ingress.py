@@ -12,9 +12,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
-import signal
-import tempfile
 import uuid
 
 import ray
@@ -35,6 +32,7 @@ from deployments.finetune_api import FineTuningAPI
 from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
+from deployments.serve_run_stop import stop_serve_run
 from deployments.responses_api import ResponsesAPI
 from deployments.tokenize_api import TokenizeAPI
 from engine_actors.config import EngineConfig
@@ -112,7 +110,8 @@ class OpenAIIngress:
     def _on_start_failure(self, cause: str) -> None:
         """The engine cannot start: end a local `serve run`, as vLLM exits. Elsewhere (Serve
         deployed through the dashboard, KubeRay) the failing health check says it."""
-        self._ending = asyncio.get_running_loop().create_task(end_serve_run(cause))
+        self._ending = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(stop_serve_run, cause))
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine cannot start is unhealthy, and
@@ -223,37 +222,6 @@ class OpenAIIngress:
     async def _internal_error(self, request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
         return APIError(500, "internal server error", None, "internal_error").response()
-
-
-async def end_serve_run(cause: str, delay_s: float = 3.0) -> None:
-    """Stop the `serve run` process that started this application, if it runs on this node:
-    it exits non-zero (Ray's SIGTERM handler), taking its local Ray cluster down. The cause,
-    logged just before, reaches its terminal first (Ray forwards replica logs)."""
-    try:
-        job_id = ray.get_runtime_context().get_job_id()
-        node_ip = ray.util.get_node_ip_address()
-        jobs = ray._private.worker.global_worker.gcs_client.get_all_job_info()
-        driver = next((j for j in jobs.values() if j.job_id.hex() == job_id), None)
-        words = driver.entrypoint.split() if driver is not None else []
-        if driver is None or driver.is_dead or driver.driver_ip_address != node_ip or \
-                not any(w.endswith("serve") or w == "ray.serve.scripts" for w in words) or \
-                "run" not in words:
-            return
-        # once per `serve run`, whichever replica comes first: a second SIGTERM would cut
-        # Ray's shutdown short and leave its processes (HAProxy) behind
-        marker = os.path.join(tempfile.gettempdir(), f"orca-serve-stop-{job_id}-"
-                              f"{driver.driver_pid}-{driver.start_time}")
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            return
-        logger.error("orca-serve: stopping `serve run`: the engine failed to start: %s", cause)
-        # Ray forwards the line above to its terminal, and deployments.launch lets go of
-        # the cluster when it sees it
-        await asyncio.sleep(delay_s)
-        os.kill(driver.driver_pid, signal.SIGTERM)
-    except Exception:  # best effort: the failing health check reports it anyway
-        logger.warning("could not stop `serve run`", exc_info=True)
 
 
 async def _is_deleting(controller, app_name: str) -> bool:

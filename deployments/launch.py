@@ -21,13 +21,13 @@ import threading
 import yaml
 
 from deployments import serve_env
+from deployments.serve_run_stop import MARK
 from engine_actors.config import EngineConfig
 
 # how often the launcher looks at things: it connects to `serve run`'s cluster once that is
-# up, and lets go of it when an engine start failure is reported (the ingress ends
-# `serve run` 3 s after it logs that, see deployments.ingress.end_serve_run)
+# up, and lets go of it when a start failure is reported (the ingress, or the application's
+# build, ends `serve run` 3 s after it logs that: deployments.serve_run_stop)
 CONNECT_EVERY_S = 1.0
-FAILURE_MARK = "stopping `serve run`: the engine failed to start: "  # see deployments.ingress
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -174,8 +174,8 @@ class _Relay:
                     return
                 sys.stderr.buffer.write(raw)
                 sys.stderr.flush()
-                if FAILURE_MARK in line:
-                    cause = line.split(FAILURE_MARK, 1)[1].split(" [repeated ")[0].strip()
+                if MARK in line:
+                    cause = line.split(MARK, 1)[1].split(" [repeated ")[0].strip()
                     failure.append(cause)
 
     def close(self) -> None:

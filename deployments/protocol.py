@@ -6,11 +6,9 @@ Unknown fields are ignored, as vLLM does; known-but-unsupported ones are refused
 """
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.responses import JSONResponse
 
 from engine_actors.request import MAX_LOGPROBS, MAX_SEED as MAX_SEED_ENGINE, SamplingParams
@@ -60,6 +58,7 @@ class _Base(BaseModel):
 
 class StreamOptions(_Base):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: refused (SamplingFields.check_supported)
 
 
 class SamplingOptions(_Base):
@@ -135,13 +134,45 @@ class ResponseFormat(_Base):
     json_schema: JSONSchemaSpec | None = None
 
 
+class StructuredOutputs(_Base):
+    """vLLM's structured_outputs (one of these); its other options are refused, not ignored."""
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's, GBNF-like), its start rule `root`
+    json_object: bool | None = None
+
+
 class SamplingFields(SamplingOptions):
     """Fields shared by completions and chat completions."""
-    # structured output: OpenAI's response_format, or vLLM's guided_* extensions
+    # vLLM's request fields this server does not follow -> the value that changes nothing:
+    # any other is refused (a client that sends one expects its effect, and ignoring it
+    # would answer something else)
+    UNFOLLOWED: ClassVar[dict[str, object]] = {
+        "min_p": 0.0, "include_stop_str_in_output": False, "prompt_logprobs": None,
+        "skip_special_tokens": True, "allowed_token_ids": None, "bad_words": None,
+        "truncate_prompt_tokens": None, "use_beam_search": False, "logits_processors": None,
+        "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+        "structural_tag": None}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unfollowed(cls, data):
+        for name, neutral in cls.UNFOLLOWED.items():
+            if isinstance(data, dict) and data.get(name) not in (None, neutral):
+                raise APIError(400, f"{name} is not supported by this server", name,
+                               "unsupported_parameter")
+        return data
+
+    # structured output: OpenAI's response_format, or vLLM's guided_* extensions (or their
+    # newer form, structured_outputs)
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
@@ -158,6 +189,10 @@ class SamplingFields(SamplingOptions):
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
             raise APIError(400, "stream_options is only allowed with stream: true",
                            "stream_options", "invalid_value")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError(400, "stream_options.continuous_usage_stats is not supported by "
+                           "this server", "stream_options.continuous_usage_stats",
+                           "unsupported_parameter")
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -222,67 +257,6 @@ def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> 
     codes = {"too_long": "context_length_exceeded", "batch_too_large": "batch_too_large",
              "lora_disabled": "lora_disabled", "invalid_adapter": "invalid_lora_adapter"}
     return APIError(400, message, param, codes.get(code, "invalid_value"))
-
-
-def parse_body(raw: bytes, schema: type[_Base]) -> Any:
-    """Bytes of an HTTP body -> a validated request, or APIError(400) naming the param."""
-    try:  # strict UTF-8 (json.loads on bytes would pass encoded surrogates, or take UTF-16)
-        text = raw.decode("utf-8")
-        data = json.loads(text)
-    except UnicodeDecodeError:
-        raise APIError(400, "request body is not valid UTF-8", None, "invalid_encoding") from None
-    except ValueError as e:
-        raise APIError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
-    except RecursionError:
-        raise APIError(400, "request body is nested too deeply", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", None, "invalid_type")
-    if "\\u" in text:  # only an escape can make a lone surrogate (strict UTF-8 cannot)
-        check_unicode(data)
-    try:
-        req = schema.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    req.check_supported()
-    return req
-
-
-def validation_error(e: ValidationError, prefix: str | None = None) -> APIError:
-    """APIError(400) for pydantic's first error, naming its param (under `prefix`, for a
-    part of the body validated on its own)."""
-    err = e.errors(include_url=False)[0]
-    names = [prefix] if prefix else []
-    names += [str(p) for p in err["loc"] if not _is_union_tag(p)]
-    param = ".".join(names) or None
-    code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
-    return APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param, code)
-
-
-def check_unicode(data) -> None:
-    """APIError(400) if a string of parsed JSON holds a lone UTF-16 surrogate ("\\ud800"):
-    JSON's escapes allow one, but it is not Unicode text, and tokenizers reject it."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(400, "a string holds a lone UTF-16 surrogate escape (such as "
-                                    "\\ud800), which is not valid Unicode", None,
-                               "invalid_encoding") from None
-
-
-def _is_union_tag(loc_part) -> bool:
-    """pydantic names union members in error locations ('str', 'list[int]'); OpenAI does not."""
-    return isinstance(loc_part, str) and (loc_part in {"str", "int", "float", "bool"}
-                                          or "[" in loc_part or loc_part.endswith("Part")
-                                          or loc_part.startswith("constrained-"))
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple:

@@ -9,7 +9,8 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from deployments.chat_protocol import ChatMessage, FunctionCall, ToolCallMessage
-from deployments.protocol import APIError, _Base, validation_error
+from deployments.protocol import APIError, _Base
+from deployments.request_body import validation_error
 
 TEXT_PARTS = ("input_text", "output_text")
 

@@ -2,7 +2,8 @@
 enforces (engine_actors/grammar.py), and the tool-call format of the served model.
 
 Grammars: OpenAI's `response_format` (`json_object`, `json_schema`), or vLLM's extensions
-`guided_json`, `guided_regex`, `guided_choice` (one of them per request). Tool calls: with
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (EBNF), or the same in
+`structured_outputs` (one of them per request). Tool calls: with
 `tool_choice: "required"` the output is forced to be one or more calls (one with
 `parallel_tool_calls: false`), with a named function one call of it, in the model family's
 format (an xgrammar structural tag); with `"auto"` the model chooses and the text is parsed
@@ -40,18 +41,21 @@ def grammar_for(req, reasoning_parser: str | None = None,
                                 "json_schema", "response_format.json_schema",
                            "missing_required_parameter")
         specs.append(("response_format", ("json_schema", json.dumps(rf.json_schema.schema_))))
-    if req.guided_json is not None:
-        schema = req.guided_json if isinstance(req.guided_json, str) \
-            else json.dumps(req.guided_json)
-        specs.append(("guided_json", ("json_schema", schema)))
-    if req.guided_regex is not None:
-        specs.append(("guided_regex", ("regex", req.guided_regex)))
-    if req.guided_choice is not None:
-        alternatives = "|".join(re.escape(c) for c in req.guided_choice)
-        specs.append(("guided_choice", ("regex", f"({alternatives})")))
+    so = req.structured_outputs  # vLLM's newer form of the guided_* fields
+    guided = {kind: [(f"guided_{kind}", getattr(req, f"guided_{kind}"))]
+              for kind in ("json", "regex", "choice", "grammar")}
+    if so is not None:
+        for kind, value in [("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                            ("grammar", so.grammar)]:
+            guided[kind].append((f"structured_outputs.{kind}", value))
+        if so.json_object:
+            specs.append(("structured_outputs.json_object", ("json_schema", '{"type": "object"}')))
+    specs += [(param, _guided_spec(kind, value)) for kind, fields in guided.items()
+              for param, value in fields if value is not None]
     if len(specs) > 1:
-        raise APIError(400, "only one of response_format, guided_json, guided_regex and "
-                            "guided_choice may be given", specs[1][0], "invalid_value")
+        raise APIError(400, "only one of response_format, the guided_* fields and "
+                            "structured_outputs' fields may be given", specs[1][0],
+                       "invalid_value")
     if not specs:
         return None
     param, spec = specs[0]
@@ -143,6 +147,15 @@ def default_tool_parser(tokenizer, architecture: str) -> str:
     return "llama3_json" if architecture == "LlamaForCausalLM" else "hermes"
 
 
+def _guided_spec(kind: str, value) -> tuple[str, str]:
+    """The grammar spec of a vLLM guided field (json, regex, choice or grammar)."""
+    if kind == "json":
+        return "json_schema", value if isinstance(value, str) else json.dumps(value)
+    if kind == "choice":
+        return "regex", f"({'|'.join(re.escape(c) for c in value)})"
+    return ("regex", value) if kind == "regex" else ("ebnf", value)
+
+
 def _check(spec: tuple[str, str], param: str) -> None:
     """Compiles the grammar (APIError 400 if it does not). A grammar over MAX_GRAMMAR_CHARS
     or a schema nested deeper than MAX_JSON_DEPTH is refused first: compiling grows with
@@ -152,7 +165,7 @@ def _check(spec: tuple[str, str], param: str) -> None:
     if len(spec[1]) > MAX_GRAMMAR_CHARS:
         raise APIError(400, f"{param}: the grammar is over {MAX_GRAMMAR_CHARS} characters",
                        param, "invalid_value")
-    if spec[0] != "regex":
+    if spec[0] in ("json_schema", "structural_tag"):
         try:
             value = json.loads(spec[1])
         except (ValueError, RecursionError) as e:

@@ -17,7 +17,8 @@ import json
 from pydantic import ValidationError
 
 from deployments.chat_protocol import ChatMessage, Tool
-from deployments.protocol import APIError, check_unicode, validation_error
+from deployments.protocol import APIError
+from deployments.request_body import check_unicode, validation_error
 
 ROLES = ("system", "user", "assistant", "tool")
 

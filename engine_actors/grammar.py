@@ -1,7 +1,7 @@
 """Structured output: token masks from a grammar library (xgrammar), on the sampling worker.
 
-A request's grammar (`SamplingParams.grammar`: a JSON schema, any JSON, a regex, or an
-xgrammar structural tag for tool calls) is compiled once per distinct spec (cached) and
+A request's grammar (`SamplingParams.grammar`: a JSON schema, any JSON, a regex, an EBNF
+grammar, or an xgrammar structural tag for tool calls) is compiled once per distinct spec (cached) and
 followed by a matcher per table row. Each step, the rows that sample under a grammar get a
 token bitmask filled on the CPU while the GPU runs the step's forward, then applied to the
 logits on the device. A matcher advances when its step's sampled tokens reach the host: a
@@ -137,6 +137,8 @@ def _compiled(compiler, spec: tuple[str, str]):
         return compiler.compile_builtin_json_grammar()
     if kind == "regex":
         return compiler.compile_regex(value)
+    if kind == "ebnf":  # xgrammar's EBNF (GBNF-like), its root rule `root`
+        return compiler.compile_grammar(value)
     raise ValueError(f"unknown grammar kind {kind!r}")
 
 
@@ -160,12 +162,10 @@ def check_grammar(spec: tuple[str, str]) -> None:
     would sample garbage."""
     import xgrammar as xgr
     kind, value = spec
-    if kind not in ("json_schema", "structural_tag", "regex"):
+    if kind not in ("json_schema", "structural_tag", "regex", "ebnf"):
         return
     try:
-        compiler = _bytes_compiler()
-        grammar = compiler.compile_regex(value) if kind == "regex" \
-            else compiler.compile_grammar(json_grammar(kind, value))  # as the engine will
+        grammar = _compiled(_bytes_compiler(), spec)  # as the engine will
     except Exception as e:  # xgrammar raises RuntimeError("[time] file.cc:line: message")
         message = str(e).strip().splitlines()[-1]
         raise ValueError(re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message)) from None

@@ -8,7 +8,8 @@ import pytest
 
 from deployments.chat_protocol import ChatCompletionRequest
 from deployments.finetune_api import FineTuningJobRequest
-from deployments.protocol import APIError, CompletionRequest, parse_body
+from deployments.protocol import APIError, CompletionRequest
+from deployments.request_body import parse_body
 from deployments.structured import MAX_JSON_DEPTH, grammar_for
 from deployments.training_data import parse_training_file
 
@@ -179,3 +180,26 @@ def test_long_text_is_tokenized_on_a_thread_and_the_event_loop_goes_on():
     assert long[0] is not threading.main_thread() and isinstance(long[1], Tokenizer) \
         and long[1] is not frontend.tokenizer
     assert ticks >= 20  # the loop ran on while the long text was tokenized
+
+
+C, CHAT = CompletionRequest, ChatCompletionRequest
+
+
+@pytest.mark.parametrize("fields,schema", [
+    ({"min_p": 0.1}, C), ({"include_stop_str_in_output": True}, C), ({"prompt_logprobs": 2}, C),
+    ({"skip_special_tokens": False}, C), ({"allowed_token_ids": [1, 2]}, C),
+    ({"bad_words": ["x"]}, C), ({"truncate_prompt_tokens": 5}, C),
+    ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, C),
+    ({"continue_final_message": True}, CHAT), ({"add_generation_prompt": False}, CHAT),
+    ({"chat_template": "{{ messages }}"}, CHAT)])
+def test_vllm_fields_this_server_does_not_follow_are_refused_not_ignored(fields, schema):
+    """Ignored, each answered something other than what the client asked for; their values
+    that change nothing (min_p 0, skip_special_tokens true, ...) are accepted."""
+    body = {"prompt": "a"} if schema is C else {"messages": [{"role": "user", "content": "a"}]}
+    error = refused(json.dumps({**body, **fields}).encode(), schema)
+    assert error.code == "unsupported_parameter", error.message
+    assert error.param.startswith(next(iter(fields))), error.param
+    neutral = {"min_p": 0.0, "skip_special_tokens": True, "add_generation_prompt": True,
+               "continue_final_message": False, "include_stop_str_in_output": False}
+    parse_body(json.dumps({**body, **{k: v for k, v in neutral.items()
+                                      if k in schema.UNFOLLOWED}}).encode(), schema)

@@ -13,7 +13,8 @@ import pytest
 openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine's image
 jsonschema = pytest.importorskip("jsonschema")
 
-from deployments.protocol import APIError, parse_body  # noqa: E402
+from deployments.protocol import APIError  # noqa: E402
+from deployments.request_body import parse_body  # noqa: E402
 from deployments.choice import Choice  # noqa: E402
 from deployments.response_output import ResponseEvents, ResponseObject  # noqa: E402
 from deployments.responses_items import normalize_input  # noqa: E402

@@ -71,6 +71,14 @@ def test_an_unplaceable_placement_group_ends_make_serve_with_the_cause_as_its_la
     assert "was not placed within placement_timeout_s=8" in last, last
 
 
+def test_an_unknown_arg_ends_serve_run_with_the_cause(tmp_path):
+    """Serve builds the application in a task; its ConfigError used to leave `serve run`
+    running forever (Serve only logs a failed build)."""
+    proc, _, stderr = serve_run(tmp_path, max_model_length=1024)
+    ends_with_the_cause(proc, stderr, "ConfigError: unknown application args "
+                                      "['max_model_length']")
+
+
 def test_a_missing_model_is_named_as_the_cause():
     from engine_actors.checkpoint import resolve_model_path
     with pytest.raises(FileNotFoundError, match="is not a local checkpoint directory"):

@@ -1,0 +1,47 @@
+"""Ending a local `serve run` whose application cannot start, as vLLM exits: `serve run`
+with a config file otherwise keeps running after its application failed (Serve logs the
+error and retries nothing useful). The launcher (deployments.launch) prints the cause
+last."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import time
+
+import ray
+
+logger = logging.getLogger("orca_serve.serve_run")
+MARK = "stopping `serve run`: the engine failed to start: "  # deployments.launch looks for it
+
+
+def stop_serve_run(cause: str, delay_s: float = 3.0) -> None:
+    """Stop the `serve run` process that started this application, if it runs on this node
+    (called in a replica, or in the task that builds the application): it exits non-zero
+    (Ray's SIGTERM handler), taking its local Ray cluster down. The cause, logged just
+    before, reaches its terminal first (Ray forwards workers' logs). Best effort: elsewhere
+    (Serve deployed through the dashboard, KubeRay) the application's status says it."""
+    try:
+        job_id = ray.get_runtime_context().get_job_id()
+        node_ip = ray.util.get_node_ip_address()
+        jobs = ray._private.worker.global_worker.gcs_client.get_all_job_info()
+        driver = next((j for j in jobs.values() if j.job_id.hex() == job_id), None)
+        words = driver.entrypoint.split() if driver is not None else []
+        if driver is None or driver.is_dead or driver.driver_ip_address != node_ip or \
+                not any(w.endswith("serve") or w == "ray.serve.scripts" for w in words) or \
+                "run" not in words:
+            return
+        # once per `serve run`, whichever replica or build comes first: a second SIGTERM
+        # would cut Ray's shutdown short and leave its processes (HAProxy) behind
+        marker = os.path.join(tempfile.gettempdir(), f"orca-serve-stop-{job_id}-"
+                              f"{driver.driver_pid}-{driver.start_time}")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        logger.error("orca-serve: %s%s", MARK, cause)
+        time.sleep(delay_s)
+        os.kill(driver.driver_pid, signal.SIGTERM)
+    except Exception:  # best effort
+        logger.warning("could not stop `serve run`", exc_info=True)
