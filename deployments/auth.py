@@ -1,7 +1,7 @@
-"""Optional API key: every route except GET /health and GET /metrics needs
+"""Optional API key: every route except GET /health, /metrics, /ping and /version needs
 `Authorization: Bearer <key>`.
 
-The check runs before routing and lets only those two exact (decoded) paths through, so no
+The check runs before routing and lets only those exact (decoded) paths through, so no
 path variant (`//v1/completions`, `/V1/...`, percent-encoding) reaches an inference route
 without the key: they all get 401. Keys are compared in constant time.
 """
@@ -11,7 +11,7 @@ import hmac
 
 from starlette.responses import JSONResponse
 
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics", "/ping", "/version"}
 
 
 class APIKeyMiddleware:

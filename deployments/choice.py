@@ -14,7 +14,7 @@ class Choice:
 
     def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
                  prompt_ids: list[int], echo: str | None, timer=None, logprobs=None,
-                 tools=None, reasoning=None):
+                 tools=None, reasoning=None, stop_token_ids: tuple[int, ...] = ()):
         self.index = index
         self.prompt_index = prompt_index
         self.text_stream = text_stream
@@ -37,6 +37,7 @@ class Choice:
         self.reasoning_text = ""
         self.new_reasoning = ""  # added by the last update
         self._num_reasoning_tokens: int | None = None  # kept once the reasoning ended
+        self.stop_token_ids = stop_token_ids  # the request's: their text is not output
 
     def consume(self, update: RequestUpdate,
                 arrivals: list[tuple[float, int]] | None = None) -> str:
@@ -47,7 +48,9 @@ class Choice:
         if update.error and update.finish_reason != "deadline":
             self.error = update.error
         was_stopped = self.text_stream.is_stopped
-        delta = self.text_stream.add(update.token_ids, is_final)
+        ids = update.token_ids
+        delta = self.text_stream.add(ids, is_final, hide_last=update.finish_reason == "stop"
+                                     and bool(ids) and ids[-1] in self.stop_token_ids)
         if not was_stopped:
             self.token_ids += update.token_ids
             del self.token_ids[self.text_stream.num_tokens_used:]  # after a stop string

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.metadata
 import logging
 import uuid
 
@@ -62,6 +63,8 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [Route("/health", self.health, methods=["GET"]),
+                  Route("/ping", self.health, methods=["GET", "POST"]),  # vLLM's (SageMaker)
+                  Route("/version", _version, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"])]
         openai = OpenAIRoutes(self.frontend)
         routes += openai.routes() + ResponsesAPI(openai).routes()
@@ -222,6 +225,10 @@ class OpenAIIngress:
     async def _internal_error(self, request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
         return APIError(500, "internal server error", None, "internal_error").response()
+
+
+async def _version(request: Request) -> JSONResponse:
+    return JSONResponse({"version": importlib.metadata.version("orca-serve")})
 
 
 async def _is_deleting(controller, app_name: str) -> bool:

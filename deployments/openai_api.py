@@ -191,7 +191,8 @@ class OpenAIRoutes:
                       LogprobsWriter(tokenizer, chat) if r.sampling.logprobs is not None
                       else None,
                       self._tool_calls(req, tool_parser) if tool_parser else None,
-                      ReasoningStream(reasoning) if chat and reasoning else None)
+                      ReasoningStream(reasoning) if chat and reasoning else None,
+                      r.sampling.stop_token_ids)
 
     @staticmethod
     def _tool_calls(req, parser: str) -> ToolCallStream:

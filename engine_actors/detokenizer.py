@@ -25,10 +25,15 @@ class TextStream:
         self._text = ""  # all text decoded so far
         self._num_emitted = 0  # characters of _text already returned
 
-    def add(self, token_ids: list[int], is_final: bool = False) -> str:
-        """Append tokens; returns the new text that is safe to send (empty once stopped)."""
+    def add(self, token_ids: list[int], is_final: bool = False, hide_last: bool = False) -> str:
+        """Append tokens; returns the new text that is safe to send (empty once stopped).
+        `hide_last`: the last token counts but adds no text (a stop token, as vLLM)."""
         if self.is_stopped:
             return ""
+        if hide_last and token_ids:
+            text = self.add(token_ids[:-1], is_final)
+            self.num_tokens_used += not self.is_stopped
+            return text
         if not self.stop:
             for token in token_ids:
                 self._decode(token)

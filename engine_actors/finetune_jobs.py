@@ -75,13 +75,21 @@ class FineTuning(TrainingSteps):
     def __init__(self, cfg, adapters, metrics=None):
         super().__init__(cfg, metrics)
         self.adapters = adapters
-        self.dir = cfg.finetune_dir or tempfile.mkdtemp(prefix="orca-finetune-")
+        # the default directory goes with the engine (close): finetune_dir keeps them
+        self._temp = None if cfg.finetune_dir else \
+            tempfile.TemporaryDirectory(prefix="orca-finetune-")
+        self.dir = cfg.finetune_dir or self._temp.name
         self.files: dict[str, tuple[dict, bytes]] = {}
         self.jobs: dict[str, Job] = {}
         self.bound_s = cfg.finetune_deferral_ms / 1e3
         # training in pieces: beside running requests with a share, and between requests
         # when a whole micro-batch would hold them past the bound (finetune_busy.py)
         self.busy = BusyTraining(self, cfg.finetune_busy_share)
+
+    def close(self) -> None:
+        """The engine is shutting down: remove the default directory of saved adapters."""
+        if self._temp is not None:
+            self._temp.cleanup()
 
     # ---- files --------------------------------------------------------------------------
     def add_file(self, filename: str, purpose: str, content: bytes) -> dict | Refusal:

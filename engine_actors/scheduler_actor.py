@@ -160,6 +160,8 @@ class SchedulerActor:
         logger.info("shutting the engine down")
         if self.engine is not None:
             self.engine.shutdown()
+        if self.finetuning is not None:
+            self.finetuning.close()
         # exit_actor() would wait for the open stream calls; nothing here needs a goodbye
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
@@ -230,9 +232,7 @@ class SchedulerActor:
         result = getattr(self.adapters, method)(*args)
         return await result if asyncio.iscoroutine(result) else result
 
-    async def finetune_call(self, method: str, *args):
-        """FineTuning's add_file, list_files, file, delete_file, create, job, list_jobs,
-        events, cancel."""
+    async def finetune_call(self, method: str, *args):  # FineTuning's files and jobs
         await self.ready()
         if method == "create":
             self.engine.wake()  # an idle loop starts training at once
@@ -263,8 +263,7 @@ class SchedulerActor:
             "recovering" if self.engine.is_recovering else "ready"
         return {"state": state, "num_clients": len(self.outboxes),
                 **(self.engine.stats() if self.engine else {}), **self.adapters.stats(),
-                **self.responses.stats(),
-                **(self.finetuning.stats() if self.finetuning else {})}
+                **self.responses.stats(), **(self.finetuning.stats() if self.finetuning else {})}
 
     async def health(self) -> dict:  # stats(), and whether every worker answers
         alive = bool(self.engine) and await self.engine.executor.all_alive()

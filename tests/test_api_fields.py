@@ -2,6 +2,8 @@
 included), penalties and logit_bias, nulls, GET /v1/models/{id}, /tokenize and /detokenize."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -99,6 +101,26 @@ def test_nulls_mean_defaults(url):
             "top_logprobs": None, "tools": None, "response_format": None, "n": None}
     r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+def test_a_stop_token_ends_the_output_without_its_text(url):
+    """As vLLM: the token is counted and returned among the ids, its text is not output
+    (logit_bias makes byte 65, "A", the only likely token)."""
+    body = {"prompt": "hi", "max_tokens": 5, "logit_bias": {"65": 100}, "temperature": 0,
+            "return_token_ids": True}
+    r = httpx.post(f"{url}/v1/completions", json={**body, "stop_token_ids": [66]}, timeout=30)
+    assert r.json()["choices"][0]["text"] == "AAAAA"  # the test can tell
+    for stream in (False, True):
+        r = httpx.post(f"{url}/v1/completions", timeout=30, json={
+            **body, "stop_token_ids": [65], "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})})
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")] if stream else [r.json()]
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        ids = [i for e in events for c in e["choices"] for i in c.get("token_ids") or []]
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        assert (text, ids, finish) == ("", [65], ["stop"]), events
+        assert events[-1]["usage"]["completion_tokens"] == 1
 
 
 def test_a_model_by_id(client, url):

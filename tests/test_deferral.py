@@ -234,7 +234,7 @@ def test_a_step_that_raises_fails_its_job_only_and_serving_goes_on():
         return await original(method, job_id, *args)
 
     workers.finetune = raises_once
-    loop.finetuning.adapters = type("Adapters", (), {"load": lambda self, name, path: None})()
+    loop.finetuning.adapters = type("Adapters", (), {"load": lambda self, name, path: asyncio.sleep(0)})()
 
     async def run():
         task = asyncio.create_task(loop.run())

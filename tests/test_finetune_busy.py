@@ -77,7 +77,7 @@ def busy_engine(share: float, workers: PieceWorkers, epochs: int = 100):
                        max_num_tokens=256, max_batch_size=8)
     from engine_actors.finetune_jobs import FineTuning
     loop.finetuning = FineTuning(cfg, adapters=type(
-        "Adapters", (), {"load": lambda self, name, path: None})())
+        "Adapters", (), {"load": lambda self, name, path: asyncio.sleep(0)})())
     queue_job(loop, "ftjob-1", 4, n_epochs=epochs)
     return loop, finished
 

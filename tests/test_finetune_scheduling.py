@@ -351,3 +351,19 @@ def test_jobs_listed_by_metadata_page_after_any_job_even_one_the_filter_leaves_o
     assert ids(ft.list_jobs(after="j3", metadata={"team": "a"})) == ["j2", "j0"]
     assert ids(ft.list_jobs(after="j2", limit=1, metadata={"team": "b"})) == ["j1"]
     assert ft.list_jobs(after="nope").code == "unknown_after"
+
+
+def test_the_default_adapter_directory_goes_with_the_engine(tmp_path):
+    """A temp directory per engine used to stay behind after shutdown (thousands piled up);
+    a finetune_dir that the user set is kept."""
+    import os
+
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+    ft = FineTuning(EngineConfig(), adapters=None)
+    assert os.path.isdir(ft.dir)
+    ft.close()
+    assert not os.path.exists(ft.dir)
+    kept = FineTuning(EngineConfig(finetune_dir=str(tmp_path)), adapters=None)
+    kept.close()
+    assert kept.dir == str(tmp_path) and os.path.isdir(tmp_path)

@@ -244,6 +244,11 @@ def test_unknown_routes_get_openai_errors(url, method, path, status):
     assert r.status_code == status and r.json()["error"]["message"]
 
 
+def test_vllm_ping_and_version(url):
+    assert httpx.get(f"{url}/ping", timeout=30).json()["status"] == "ok"
+    assert httpx.get(f"{url}/version", timeout=30).json() == {"version": "0.1.0"}
+
+
 def test_body_over_limit_is_413(url):
     r = httpx.post(url + "/v1/completions", content=b"x" * (5 * 1024 * 1024),
                    headers={"content-type": "application/json"}, timeout=30)
