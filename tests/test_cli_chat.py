@@ -93,3 +93,15 @@ def test_chat_streams_keeps_the_conversation_and_ctrl_c_cancels(monkeypatch):
         child.wait_for(lambda o, e: o.endswith("you> "), "prompt")
         child.proc.send_signal(signal.SIGINT)  # Ctrl-C on the empty prompt quits
         assert child.proc.wait(timeout=10) == 0
+
+
+def test_chat_names_the_model_asked_for_and_refuses_one_not_served(monkeypatch):
+    server = FakeOrca()
+    with ServerThread(server.app) as url:
+        code, _, err = run_cli(monkeypatch, "--url", url, "chat", "--model", "fake-model",
+                               stdin="")
+        assert code == 0 and "Chatting with fake-model" in err
+        code, _, err = run_cli(monkeypatch, "--url", url, "chat", "--model", "bogus",
+                               stdin="hello\n")
+    assert code != 0 and "does not serve a model named 'bogus'" in err, err
+    assert server.chat_streams == []  # refused before the first question

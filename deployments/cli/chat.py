@@ -37,9 +37,10 @@ def run_chat(server: Server, opts: ChatOptions) -> int:
     # No read timeout while streaming: a long answer under load may pause between tokens.
     url = server.url
     with server.client(httpx.Timeout(30.0, read=None)) as client:
-        model = _served_model(client, url)
+        model = _served_model(client, url, opts.model)
         print(f"Chatting with {model} at {url}. Ctrl-C stops an answer; Ctrl-C or Ctrl-D on "
-              "an empty line quits; /reset forgets the conversation.", file=sys.stderr)
+              "an empty line (or /exit) quits; /reset forgets the conversation.",
+              file=sys.stderr)
         start = [{"role": "system", "content": opts.system}] if opts.system else []
         history = list(start)
         while True:
@@ -76,16 +77,22 @@ def run_chat(server: Server, opts: ChatOptions) -> int:
             history = messages + [{"role": "assistant", "content": answer}]
 
 
-def _served_model(client: httpx.Client, url: str) -> str:
-    """The model the server serves; also the first contact, so a server that is down is
-    reported before the user types anything."""
+def _served_model(client: httpx.Client, url: str, wanted: str | None) -> str:
+    """The model to chat with: `wanted` (a LoRA adapter, say) if the server lists it, else
+    the one it serves. Also the first contact, so a server that is down, or a model it
+    does not serve, is reported before the user types anything."""
     with server_errors(url):
         resp = client.get("/v1/models")
-    check(resp, "listing the served model")
+    check(resp, "listing the served models")
     try:
-        return resp.json()["data"][0]["id"]
+        listed = [m["id"] for m in resp.json()["data"]]
+        first = listed[0]
     except (ValueError, KeyError, IndexError, TypeError):
         raise CLIError(f"{url}/v1/models did not list a model; is this an orca-serve server?")
+    if wanted is not None and wanted not in listed:
+        raise CLIError(f"{url} does not serve a model named {wanted!r} (it serves: "
+                       f"{', '.join(listed)})")
+    return wanted or first
 
 
 def _stream_answer(client: httpx.Client, url: str, messages: list[dict],
