@@ -243,3 +243,11 @@ def test_model_output_cannot_drive_the_terminal():
 def test_a_malformed_url_is_a_one_line_usage_error(monkeypatch, url):
     code, _, err = run_cli(monkeypatch, "--url", url, "status", "batch-x")
     assert code == 2 and "not a valid URL" in err and "Traceback" not in err
+
+
+def test_status_of_a_cancelled_batch_counts_its_cancelled_requests():
+    """`status` said "0/4 finished, 0 failed" where `results` said "4 failed"."""
+    from deployments.cli.batch import status_line
+    line = status_line({"id": "b1", "status": "cancelled", "num_requests": 4,
+                        "num_completed": 1, "num_failed": 0, "num_cancelled": 3})
+    assert line == "b1  cancelled  1/4 finished, 0 failed, 3 cancelled"

@@ -71,8 +71,10 @@ def get_status(server: Server, batch_id: str, method: str = "GET") -> dict:
 
 def status_line(obj: dict) -> str:
     done = obj.get("num_completed", 0) + obj.get("num_failed", 0)
+    cancelled = obj.get("num_cancelled", 0)
     return (f"{obj.get('id')}  {obj.get('status')}  {done}/{obj.get('num_requests')} finished"
-            f", {obj.get('num_failed', 0)} failed")
+            f", {obj.get('num_failed', 0)} failed" + (f", {cancelled} cancelled"
+                                                      if cancelled else ""))
 
 
 class ResultSink:
