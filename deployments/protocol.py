@@ -159,8 +159,8 @@ class SamplingFields(SamplingOptions):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unfollowed(cls, data):
-        for name, neutral in cls.UNFOLLOWED.items():
-            if isinstance(data, dict) and data.get(name) not in (None, neutral):
+        for name, neutral in cls.UNFOLLOWED.items() if isinstance(data, dict) else ():
+            if data.get(name) not in (None, neutral):
                 raise APIError(400, f"{name} is not supported by this server", name,
                                "unsupported_parameter")
         return data

@@ -41,17 +41,16 @@ def grammar_for(req, reasoning_parser: str | None = None,
                                 "json_schema", "response_format.json_schema",
                            "missing_required_parameter")
         specs.append(("response_format", ("json_schema", json.dumps(rf.json_schema.schema_))))
+    kinds = ("json", "regex", "choice", "grammar")
+    guided = [(f"guided_{kind}", kind, getattr(req, f"guided_{kind}")) for kind in kinds]
     so = req.structured_outputs  # vLLM's newer form of the guided_* fields
-    guided = {kind: [(f"guided_{kind}", getattr(req, f"guided_{kind}"))]
-              for kind in ("json", "regex", "choice", "grammar")}
     if so is not None:
-        for kind, value in [("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                            ("grammar", so.grammar)]:
-            guided[kind].append((f"structured_outputs.{kind}", value))
+        guided += [(f"structured_outputs.{kind}", kind,
+                    getattr(so, "json_" if kind == "json" else kind)) for kind in kinds]
         if so.json_object:
             specs.append(("structured_outputs.json_object", ("json_schema", '{"type": "object"}')))
-    specs += [(param, _guided_spec(kind, value)) for kind, fields in guided.items()
-              for param, value in fields if value is not None]
+    specs += [(param, _guided_spec(kind, value)) for param, kind, value in guided
+              if value is not None]
     if len(specs) > 1:
         raise APIError(400, "only one of response_format, the guided_* fields and "
                             "structured_outputs' fields may be given", specs[1][0],

@@ -1,14 +1,14 @@
 """Structured output: token masks from a grammar library (xgrammar), on the sampling worker.
 
 A request's grammar (`SamplingParams.grammar`: a JSON schema, any JSON, a regex, an EBNF
-grammar, or an xgrammar structural tag for tool calls) is compiled once per distinct spec (cached) and
-followed by a matcher per table row. Each step, the rows that sample under a grammar get a
-token bitmask filled on the CPU while the GPU runs the step's forward, then applied to the
-logits on the device. A matcher advances when its step's sampled tokens reach the host: a
-step that samples a grammar row first waits for the results of the steps before it (the
-overlapped schedule lets the next step start before the previous token is known; only its
-sampling waits). A request recomputed after preemption gets a fresh matcher that replays its
-generated tokens.
+grammar, or an xgrammar structural tag for tool calls) is compiled once per distinct spec
+(cached) and followed by a matcher per table row. Each step, the rows that sample under a
+grammar get a token bitmask filled on the CPU while the GPU runs the step's forward, then
+applied to the logits on the device. A matcher advances when its step's sampled tokens reach
+the host: a step that samples a grammar row first waits for the results of the steps before
+it (the overlapped schedule lets the next step start before the previous token is known;
+only its sampling waits). A request recomputed after preemption gets a fresh matcher that
+replays its generated tokens.
 
 A ("reasoning", ...) spec (deployments/structured.py, reasoning_grammar) is followed by an
 AfterThinking matcher: no mask while a reasoning model thinks, its answer's grammar from

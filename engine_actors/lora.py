@@ -3,10 +3,11 @@ which adapter.
 
 The registry checks an adapter once, when it is added (lora_files.py), and gives it a fresh
 id: a request carries its adapter's info, and the id keys the request's prefix-cache entries
-(an adapter loaded again under the same name never reuses the old one's KV). Workers hold `max_loras` slots of
-weights; `LoRASlots` assigns adapters to slots on demand, evicts the least recently used
-slot that no admitted request uses, and tells the workers what to load through the step
-message. A request whose adapter cannot get a slot waits; it is never refused for that.
+(an adapter loaded again under the same name never reuses the old one's KV). Workers hold
+`max_loras` slots of weights; `LoRASlots` assigns adapters to slots on demand, evicts the
+least recently used slot that no admitted request uses, and tells the workers what to load
+through the step message (the weights read when the adapter was added). A request whose
+adapter cannot get a slot waits; it is never refused for that.
 """
 from __future__ import annotations
 
