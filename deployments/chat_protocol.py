@@ -128,9 +128,9 @@ def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwarg
 
 
 class ChatCompletionRequest(SamplingFields):
-    UNFOLLOWED: ClassVar[dict[str, object]] = {
-        **SamplingFields.UNFOLLOWED, "add_generation_prompt": True, "echo": False,
-        "continue_final_message": False, "chat_template": None, "documents": None}
+    # a chat template sent with the request is refused, as vLLM does unless told to trust it
+    UNFOLLOWED: ClassVar[dict[str, object]] = {**SamplingFields.UNFOLLOWED,
+                                               "chat_template": None}
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -140,18 +140,28 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None
+    # vLLM's: render without the assistant header, or let the model continue the last
+    # message (an answer's prefill); start the answer with the last message (echo); the
+    # documents of templates that take them (RAG)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    documents: list[dict[str, str]] | None = None
 
     def logprob_fields(self) -> dict:
-        if not self.logprobs:
-            if self.top_logprobs:
-                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs",
-                               "invalid_value")
-            return {}
-        return {"logprobs": self.top_logprobs or 0}
+        if not self.logprobs and self.top_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs",
+                           "invalid_value")
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                "prompt_logprobs": self.prompt_logprobs}
 
     def check_supported(self) -> None:
         super().check_supported()
         check_template_kwargs(self.chat_template_kwargs)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false "
+                                "(the answer continues the last message, so no new one "
+                                "starts)", "continue_final_message", "invalid_value")
         for i, m in enumerate(self.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 part.check_supported(f"messages.{i}.content.{j}")
@@ -162,6 +172,20 @@ class ChatCompletionRequest(SamplingFields):
                                 "is not among the tools", "tool_choice", "invalid_value")
         if self.forces_tool_calls and not self.tools:
             raise APIError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
+
+    def response_role(self) -> str:
+        """The answer's role: the assistant's, or with add_generation_prompt: false the last
+        message's (the answer continues it), as vLLM."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self) -> str | None:
+        """echo: the last message's content, if the answer has its role (vLLM's)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.response_role():
+            return None
+        if isinstance(last.content, list):
+            return "\n".join(part.text or "" for part in last.content)
+        return last.content or ""
 
     @property
     def uses_tools(self) -> bool:

@@ -37,7 +37,9 @@ class Choice:
         self.reasoning_text = ""
         self.new_reasoning = ""  # added by the last update
         self._num_reasoning_tokens: int | None = None  # kept once the reasoning ended
-        self.stop_token_ids = stop_token_ids  # the request's: their text is not output
+        self.stop_token_ids = stop_token_ids  # stop tokens and EOS: their text is not output
+        self.prompt_logprobs = None  # deployments.logprobs.PromptLogprobs, when asked
+        self.role = "assistant"  # of a chat answer (add_generation_prompt: false, as vLLM)
 
     def consume(self, update: RequestUpdate,
                 arrivals: list[tuple[float, int]] | None = None) -> str:
@@ -73,6 +75,8 @@ class Choice:
             self.finish_reason = "tool_calls"
         if self.logprobs is not None and not was_stopped:
             self._add_logprobs(update)
+        if self.prompt_logprobs is not None and update.prompt_logprobs:
+            self.prompt_logprobs.add(update.prompt_logprobs)
         if self.timer is not None and not was_stopped:
             for at, count in arrivals or [(None, len(update.token_ids))]:
                 self.timer.tokens(count, at)
@@ -81,12 +85,15 @@ class Choice:
         return delta
 
     def _add_logprobs(self, update: RequestUpdate) -> None:
-        if self.echo is not None and (update.prompt_logprobs or update.token_ids):
+        if self.echo is not None and not self.logprobs.chat and (update.prompt_logprobs
+                                                                   or update.token_ids):
             if self.num_prompt_entries == 0:  # the first prompt token has none
                 self.logprobs.entries.append((self.prompt_ids[0], None))
                 self.num_prompt_entries = 1
-            for lp in update.prompt_logprobs or ():
-                self.logprobs.entries.append((self.prompt_ids[self.num_prompt_entries], lp))
+            for lp, ids, values, rank in update.prompt_logprobs or ():
+                k = self.logprobs.num_top  # the engine's may have more (for prompt_logprobs)
+                self.logprobs.entries.append((self.prompt_ids[self.num_prompt_entries],
+                                              (lp, ids[:k], values[:k], rank)))
                 self.num_prompt_entries += 1
         if update.logprobs:
             self.logprobs.add(update.token_ids, update.logprobs)
@@ -98,7 +105,7 @@ class Choice:
                 for i, (call, call_id) in enumerate(zip(self.tool_calls, self.call_ids))]
 
     def message(self) -> dict:
-        out = {"role": "assistant", "content": self.text}
+        out = {"role": self.role, "content": self.text}
         if self.reasoning is not None:
             out["reasoning"] = self.reasoning_text or None
             if self.reasoning_text and not self.text:  # vLLM's: no answer is null

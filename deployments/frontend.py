@@ -177,21 +177,25 @@ class Frontend:
 
     async def chat_ids(self, messages: list, tools: list | None,
                        add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                       template_kwargs: dict | None = None) -> list[int]:
+                       template_kwargs: dict | None = None, continue_final_message=False,
+                       documents: list | None = None) -> list[int]:
         """Token ids of chat messages (ChatMessage) and tools (Tool) as the chat template
         renders them, with the server's default_chat_template_kwargs and the request's
-        `template_kwargs` over them as template variables; APIError 400 when it cannot."""
+        `template_kwargs` over them as template variables; APIError 400 when it cannot.
+        continue_final_message: the text ends with the last message's (no end of turn)."""
         messages = [m.for_template() for m in messages]
         tools = [t.model_dump(by_alias=True, exclude_none=True) for t in tools] \
             if tools else None
         variables = {**(self.cfg.default_chat_template_kwargs or {}), **(template_kwargs or {})}
 
         def render(tokenizer) -> list[int]:
-            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **variables)
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, documents=documents, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **variables)
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        size = len(str(messages)) + len(str(tools or "")) + len(str(variables))
+        size = len(str(messages)) + len(str(tools or "")) + len(str(variables)) + \
+            len(str(documents or ""))
         try:
             return await self.tokenize(render, size)
         except Exception as e:

@@ -6,6 +6,8 @@ the prompt's tokens first with `echo` (the first one has no log-probability: nul
 Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}]}]}. Tokens are shown as their own decoded text; log-probabilities are of the
 model's distribution (log-softmax of its logits, before temperature and penalties).
+vLLM's prompt_logprobs: [null, {"token id": {"logprob", "rank", "decoded_token"}}, ...], of
+each prompt token and its k likeliest alternatives (ranked 1 to k).
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from engine_actors.messages import TokenLogprobs
 
 
 class LogprobsWriter:
-    def __init__(self, tokenizer, chat: bool):
+    def __init__(self, tokenizer, chat: bool, num_top: int = 0):
         self.tokenizer, self.chat = tokenizer, chat
+        self.num_top = num_top  # alternatives per token
         self.entries: list[tuple[int, TokenLogprobs | None]] = []  # (token id, its logprobs)
         self.num_taken = 0  # entries already streamed
         self.offset = 0  # characters of the returned text before the next token
@@ -67,3 +70,27 @@ class LogprobsWriter:
             text = self._token(i)
             return {"token": text, "logprob": value, "bytes": list(text.encode())}
         return {**one(token_id, lp[0]), "top_logprobs": [one(i, v) for i, v in zip(lp[1], lp[2])]}
+
+
+class PromptLogprobs:
+    """One prompt's log-probabilities in vLLM's prompt_logprobs shape."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], num_top: int):
+        self.tokenizer, self.prompt_ids, self.num_top = tokenizer, prompt_ids, num_top
+        self.entries: list[TokenLogprobs] = []  # of prompt tokens 1, 2, ...
+
+    def add(self, logprobs: list[TokenLogprobs]) -> None:
+        self.entries += logprobs
+
+    def result(self) -> list[dict | None]:
+        out: list[dict | None] = [None]  # the first token has no log-probability
+        for token_id, (lp, ids, values, rank) in zip(self.prompt_ids[1:], self.entries):
+            entry = {str(token_id): self._one(token_id, lp, rank)}
+            for r, (i, v) in enumerate(zip(ids[:self.num_top], values), 1):
+                entry[str(i)] = self._one(i, v, r)
+            out.append(entry)
+        return out
+
+    def _one(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank,
+                "decoded_token": self.tokenizer.decode([token_id])}

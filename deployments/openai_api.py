@@ -21,7 +21,7 @@ from deployments.http_metrics import RequestTimer
 from deployments.chat_protocol import ChatCompletionRequest
 from deployments.protocol import (APIError, CompletionRequest,
                                   refusal_error)
-from deployments.logprobs import LogprobsWriter
+from deployments.logprobs import LogprobsWriter, PromptLogprobs
 from deployments.reasoning import ReasoningStream, think_token_ids
 from deployments.structured import grammar_for, tool_grammar
 from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
@@ -78,7 +78,10 @@ class OpenAIRoutes:
         """A chat request's prompt token ids, the grammar its output must follow (its
         response_format, or a forced tool call), and the tool-call parser (with tools)."""
         ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None,
-                                           template_kwargs=req.chat_template_kwargs)
+                                           req.add_generation_prompt,
+                                           template_kwargs=req.chat_template_kwargs,
+                                           continue_final_message=req.continue_final_message,
+                                           documents=req.documents)
         reasoning = self.frontend.cfg.reasoning_parser
         think_ids = think_token_ids(self.frontend.tokenizer) if reasoning else (None, None)
         grammar = grammar_for(req, reasoning, think_ids)
@@ -111,6 +114,8 @@ class OpenAIRoutes:
         limit = info.max_model_len
         subs = []  # (engine request, choice index, prompt text, prompt ids)
         for p_idx, (text, ids) in enumerate(prompts):
+            if req.truncate_prompt_tokens is not None:
+                ids, text = req.truncate(ids, limit), None  # echo shows the kept tokens
             if len(ids) >= limit:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                                     f"However, your prompt has {len(ids)} tokens.",
@@ -141,7 +146,7 @@ class OpenAIRoutes:
             self.metrics.failure("engine_unavailable")
             raise unavailable(str(e)) from None
         choices = {r.request_id: self._choice(req, index, text, ids, r, chat, arrival,
-                                              tool_parser)
+                                              tool_parser, info.eos_token_ids)
                    for r, index, text, ids in subs}
         limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
         timeout = min(limits) if limits else None  # a request may only shorten the limit
@@ -181,18 +186,27 @@ class OpenAIRoutes:
             raise deadline_error(req.deadline_ms)
 
     def _choice(self, req, index: int, text: str | None, ids: list[int], r: EngineRequest,
-                chat: bool, arrival: float, tool_parser: str | None) -> Choice:
+                chat: bool, arrival: float, tool_parser: str | None,
+                eos_token_ids: tuple[int, ...] = ()) -> Choice:
         """What turns one choice's tokens into its text: stop strings, echo, log-
         probabilities, tool calls and reasoning, as the request asks."""
         tokenizer, reasoning = self.frontend.tokenizer, self.frontend.cfg.reasoning_parser
-        return Choice(index, index // req.n, TextStream(tokenizer, req.stop_list()), ids,
-                      self._echo_text(req, text, ids) if not chat else None,
-                      RequestTimer(self.metrics, arrival),
-                      LogprobsWriter(tokenizer, chat) if r.sampling.logprobs is not None
-                      else None,
-                      self._tool_calls(req, tool_parser) if tool_parser else None,
-                      ReasoningStream(reasoning) if chat and reasoning else None,
-                      r.sampling.stop_token_ids)
+        include_stop = req.include_stop_str_in_output
+        k = r.sampling.logprobs
+        choice = Choice(index, index // req.n,
+                        TextStream(tokenizer, req.stop_list(), include_stop,
+                                   req.skip_special_tokens),
+                        ids, self._echo_text(req, text, ids, chat),
+                        RequestTimer(self.metrics, arrival),
+                        LogprobsWriter(tokenizer, chat, k) if k is not None else None,
+                        self._tool_calls(req, tool_parser) if tool_parser else None,
+                        ReasoningStream(reasoning) if chat and reasoning else None,
+                        () if include_stop else r.sampling.stop_token_ids + eos_token_ids)
+        if req.prompt_logprobs is not None:
+            choice.prompt_logprobs = PromptLogprobs(tokenizer, ids, req.prompt_logprobs)
+        if chat:
+            choice.role = req.response_role()
+        return choice
 
     @staticmethod
     def _tool_calls(req, parser: str) -> ToolCallStream:
@@ -200,9 +214,13 @@ class OpenAIRoutes:
         return ToolCallStream(make_parser(parser), req.max_tool_calls(),
                               CALL_SEPARATORS[parser] if req.forces_tool_calls else None)
 
-    def _echo_text(self, req, text: str | None, ids: list[int]) -> str | None:
+    def _echo_text(self, req, text: str | None, ids: list[int], chat: bool) -> str | None:
+        """What the output starts with: a completion's prompt (echo), or a chat's last
+        message if it has the answer's role (echo, as vLLM)."""
         if not req.echo:
             return None
+        if chat:
+            return req.echo_text()
         return text if text is not None else self.frontend.tokenizer.decode(ids)
 
     async def _stream(self, group, choices, sse: StreamWriter, req, timeout: float | None):

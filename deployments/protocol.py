@@ -58,16 +58,17 @@ class _Base(BaseModel):
 
 class StreamOptions(_Base):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: refused (SamplingFields.check_supported)
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 class SamplingOptions(_Base):
     """How one request samples and stops: shared by the OpenAI routes and the batch API.
-    Unset (or null) temperature, top_p and top_k take the checkpoint's generation_config
-    values, else OpenAI's defaults (1, 1, off), as vLLM does."""
+    Unset (or null) temperature, top_p, top_k and min_p take the checkpoint's
+    generation_config values, else OpenAI's defaults (1, 1, off, off), as vLLM does."""
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # vLLM: 0 or -1 disables
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # vLLM's; 0 disables
     seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
@@ -81,6 +82,8 @@ class SamplingOptions(_Base):
     min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM: no EOS or stop token before this
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],  # vLLM's: sample only these
+                                 Field(min_length=1)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -111,12 +114,13 @@ class SamplingOptions(_Base):
         ignore_eos = self.ignore_eos and not engine_fields.get("grammar")
         return SamplingParams(
             max_tokens=max_tokens, temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0), seed=seed,
+            top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0),
+            min_p=pick("min_p", 0.0), seed=seed,
             ignore_eos=ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=_logit_bias(self.logit_bias, vocab_size), min_tokens=self.min_tokens,
-            **engine_fields)
+            allowed_token_ids=_allowed_ids(self.allowed_token_ids, vocab_size), **engine_fields)
 
     def check_supported(self) -> None:
         pass
@@ -150,9 +154,7 @@ class SamplingFields(SamplingOptions):
     # any other is refused (a client that sends one expects its effect, and ignoring it
     # would answer something else)
     UNFOLLOWED: ClassVar[dict[str, object]] = {
-        "min_p": 0.0, "include_stop_str_in_output": False, "prompt_logprobs": None,
-        "skip_special_tokens": True, "allowed_token_ids": None, "bad_words": None,
-        "truncate_prompt_tokens": None, "use_beam_search": False, "logits_processors": None,
+        "bad_words": None, "use_beam_search": False, "logits_processors": None,
         "guided_decoding_backend": None, "guided_whitespace_pattern": None,
         "structural_tag": None}
 
@@ -184,15 +186,34 @@ class SamplingFields(SamplingOptions):
     # extension: end the request with HTTP 408 if it has not finished after this long
     timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
     user: str | None = None
+    # vLLM's: keep the ending stop string's (or token's) text; show special tokens; keep the
+    # prompt's last n tokens (-1: all that fit); log-probabilities of prompt tokens (top n)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
             raise APIError(400, "stream_options is only allowed with stream: true",
                            "stream_options", "invalid_value")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise APIError(400, "stream_options.continuous_usage_stats is not supported by "
-                           "this server", "stream_options.continuous_usage_stats",
-                           "unsupported_parameter")
+        if self.stream and self.prompt_logprobs:  # as vLLM: chunks have no place for them
+            raise APIError(400, "prompt_logprobs are not available when stream is true",
+                           "prompt_logprobs", "invalid_value")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1",
+                           "truncate_prompt_tokens", "invalid_value")
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's ids as truncate_prompt_tokens keeps them: the last n."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return ids
+        if n > max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens ({n}) exceeds the model's maximum "
+                                f"context length ({max_model_len})", "truncate_prompt_tokens",
+                           "invalid_value")
+        return ids[-(max_model_len - 1 if n == -1 else n):]
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -219,10 +240,11 @@ class CompletionRequest(SamplingFields):
                            "unsupported_parameter")
 
     def logprob_fields(self) -> dict:
-        if self.logprobs is None:
-            return {}
-        return {"logprobs": self.logprobs,
-                "prompt_logprobs": self.logprobs if self.echo else None}
+        """The engine's logprobs and prompt_logprobs: the prompt's for echo, for
+        prompt_logprobs, or both (as many alternatives as the larger asks)."""
+        prompt = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                  if k is not None]
+        return {"logprobs": self.logprobs, "prompt_logprobs": max(prompt, default=None)}
 
 
 class BatchItem(SamplingOptions):
@@ -257,6 +279,15 @@ def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> 
     codes = {"too_long": "context_length_exceeded", "batch_too_large": "batch_too_large",
              "lora_disabled": "lora_disabled", "invalid_adapter": "invalid_lora_adapter"}
     return APIError(400, message, param, codes.get(code, "invalid_value"))
+
+
+def _allowed_ids(ids: list[int] | None, vocab_size: int | None) -> tuple[int, ...] | None:
+    if ids is None:
+        return None
+    if vocab_size is not None and max(ids) >= vocab_size:  # as logit_bias below
+        raise APIError(400, f"allowed_token_ids must be token ids in [0, {vocab_size})",
+                       "allowed_token_ids", "invalid_value")
+    return tuple(sorted(set(ids)))
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple:

@@ -86,12 +86,18 @@ def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choic
     else:
         items = [{"index": c.index, "text": c.text, "logprobs": logprobs(c),
                   "finish_reason": c.finish_reason} for c in ordered]
+        for item, c in zip(items, ordered):
+            if c.prompt_logprobs is not None:  # vLLM's, per choice on completions
+                item["prompt_logprobs"] = c.prompt_logprobs.result()
     if token_ids:
         for item, c in zip(items, ordered):
             item["prompt_token_ids"], item["token_ids"] = c.prompt_ids, c.token_ids
-    return {"id": base_id, "object": "chat.completion" if chat else "text_completion",
+    body = {"id": base_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": items,
             "usage": usage(choices)}
+    if chat and ordered[0].prompt_logprobs is not None:  # one prompt: once, as vLLM
+        body["prompt_logprobs"] = ordered[0].prompt_logprobs.result()
+    return body
 
 
 class StreamWriter(Protocol):
@@ -124,6 +130,8 @@ class SSEWriter:
     def __init__(self, base_id: str, model: str, chat: bool, req: SamplingFields):
         self.base_id, self.model, self.chat = base_id, model, chat
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM's: every chunk has its choice's usage so far (only with include_usage)
+        self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
         self.return_token_ids = req.return_token_ids
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
@@ -137,32 +145,35 @@ class SSEWriter:
         # on every Unicode line break (many do) still see one event per line
         return json.dumps(body)
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False,
+    def chunk(self, choice: Choice, text: str, finish_reason: str | None, role: bool = False,
               logprobs: dict | None = None, tool_calls: list[dict] | None = None,
               token_ids: list[int] | None = None, reasoning: str = "") -> str:
+        index = choice.index
         if self.chat:
-            delta = {"role": "assistant", "content": text} if role else (
+            delta = {"role": choice.role, "content": text} if role else (
                 {"content": text} if text else {})
             if reasoning:
                 delta["reasoning"] = reasoning
             if tool_calls:
                 delta["tool_calls"] = tool_calls
-            choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+            item = {"index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+            item = {"index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
         if self.return_token_ids:
-            choice["token_ids"] = token_ids or []
-        return self._event([choice])
+            item["token_ids"] = token_ids or []
+        return self._event([item], usage({"": choice}) if self.continuous_usage else None)
 
     def usage(self, usage: dict) -> str:
         return self._event([], usage)
 
     def start(self, choices: dict[str, Choice]) -> list[str]:
-        if self.chat:
-            return [self.chunk(c.index, "", None, role=True) for c in choices.values()]
-        return [self.chunk(c.index, c.echo, None) for c in choices.values() if c.echo]
+        """The role chunks (chat), then the echoed text (a completion's prompt, a chat's
+        last message)."""
+        roles = [self.chunk(c, "", None, role=True) for c in choices.values()] \
+            if self.chat else []
+        return roles + [self.chunk(c, c.echo, None) for c in choices.values() if c.echo]
 
     def update(self, choice: Choice, delta: str) -> list[str]:
         """The chunks for a choice's update: its new reasoning and text, at the end its
@@ -170,13 +181,13 @@ class SSEWriter:
         events = []
         reasoning = choice.new_reasoning
         if choice.tool_calls and choice.finish_reason:
-            events.append(self.chunk(choice.index, delta, None,
+            events.append(self.chunk(choice, delta, None,
                                      tool_calls=choice.tool_call_deltas(),
                                      logprobs=choice.take_logprobs(),
                                      token_ids=choice.take_token_ids(), reasoning=reasoning))
             delta = reasoning = ""
         if delta or reasoning or choice.finish_reason:
-            events.append(self.chunk(choice.index, delta, choice.finish_reason,
+            events.append(self.chunk(choice, delta, choice.finish_reason,
                                      logprobs=choice.take_logprobs(),
                                      token_ids=choice.take_token_ids(), reasoning=reasoning))
         return events

@@ -21,6 +21,7 @@ class TokenizeRequest(_Base):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as on chat completions
     add_special_tokens: bool | None = None  # vLLM's defaults: prompt true, messages false
     return_token_strs: bool = False
     chat_template_kwargs: dict | None = None
@@ -29,6 +30,9 @@ class TokenizeRequest(_Base):
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt", "invalid_value")
         check_template_kwargs(self.chat_template_kwargs)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                           "continue_final_message", "invalid_value")
         for i, m in enumerate(self.messages or []):
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 part.check_supported(f"messages.{i}.content.{j}")
@@ -63,7 +67,8 @@ class TokenizeAPI:
                 ids = await self.frontend.chat_ids(req.messages, req.tools,
                                                    req.add_generation_prompt,
                                                    bool(req.add_special_tokens),
-                                                   req.chat_template_kwargs)
+                                                   req.chat_template_kwargs,
+                                                   req.continue_final_message)
             body = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
                     "token_strs": self.frontend.tokenizer.convert_ids_to_tokens(ids)
                     if req.return_token_strs else None}

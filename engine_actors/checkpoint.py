@@ -14,6 +14,7 @@ import torch
 
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
 from engine_actors.lora_files import target_shapes
+from engine_actors.request import SamplingParams
 
 # Bump when the built-in model changes so stale copies are not reused.
 _DEFAULT_VERSION = 2
@@ -249,7 +250,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     architecture: str = "LlamaForCausalLM"
-    # generation_config.json's temperature/top_p/top_k: used when a request leaves them unset
+    # generation_config.json's temperature, top_p, top_k, min_p: for a request without them
     sampling_defaults: dict = field(default_factory=dict)
     num_layers: int = 0
     lora_shapes: dict = field(default_factory=dict)  # LoRA target -> (in, out) features
@@ -277,12 +278,16 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
             gen = json.load(f)
         eos |= _as_ids(gen.get("eos_token_id"))
         defaults = {k: gen[k] for k in SAMPLING_DEFAULTS if gen.get(k) is not None}
+        try:  # each request would fail on a default that SamplingParams refuses
+            SamplingParams(1, **{**defaults, "top_k": max(defaults.get("top_k", 0), 0)})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{generation_config}: unusable sampling defaults: {e}") from None
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
                      hf.vocab_size, architecture(hf), defaults, hf.num_hidden_layers,
                      target_shapes(hf))
 
 
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
 
 
 def _as_ids(value) -> set[int]:

@@ -4,8 +4,9 @@ Decoding is incremental, in Rust: `tokenizers`' DecodeStream holds back a token 
 text it completes is valid UTF-8, so streamed deltas never split a character. At the end
 of a request, bytes that never completed a character are flushed as U+FFFD, exactly as a
 full decode shows them (DecodeStream alone would drop them). Text that could be the start
-of a stop string is held back too, and the stop string itself is never returned (OpenAI's
-behaviour). Used by the ingress for responses and by the scheduler actor for batches.
+of a stop string is held back too, and the stop string itself is not returned (OpenAI's
+behaviour) unless `include_stop` (vLLM's include_stop_str_in_output). Used by the ingress
+for responses and by the scheduler actor for batches.
 """
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from tokenizers.decoders import DecodeStream
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, include_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = stop or []
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.num_tokens_used = 0  # tokens that produced the returned text (less, after a stop)
         self.is_stopped = False
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._pending: list[int] = []  # ids since the last decoded chunk
         self._context: list[int] = []  # ids of the last decoded chunk (spacing for the flush)
         self._text = ""  # all text decoded so far
@@ -71,8 +75,9 @@ class TextStream:
         if not self._pending:
             return
         decode = self.tokenizer.decode
-        before = decode(self._context, skip_special_tokens=True)
-        after = decode(self._context + self._pending, skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        before = decode(self._context, skip_special_tokens=skip)
+        after = decode(self._context + self._pending, skip_special_tokens=skip)
         self._text += after[len(before):]
         self._pending = []
 
@@ -81,13 +86,15 @@ class TextStream:
         if self.stop:
             longest = max(map(len, self.stop))
             search_from = max(0, start - longest + 1)
-            hits = [i for i in (text.find(s, search_from) for s in self.stop) if i != -1]
+            hits = [(i, i + len(s)) for i, s in ((text.find(s, search_from), s)
+                                                 for s in self.stop) if i != -1]
             if hits:
                 self.is_stopped = True
-                end = max(min(hits), start)
+                first, first_end = min(hits)
+                end = max(first_end if self.include_stop else first, start)
                 self._num_emitted = end
                 return text[start:end]
-            if not is_final:
+            if not is_final and not self.include_stop:
                 # hold back a tail that may grow into a stop string
                 hold = max((k for s in self.stop for k in range(1, len(s))
                             if text.endswith(s[:k])), default=0)

@@ -10,14 +10,15 @@ active, so a step without such rows costs nothing, and none of this reads the de
 Order, as vLLM's: raw logits -> (log-probabilities taken here) -> repetition penalty
 (transformers' definition, over prompt and generated tokens) -> presence and frequency
 penalties (OpenAI's, over generated tokens) -> logit bias -> min_tokens (EOS and stop
-tokens masked) -> temperature, top-k, top-p (sampler.py).
+tokens masked) -> allowed_token_ids (every other token masked) -> temperature, min-p,
+top-k, top-p (sampler.py).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from engine_actors.messages import ProcessorSettings, StepInput, StepResult
+from engine_actors.messages import ProcessorSettings, StepInput, StepResult, TokenLogprobs
 from engine_actors.transfer import Staging
 
 
@@ -36,10 +37,13 @@ class LogitsProcessors:
         self.bias = torch.zeros(n, 0, **zeros)
         self.stop_ids = torch.zeros(n, 0, dtype=torch.long, **zeros)
         self.is_counted = torch.zeros(n, dtype=torch.bool, **zeros)
+        self.is_restricted = torch.zeros(n, dtype=torch.bool, **zeros)
         self.counts: torch.Tensor | None = None  # [rows, V] generated-token counts
         self.seen: torch.Tensor | None = None  # [rows, V] prompt tokens (repetition penalty)
+        self.allowed: torch.Tensor | None = None  # [rows, V] allowed_token_ids, as a mask
         self.rows: set[int] = set()  # rows with any processor (host mirror)
         self.counted: set[int] = set()  # rows whose tokens are counted
+        self.restricted: set[int] = set()  # rows with allowed_token_ids
 
     def add(self, row: int, s: ProcessorSettings | None) -> None:
         """A request admitted at `row` (None: no processors)."""
@@ -51,8 +55,13 @@ class LogitsProcessors:
         if row in self.counted:
             self.counted.discard(row)
             self.is_counted[row] = False
+        if row in self.restricted:
+            self.restricted.discard(row)
+            self.is_restricted[row] = False
         if s is None:
             return
+        if s.allowed_ids is not None:
+            self._allow(row, s.allowed_ids)
         self.rows.add(row)
         self.prompt_len[row] = s.num_prompt_tokens
         self.presence[row], self.frequency[row] = s.presence_penalty, s.frequency_penalty
@@ -73,6 +82,18 @@ class LogitsProcessors:
             if self.counts.shape[1]:
                 self.counts[row] = 0
                 self.seen[row] = False
+
+    def _allow(self, row: int, ids: tuple[int, ...]) -> None:
+        self.restricted.add(row)
+        self.is_restricted[row] = True
+        if self.allowed is None:  # the width is the logits' (set on first use in apply)
+            self.allowed = torch.zeros(len(self.prompt_len), max(ids) + 1, dtype=torch.bool,
+                                       device=self.device)
+        elif self.allowed.shape[1] <= max(ids):
+            self.allowed = torch.cat([self.allowed, self.allowed.new_zeros(
+                self.allowed.shape[0], max(ids) + 1 - self.allowed.shape[1])], 1)
+        self.allowed[row] = False
+        self.allowed[row, self.staging.to_device(np.asarray(ids, np.int64))] = True
 
     def _set_row(self, ids: torch.Tensor, values, row: int, new_ids: list, new_values):
         """Write one row of a padded [rows, K] table, widening it when needed; padding is
@@ -134,6 +155,13 @@ class LogitsProcessors:
             early = (self.generated[rows] < self.min_tokens[rows])[:, None] & (ids >= 0)
             masked = torch.where(early, float("-inf"), 0.0)
             logits.scatter_add_(1, ids.clamp(min=0), masked)
+        if self.restricted.intersection(rows_host):
+            vocab = logits.shape[1]
+            if self.allowed.shape[1] < vocab:
+                self.allowed = torch.cat([self.allowed, self.allowed.new_zeros(
+                    self.allowed.shape[0], vocab - self.allowed.shape[1])], 1)
+            allowed = self.allowed[rows, :vocab] | ~self.is_restricted[rows][:, None]
+            logits = logits.masked_fill(~allowed, float("-inf"))
         return logits
 
     def sampled(self, rows_host: list[int], rows: torch.Tensor) -> None:
@@ -143,23 +171,32 @@ class LogitsProcessors:
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """[N, V] raw logits, [N] chosen ids -> [N, 2 + 2k] float32: the chosen token's id and
-    log-probability, then the k most likely tokens' ids and log-probabilities (ids are exact
-    in float32 up to 2^24)."""
+    """[N, V] raw logits, [N] chosen ids -> [N, 3 + 2k] float32: the chosen token's id,
+    log-probability and rank (1 + how many other tokens are at least as likely, as vLLM
+    counts it), then the k most likely tokens' ids and log-probabilities (ids and ranks are
+    exact in float32 up to 2^24)."""
     if logits.shape[0] == 0:
-        return logits.new_zeros(0, 2 + 2 * k, dtype=torch.float32)
+        return logits.new_zeros(0, 3 + 2 * k, dtype=torch.float32)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.long()[:, None])  # [N, 1]
+    rank = (logprobs >= chosen).sum(dim=1, keepdim=True).clamp(min=1).float()  # [N, 1]
     top = logprobs.topk(k, dim=-1) if k else None
-    parts = [token_ids.float()[:, None], chosen]
+    parts = [token_ids.float()[:, None], chosen, rank]
     if top is not None:
         parts += [top.indices.float(), top.values]
     return torch.cat(parts, dim=1)
 
 
-def unpack_logprobs(row: list[float], k: int) -> tuple[float, list[int], list[float]]:
-    """One row of top_logprobs (on the host) -> (chosen lp, top ids, top lps)."""
-    return row[1], [int(i) for i in row[2:2 + k]], row[2 + k:2 + 2 * k]
+def unpack_logprobs(row: list[float], k: int) -> TokenLogprobs:
+    """One row of top_logprobs (on the host) -> (chosen lp, top ids, top lps, chosen rank).
+    -inf and NaN (a checkpoint's broken logits) become -9999.0, as vLLM shows -inf: JSON
+    has neither."""
+    return (_finite(row[1]), [int(i) for i in row[3:3 + k]],
+            [_finite(v) for v in row[3 + k:3 + 2 * k]], int(row[2]))
+
+
+def _finite(value: float) -> float:
+    return value if value >= -9999.0 else -9999.0  # NaN compares false
 
 
 def prompt_positions(step: StepInput, cu_seqlens_q) -> tuple[list[int], list[int], list[int]]:
@@ -178,9 +215,9 @@ def prompt_positions(step: StepInput, cu_seqlens_q) -> tuple[list[int], list[int
 
 def stack(sampled, packed, k: int, prompt: torch.Tensor, kp: int) -> torch.Tensor:
     """The sampled rows' packing (or just their ids) and the prompt positions', in one
-    [N + M, 2 + 2 max(k, kp)] float32 tensor (narrower rows padded with zeros)."""
+    [N + M, 3 + 2 max(k, kp)] float32 tensor (narrower rows padded with zeros)."""
     n = sampled.shape[0]
-    out = torch.zeros(n + prompt.shape[0], 2 + 2 * max(k, kp), device=sampled.device)
+    out = torch.zeros(n + prompt.shape[0], 3 + 2 * max(k, kp), device=sampled.device)
     if packed is not None:
         out[:n, :packed.shape[1]] = packed
     else:

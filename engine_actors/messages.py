@@ -28,6 +28,7 @@ class ProcessorSettings:
     min_tokens: int = 0
     num_generated: int = 0  # tokens generated before admission (recomputed after preemption)
     stop_ids: tuple[int, ...] = ()  # EOS and stop token ids, masked before min_tokens
+    allowed_ids: tuple[int, ...] | None = None  # None: any token may be sampled
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class NewRequest:
     top_p: float
     top_k: int
     seed: int | None
+    min_p: float = 0.0
     num_skip_draws: int = 0  # a recomputed seeded request resumes its random stream here
     processors: ProcessorSettings | None = None
     logprobs: int = -1  # alternatives returned with each sampled token's logprob; -1: none
@@ -72,8 +74,8 @@ class StepInput:
         return len(self.token_ids)
 
 
-# One token's log-probabilities: (its logprob, the top ids, their logprobs)
-TokenLogprobs = tuple[float, list[int], list[float]]
+# One token's log-probabilities: (its logprob, the top ids, their logprobs, its rank)
+TokenLogprobs = tuple[float, list[int], list[float], int]
 
 
 @dataclass(slots=True)

@@ -21,6 +21,8 @@ class SamplingParams:
     temperature: Annotated[float, Field(ge=0.0)] = 1.0  # 0 means greedy
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0, lt=2**31)] = 0  # 0 means off
+    # keep tokens at least min_p times as likely as the likeliest (after temperature)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     # a seeded request samples the same tokens in any batch
     seed: Annotated[int, Field(ge=-(2**63), le=MAX_SEED)] | None = None
     ignore_eos: bool = False
@@ -30,13 +32,14 @@ class SamplingParams:
     max_tokens_given: bool = True
     # logits processors, applied to the model's logits before temperature and top-k/p:
     # OpenAI's presence/frequency penalties over generated tokens, transformers'
-    # repetition penalty over prompt and generated tokens, token id -> bias, and no EOS or
-    # stop token before min_tokens
+    # repetition penalty over prompt and generated tokens, token id -> bias, no EOS or
+    # stop token before min_tokens, and no token outside allowed_token_ids
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     # log-probabilities of the model's distribution (log-softmax of the raw logits): of each
     # sampled token plus this many top alternatives; of each prompt token (None: none)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -48,7 +51,8 @@ class SamplingParams:
     @property
     def has_processors(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
+                    or self.repetition_penalty != 1.0 or self.min_tokens
+                    or self.allowed_token_ids is not None)
 
 
 class RequestStatus(enum.Enum):

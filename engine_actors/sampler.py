@@ -1,4 +1,4 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
+"""Sampling on the device: greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
 Per-request settings live in tensors indexed by table row, written once at admission, so a
 step needs no per-request host work. Random rows sample with the exponential-race trick,
@@ -26,9 +26,11 @@ class Sampler:
         self.temperature = torch.zeros(max_num_seqs, device=device)
         self.top_p = torch.ones(max_num_seqs, device=device)
         self.top_k = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.min_p = torch.zeros(max_num_seqs, device=device)
         # host mirrors decide the fast paths without reading the device
         self.is_greedy = [True] * max_num_seqs
         self.is_truncated = [False] * max_num_seqs  # top-k or top-p active
+        self.has_min_p = [False] * max_num_seqs
         self.generators: dict[int, torch.Generator] = {}  # row -> generator of a seeded request
         # row -> draws to replay before its next one: a seeded request recomputed after
         # preemption resumes its random stream where it was. Replayed at sampling time, on a
@@ -40,18 +42,20 @@ class Sampler:
     def add(self, reqs: list[NewRequest]) -> None:
         if not reqs:
             return
-        values = np.array([(r.row, r.temperature, r.top_p, r.top_k) for r in reqs],
+        values = np.array([(r.row, r.temperature, r.top_p, r.top_k, r.min_p) for r in reqs],
                           dtype=np.float64).T.copy()
-        rows, temperature, top_p, top_k = self.staging.to_device(values)
+        rows, temperature, top_p, top_k, min_p = self.staging.to_device(values)
         rows = rows.long()
         self.temperature[rows] = temperature.float()
         self.top_p[rows] = top_p.float()
         self.top_k[rows] = top_k.long()
+        self.min_p[rows] = min_p.float()
         for r in reqs:
             self.processors.add(r.row, r.processors)
             self.num_logprobs[r.row] = r.logprobs
             self.is_greedy[r.row] = r.temperature == 0.0
             self.is_truncated[r.row] = r.top_k > 0 or r.top_p < 1.0
+            self.has_min_p[r.row] = r.min_p > 0.0
             self.generators.pop(r.row, None)
             self.skips.pop(r.row, None)
             if r.seed is not None and r.temperature > 0.0:
@@ -83,6 +87,10 @@ class Sampler:
         idx = idx.long()
         temperature = self.temperature[idx]
         logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        if any(self.has_min_p[r] for r in rows):  # as vLLM: after temperature, before top-k/p
+            probs = torch.softmax(logits, dim=-1)
+            floor = self.min_p[idx][:, None] * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         if any(self.is_truncated[r] for r in rows):
             logits = self._truncate(logits, self.top_k[idx], self.top_p[idx])
         probs = torch.softmax(logits, dim=-1)

@@ -41,11 +41,13 @@ def new_request(req: Request, eos_token_ids: set[int]) -> NewRequest:
         stops = tuple(eos_token_ids) + s.stop_token_ids if s.min_tokens else ()
         processors = ProcessorSettings(
             req.num_prompt_tokens, s.presence_penalty, s.frequency_penalty,
-            s.repetition_penalty, s.logit_bias, s.min_tokens, req.num_output_tokens, stops)
-    return NewRequest(req.row, s.temperature, s.top_p, s.top_k, s.seed, req.num_output_tokens,
-                      processors, -1 if s.logprobs is None else s.logprobs, s.grammar,
-                      req.token_ids[req.num_prompt_tokens:] if s.grammar else [],
-                      req.lora_slot)
+            s.repetition_penalty, s.logit_bias, s.min_tokens, req.num_output_tokens, stops,
+            s.allowed_token_ids)
+    return NewRequest(req.row, s.temperature, s.top_p, s.top_k, s.seed, s.min_p,
+                      num_skip_draws=req.num_output_tokens, processors=processors,
+                      logprobs=-1 if s.logprobs is None else s.logprobs, grammar=s.grammar,
+                      replay_tokens=req.token_ids[req.num_prompt_tokens:] if s.grammar else [],
+                      lora_slot=req.lora_slot)
 
 
 def wants_prompt_logprobs(req: Request, start: int) -> bool:
@@ -58,8 +60,8 @@ def wants_prompt_logprobs(req: Request, start: int) -> bool:
 
 def trim(lps: TokenLogprobs, k: int) -> TokenLogprobs:
     """A step computes as many alternatives as its most demanding request: keep k."""
-    lp, ids, values = lps
-    return lp, ids[:k], values[:k]
+    lp, ids, values, rank = lps
+    return lp, ids[:k], values[:k], rank
 
 
 def new_prompt_logprobs(batch, result: StepResult) -> dict[int, list[TokenLogprobs]]:

@@ -1,8 +1,9 @@
 """Logits processors and log-probabilities against transformers on the same fp32 model:
-penalties, logit bias and min_tokens give transformers' greedy tokens, logprobs equal its
+penalties, logit bias, min_tokens and allowed_token_ids give transformers' greedy tokens, logprobs equal its
 log-softmax; requests with and without them share iterations (ragged, chunked prefill)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList,
 
 from engine_actors.checkpoint import EOS_ID, resolve_model_path
 from engine_actors.config import DEFAULT_MODEL
+from engine_actors.logits_processors import top_logprobs, unpack_logprobs
 from engine_actors.request import SamplingParams
 from tests.engine_harness import InProcessEngine, hf_model
 
@@ -32,6 +34,18 @@ class OpenAIPenalties(LogitsProcessor):
         return scores - self.frequency * counts - self.presence * (counts > 0).float()
 
 
+class AllowedTokens(LogitsProcessor):
+    """Every token but these masked (reference for allowed_token_ids)."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def __call__(self, input_ids, scores):
+        out = torch.full_like(scores, float("-inf"))
+        out[:, self.ids] = scores[:, self.ids]
+        return out
+
+
 def reference(prompt: list[int], s: SamplingParams) -> list[int]:
     """transformers' greedy generate() with the same processors, in the engine's order."""
     processors = []
@@ -43,6 +57,8 @@ def reference(prompt: list[int], s: SamplingParams) -> list[int]:
         processors.append(SequenceBiasLogitsProcessor({(i,): b for i, b in s.logit_bias}))
     if s.min_tokens:
         processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), s.min_tokens, EOS_ID))
+    if s.allowed_token_ids is not None:
+        processors.append(AllowedTokens(s.allowed_token_ids))
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_model(MODEL).generate(
@@ -61,6 +77,8 @@ SETTINGS = [
     dict(repetition_penalty=1.3, presence_penalty=0.5, logit_bias=((97, 3.0),)),
     # EOS made almost certain, but not before min_tokens: finishes with "stop" right after
     dict(logit_bias=((EOS_ID, 30.0),), min_tokens=5, ignore_eos=False),
+    dict(allowed_token_ids=(3, 65, 97, 120, 255)),
+    dict(allowed_token_ids=(10, 200), repetition_penalty=1.5),
     dict(),  # no processors, in the same iterations
 ]
 
@@ -127,9 +145,11 @@ def test_logprobs_equal_transformers_log_softmax(engine_args):
             ref = hf_logprobs(full)
             got = engine.logprobs[rid]
             assert len(got) == len(outputs[rid])
-            for j, (lp, ids, values) in enumerate(got):
+            for j, (lp, ids, values, rank) in enumerate(got):
                 row = ref[len(prompt) - 1 + j]  # the distribution the j-th token came from
                 assert abs(lp - row[outputs[rid][j]].item()) < 1e-4
+                own = row[outputs[rid][j]]  # (greedy, but after a presence penalty)
+                assert (row > own + 1e-4).sum() + 1 <= rank <= (row >= own - 1e-4).sum()
                 top = row.topk(s.logprobs)
                 assert ids == top.indices.tolist()
                 torch.testing.assert_close(torch.tensor(values), top.values, atol=1e-4, rtol=0)
@@ -138,6 +158,21 @@ def test_logprobs_equal_transformers_log_softmax(engine_args):
                 continue
             got = engine.prompt_logprobs[rid]
             assert len(got) == len(prompt) - 1  # every prompt token but the first
-            for p, (lp, ids, _) in enumerate(got):
+            for p, (lp, ids, _, rank) in enumerate(got):
                 assert abs(lp - ref[p, prompt[p + 1]].item()) < 1e-4
                 assert ids == ref[p].topk(s.prompt_logprobs).indices.tolist()
+                # vLLM's rank: 1 + the tokens at least as likely (up to fp32 noise)
+                own = ref[p, prompt[p + 1]]
+                assert (ref[p] > own + 1e-4).sum() + 1 <= rank <= (ref[p] >= own - 1e-4).sum()
+
+
+def test_logprobs_of_broken_logits_become_vllms_floor_not_invalid_json():
+    """A checkpoint whose logits hold NaN or -inf: the values shown are -9999.0, as vLLM
+    shows -inf, so the response is still JSON (json.dumps refuses NaN here)."""
+    logits = torch.tensor([[0.5, float("-inf"), 0.1], [float("nan"), 1.0, 0.0]])
+    packed = top_logprobs(logits, torch.tensor([1, 2]), 2).tolist()
+    for row in packed:
+        chosen, _, top, _ = unpack_logprobs(row, 2)
+        json.dumps([chosen, top], allow_nan=False)
+    assert unpack_logprobs(packed[0], 2)[0] == -9999.0  # the chosen token's logit was -inf
+    assert unpack_logprobs(packed[1], 2)[2] == [-9999.0, -9999.0]

@@ -186,20 +186,30 @@ C, CHAT = CompletionRequest, ChatCompletionRequest
 
 
 @pytest.mark.parametrize("fields,schema", [
-    ({"min_p": 0.1}, C), ({"include_stop_str_in_output": True}, C), ({"prompt_logprobs": 2}, C),
-    ({"skip_special_tokens": False}, C), ({"allowed_token_ids": [1, 2]}, C),
-    ({"bad_words": ["x"]}, C), ({"truncate_prompt_tokens": 5}, C),
-    ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, C),
-    ({"continue_final_message": True}, CHAT), ({"add_generation_prompt": False}, CHAT),
-    ({"chat_template": "{{ messages }}"}, CHAT)])
+    ({"bad_words": ["x"]}, C), ({"use_beam_search": True}, C),
+    ({"logits_processors": ["x"]}, CHAT), ({"chat_template": "{{ messages }}"}, CHAT)])
 def test_vllm_fields_this_server_does_not_follow_are_refused_not_ignored(fields, schema):
     """Ignored, each answered something other than what the client asked for; their values
-    that change nothing (min_p 0, skip_special_tokens true, ...) are accepted."""
+    that change nothing (use_beam_search false, ...) are accepted."""
     body = {"prompt": "a"} if schema is C else {"messages": [{"role": "user", "content": "a"}]}
     error = refused(json.dumps({**body, **fields}).encode(), schema)
     assert error.code == "unsupported_parameter", error.message
     assert error.param.startswith(next(iter(fields))), error.param
-    neutral = {"min_p": 0.0, "skip_special_tokens": True, "add_generation_prompt": True,
-               "continue_final_message": False, "include_stop_str_in_output": False}
+    neutral = {"use_beam_search": False, "bad_words": None, "chat_template": None}
     parse_body(json.dumps({**body, **{k: v for k, v in neutral.items()
                                       if k in schema.UNFOLLOWED}}).encode(), schema)
+
+
+@pytest.mark.parametrize("fields,schema,param", [
+    ({"allowed_token_ids": []}, C, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, C, "allowed_token_ids"),
+    ({"min_p": 1.5}, C, "min_p"), ({"truncate_prompt_tokens": -2}, C, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 0}, C, "truncate_prompt_tokens"),
+    ({"prompt_logprobs": 21}, C, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, C, "prompt_logprobs"),
+    ({"continue_final_message": True}, CHAT, "continue_final_message"),
+    ({"documents": [{"title": 5}]}, CHAT, "documents")])
+def test_vllm_fields_with_values_out_of_range_are_400(fields, schema, param):
+    body = {"prompt": "a"} if schema is C else {"messages": [{"role": "user", "content": "a"}]}
+    error = refused(json.dumps({**body, **fields}).encode(), schema)
+    assert error.status == 400 and error.param.startswith(param), (error.param, error.message)

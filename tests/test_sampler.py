@@ -7,7 +7,7 @@ from engine_actors.sampler import Sampler
 
 
 def make_sampler(params: dict[int, tuple], seed=0):
-    """params: row -> (temperature, top_p, top_k, seed)."""
+    """params: row -> (temperature, top_p, top_k, seed[, min_p])."""
     s = Sampler(max_num_seqs=8, device=torch.device("cpu"), seed=seed)
     s.add([NewRequest(row, *p) for row, p in params.items()])
     return s
@@ -49,6 +49,25 @@ def test_top_k_and_top_p_truncate_then_renormalise():
     # top_k 3 then top_p 0.9 of the renormalised [0.526, 0.316, 0.158]: all three stay
     expect = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
     torch.testing.assert_close(frequencies(s, logits, 2), expect, atol=0.015, rtol=0)
+
+
+def test_min_p_keeps_tokens_near_the_likeliest_after_temperature():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None]
+    s = make_sampler({0: (1.0, 1.0, 0, None, 0.4), 1: (0.5, 1.0, 0, None, 0.1),
+                      2: (1.0, 0.5, 0, None, 0.2), 3: (0.0, 1.0, 0, None, 0.9)})
+    # p >= 0.4 * 0.5 keeps tokens 0 and 1, renormalised
+    torch.testing.assert_close(frequencies(s, logits, 0), torch.tensor([0.625, 0.375, 0, 0]),
+                               atol=0.015, rtol=0)
+    # at temperature 0.5, p is [0.685, 0.247, 0.062, 0.007]: 0.1 * 0.685 keeps two tokens
+    # (on the untempered p, 0.1 * 0.5 would have kept all four)
+    sharp = probs[:2] ** 2 / (probs[:2] ** 2).sum()
+    torch.testing.assert_close(frequencies(s, logits, 1), torch.cat([sharp, torch.zeros(2)]),
+                               atol=0.015, rtol=0)
+    # min_p 0.2 keeps [0.5, 0.3, 0.15] (renormalised 0.526...), then top_p 0.5 the first
+    torch.testing.assert_close(frequencies(s, logits, 2), torch.tensor([1.0, 0, 0, 0]),
+                               atol=0.0, rtol=0)
+    assert s(logits, [3], torch.tensor([3])).item() == 0  # greedy: min_p changes nothing
 
 
 def test_seeded_request_is_reproducible_in_any_batch():

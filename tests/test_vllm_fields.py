@@ -1,0 +1,199 @@
+"""vLLM's request fields over HTTP, as vLLM answers them: min_p, allowed_token_ids,
+include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens, prompt_logprobs,
+stream_options.continuous_usage_stats, and on chat add_generation_prompt,
+continue_final_message, echo and documents."""
+from __future__ import annotations
+
+import functools
+import json
+
+import httpx
+import pytest
+
+from engine_actors.checkpoint import EOS_ID
+from tests.test_logits import hf_logprobs
+
+MODEL = "tiny-random-llama"
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # "Hello, world"
+
+
+@functools.cache
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from engine_actors.checkpoint import resolve_model_path
+    from engine_actors.config import EngineConfig
+    return AutoTokenizer.from_pretrained(resolve_model_path(EngineConfig().model))
+
+
+def post(url: str, route: str, **body) -> dict:
+    r = httpx.post(f"{url}/v1/{route}", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events(url: str, route: str, **body) -> list[dict]:
+    r = httpx.post(f"{url}/v1/{route}", json={"model": MODEL, "stream": True, **body},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def completion(url: str, **body) -> dict:
+    return post(url, "completions", **{"prompt": PROMPT, "temperature": 0,
+                                       "return_token_ids": True, **body})["choices"][0]
+
+
+def test_allowed_token_ids_and_min_p_sample_only_what_they_keep(url):
+    allowed = [65, 66, 67, 68]
+    for seed in range(3):
+        ids = completion(url, temperature=1.5, seed=seed, max_tokens=12, ignore_eos=True,
+                         allowed_token_ids=allowed)["token_ids"]
+        assert len(ids) == 12 and set(ids) <= set(allowed), ids
+    # min_p 1 keeps only the likeliest token: sampling at any temperature is then greedy
+    greedy = completion(url, max_tokens=10, ignore_eos=True)["token_ids"]
+    for seed in range(2):
+        assert completion(url, temperature=2.0, seed=seed, min_p=1.0, max_tokens=10,
+                          ignore_eos=True)["token_ids"] == greedy
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "allowed_token_ids": [999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_token(url):
+    full = completion(url, max_tokens=12, ignore_eos=True)
+    stop = full["text"][4:6]  # a stop string the greedy output meets
+    cut = full["text"].index(stop)
+    for stream in (False, True):
+        body = dict(prompt=PROMPT, temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+        if stream:
+            got = [events(url, "completions", include_stop_str_in_output=include, **body)
+                   for include in (False, True)]
+            texts = ["".join(c["text"] for e in ev for c in e["choices"]) for ev in got]
+        else:
+            texts = [completion(url, include_stop_str_in_output=include, **body)["text"]
+                     for include in (False, True)]
+        assert texts == [full["text"][:cut], full["text"][:cut + len(stop)]]
+    # a stop token's text is kept too
+    token = full["token_ids"][3]
+    kept = completion(url, max_tokens=12, ignore_eos=True, stop_token_ids=[token],
+                      include_stop_str_in_output=True)
+    assert kept["token_ids"] == full["token_ids"][:4]
+    assert kept["text"] == tokenizer().decode(full["token_ids"][:4])
+
+
+def test_skip_special_tokens_false_shows_them(url):
+    body = dict(max_tokens=3, ignore_eos=True, allowed_token_ids=[EOS_ID])
+    assert completion(url, **body)["text"] == ""
+    shown = completion(url, skip_special_tokens=False, **body)
+    assert shown["token_ids"] == [EOS_ID] * 3
+    assert shown["text"] == tokenizer().convert_ids_to_tokens(EOS_ID) * 3
+    # EOS ends the output without its text unless include_stop_str_in_output
+    ended = completion(url, skip_special_tokens=False, max_tokens=3, allowed_token_ids=[EOS_ID])
+    assert (ended["token_ids"], ended["text"], ended["finish_reason"]) == ([EOS_ID], "", "stop")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(url):
+    res = post(url, "completions", prompt=PROMPT, temperature=0, max_tokens=6,
+               ignore_eos=True, truncate_prompt_tokens=5, return_token_ids=True, echo=True)
+    short = post(url, "completions", prompt=PROMPT[-5:], temperature=0, max_tokens=6,
+                 ignore_eos=True, return_token_ids=True)
+    assert res["usage"]["prompt_tokens"] == 5
+    assert res["choices"][0]["token_ids"] == short["choices"][0]["token_ids"]
+    assert res["choices"][0]["text"] == tokenizer().decode(PROMPT[-5:]) + \
+        short["choices"][0]["text"]  # echo shows the kept prompt
+    chat = post(url, "chat/completions", messages=[{"role": "user", "content": "hi there"}],
+                max_tokens=1, truncate_prompt_tokens=4)
+    assert chat["usage"]["prompt_tokens"] == 4
+    r = httpx.post(f"{url}/v1/completions",
+                   json={"prompt": "a", "truncate_prompt_tokens": 10 ** 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def check_prompt_logprobs(entries: list, prompt: list[int], k: int) -> None:
+    """vLLM's shape, each value against transformers' log-softmax."""
+    ref = hf_logprobs(prompt)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for t, entry in enumerate(entries[1:], 1):
+        row, own = ref[t - 1], str(prompt[t])
+        top = row.topk(k)
+        assert set(entry) == {own} | {str(i) for i in top.indices.tolist()}
+        assert entry[own]["logprob"] == pytest.approx(row[prompt[t]].item(), abs=1e-4)
+        assert entry[own]["decoded_token"] == tokenizer().decode([prompt[t]])
+        if own not in {str(i) for i in top.indices.tolist()}:
+            assert entry[own]["rank"] == int((row >= row[prompt[t]]).sum())
+        for rank, (i, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            assert entry[str(i)]["rank"] == rank
+            assert entry[str(i)]["logprob"] == pytest.approx(v, abs=1e-4)
+
+
+def test_prompt_logprobs_in_vllms_shape_equal_transformers(url):
+    res = post(url, "completions", prompt=PROMPT, max_tokens=2, prompt_logprobs=2, n=2,
+               logprobs=1, echo=True)
+    for choice in res["choices"]:
+        check_prompt_logprobs(choice["prompt_logprobs"], PROMPT, 2)
+        # echo's entries keep logprobs' one alternative (the engine computed two)
+        assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = post(url, "chat/completions", messages=messages, max_tokens=1, prompt_logprobs=1,
+                return_token_ids=True)
+    prompt = chat["choices"][0]["prompt_token_ids"]
+    check_prompt_logprobs(chat["prompt_logprobs"], prompt, 1)
+    assert "prompt_logprobs" not in post(url, "chat/completions", messages=messages,
+                                         max_tokens=1)
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(url):
+    got = events(url, "completions", prompt=PROMPT, max_tokens=5, ignore_eos=True, n=2,
+                 stream_options={"include_usage": True, "continuous_usage_stats": True})
+    *chunks, final = got
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 10
+    counts = {0: [], 1: []}
+    for e in chunks:
+        usage = e["usage"]
+        assert usage["prompt_tokens"] == len(PROMPT)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        counts[e["choices"][0]["index"]].append(usage["completion_tokens"])
+    assert all(c == sorted(c) and c[-1] == 5 for c in counts.values()), counts
+
+
+def test_continue_final_message_renders_the_answer_as_started(url):
+    tok = tokenizer()
+    messages = [{"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "My answer is"}]
+    res = post(url, "chat/completions", messages=messages, max_tokens=4, temperature=0,
+               add_generation_prompt=False, continue_final_message=True, echo=True,
+               return_token_ids=True)
+    choice = res["choices"][0]
+    expected = tok.apply_chat_template(messages, continue_final_message=True, tokenize=True,
+                                       return_dict=False)
+    assert choice["prompt_token_ids"] == list(expected)
+    assert tok.decode(expected).endswith("My answer is")
+    r = httpx.post(f"{url}/tokenize", json={"messages": messages, "continue_final_message": True,
+                                            "add_generation_prompt": False})
+    assert r.json()["tokens"] == list(expected)
+    generated = tok.decode(choice["token_ids"], skip_special_tokens=True)
+    assert choice["message"] == {"role": "assistant", "content": "My answer is" + generated}
+    streamed = events(url, "chat/completions", messages=messages, max_tokens=4,
+                      temperature=0, add_generation_prompt=False,
+                      continue_final_message=True, echo=True)
+    deltas = [c["delta"] for e in streamed for c in e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert deltas[1] == {"content": "My answer is"}
+    assert "".join(d.get("content") or "" for d in deltas) == choice["message"]["content"]
+
+
+def test_no_generation_prompt_answers_in_the_last_messages_role(url):
+    tok = tokenizer()
+    messages = [{"role": "user", "content": "Hello"}]
+    res = post(url, "chat/completions", messages=messages, max_tokens=2,
+               add_generation_prompt=False, return_token_ids=True, echo=True,
+               documents=[{"title": "a", "text": "b"}])
+    expected = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+                                       return_dict=False)
+    assert res["choices"][0]["prompt_token_ids"] == list(expected)
+    assert res["choices"][0]["message"]["role"] == "user"
+    assert res["choices"][0]["message"]["content"].startswith("Hello")
+    # echo with a generation prompt: the last message is not the assistant's, nothing added
+    res = post(url, "chat/completions", messages=messages, max_tokens=2, echo=True,
+               temperature=0, ignore_eos=True, return_token_ids=True)
+    assert res["choices"][0]["message"]["content"] == tok.decode(res["choices"][0]["token_ids"])
