@@ -101,10 +101,15 @@ ENGINES = [dict(async_scheduling=True), dict(async_scheduling=False),
            dict(scheduling_policy="priority", max_num_tokens=160)]
 
 
-@pytest.mark.parametrize("engine_args", ENGINES)
+# the GPU (fp32, Triton attention, CUDA graphs): the processors and sampler on the device
+ON_GPU = pytest.param(dict(device="cuda", dtype="float32", block_size=16),
+                      marks=pytest.mark.gpu, id="gpu")
+
+
+@pytest.mark.parametrize("engine_args", ENGINES + [ON_GPU])
 def test_processors_give_transformers_greedy_tokens(engine_args):
-    engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=8, block_size=4,
-                             max_num_batched_tokens=24, **engine_args)
+    engine = InProcessEngine(**{"model": DEFAULT_MODEL, "max_batch_size": 8, "block_size": 4,
+                                "max_num_batched_tokens": 24, **engine_args})
     arrivals = workload()
     outputs = engine.run(arrivals)
     if "max_num_tokens" in engine_args:
@@ -123,7 +128,8 @@ def hf_logprobs(tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-@pytest.mark.parametrize("engine_args", [ENGINES[0], dict(ENGINES[2], max_num_tokens=96)])
+@pytest.mark.parametrize("engine_args", [ENGINES[0], dict(ENGINES[2], max_num_tokens=96),
+                                         ON_GPU])
 def test_logprobs_equal_transformers_log_softmax(engine_args):
     rng = random.Random(1)
     arrivals = {}
@@ -134,8 +140,8 @@ def test_logprobs_equal_transformers_log_softmax(engine_args):
                                   prompt_logprobs=rng.choice([None, 0, 3]),
                                   presence_penalty=rng.choice([0.0, 1.0]))
         arrivals.setdefault(rng.randint(0, 6), []).append((f"r{i}", prompt, sampling))
-    engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=8, block_size=4,
-                             max_num_batched_tokens=16, **engine_args)  # chunked prompts
+    engine = InProcessEngine(**{"model": DEFAULT_MODEL, "max_batch_size": 8, "block_size": 4,
+                                "max_num_batched_tokens": 16, **engine_args})  # chunked prompts
     outputs = engine.run(arrivals)
     if "max_num_tokens" in engine_args:
         assert engine.scheduler.num_preemptions > 0

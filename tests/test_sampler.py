@@ -1,14 +1,15 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine_actors.messages import NewRequest
 from engine_actors.sampler import Sampler
 
 
-def make_sampler(params: dict[int, tuple], seed=0):
+def make_sampler(params: dict[int, tuple], seed=0, device="cpu"):
     """params: row -> (temperature, top_p, top_k, seed[, min_p])."""
-    s = Sampler(max_num_seqs=8, device=torch.device("cpu"), seed=seed)
+    s = Sampler(max_num_seqs=8, device=torch.device(device), seed=seed)
     s.add([NewRequest(row, *p) for row, p in params.items()])
     return s
 
@@ -18,8 +19,8 @@ def frequencies(sampler, logits, row, n=20000):
     batch = logits.expand(n, -1).clone()
     # one big batch of the same row is n independent draws from the shared generator
     sampler.is_greedy[row] = False
-    ids = sampler(batch, [row] * n, torch.full((n,), row))
-    counts += torch.bincount(ids, minlength=logits.shape[-1])
+    ids = sampler(batch, [row] * n, torch.full((n,), row, device=logits.device))
+    counts += torch.bincount(ids, minlength=logits.shape[-1]).cpu()
     return counts / n
 
 
@@ -51,11 +52,12 @@ def test_top_k_and_top_p_truncate_then_renormalise():
     torch.testing.assert_close(frequencies(s, logits, 2), expect, atol=0.015, rtol=0)
 
 
-def test_min_p_keeps_tokens_near_the_likeliest_after_temperature():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_min_p_keeps_tokens_near_the_likeliest_after_temperature(device):
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()[None]
+    logits = probs.log()[None].to(device)
     s = make_sampler({0: (1.0, 1.0, 0, None, 0.4), 1: (0.5, 1.0, 0, None, 0.1),
-                      2: (1.0, 0.5, 0, None, 0.2), 3: (0.0, 1.0, 0, None, 0.9)})
+                      2: (1.0, 0.5, 0, None, 0.2), 3: (0.0, 1.0, 0, None, 0.9)}, device=device)
     # p >= 0.4 * 0.5 keeps tokens 0 and 1, renormalised
     torch.testing.assert_close(frequencies(s, logits, 0), torch.tensor([0.625, 0.375, 0, 0]),
                                atol=0.015, rtol=0)
@@ -67,7 +69,7 @@ def test_min_p_keeps_tokens_near_the_likeliest_after_temperature():
     # min_p 0.2 keeps [0.5, 0.3, 0.15] (renormalised 0.526...), then top_p 0.5 the first
     torch.testing.assert_close(frequencies(s, logits, 2), torch.tensor([1.0, 0, 0, 0]),
                                atol=0.0, rtol=0)
-    assert s(logits, [3], torch.tensor([3])).item() == 0  # greedy: min_p changes nothing
+    assert s(logits, [3], torch.tensor([3], device=device)).item() == 0  # greedy: no min_p
 
 
 def test_seeded_request_is_reproducible_in_any_batch():
