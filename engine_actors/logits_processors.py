@@ -170,16 +170,19 @@ class LogitsProcessors:
             self.generated[rows.long()] += 1
 
 
-def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
+                 rank: bool = False) -> torch.Tensor:
     """[N, V] raw logits, [N] chosen ids -> [N, 3 + 2k] float32: the chosen token's id,
-    log-probability and rank (1 + how many other tokens are at least as likely, as vLLM
-    counts it), then the k most likely tokens' ids and log-probabilities (ids and ranks are
-    exact in float32 up to 2^24)."""
+    log-probability and, if `rank`, its rank (1 + how many other tokens are at least as
+    likely, as vLLM counts it; else 0), then the k most likely tokens' ids and
+    log-probabilities (ids and ranks are exact in float32 up to 2^24). Only prompt_logprobs
+    show ranks: for sampled tokens the pass over the vocabulary is skipped."""
     if logits.shape[0] == 0:
         return logits.new_zeros(0, 3 + 2 * k, dtype=torch.float32)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.long()[:, None])  # [N, 1]
-    rank = (logprobs >= chosen).sum(dim=1, keepdim=True).clamp(min=1).float()  # [N, 1]
+    rank = (logprobs >= chosen).sum(dim=1, keepdim=True).clamp(min=1).float() if rank \
+        else torch.zeros_like(chosen)  # [N, 1]
     top = logprobs.topk(k, dim=-1) if k else None
     parts = [token_ids.float()[:, None], chosen, rank]
     if top is not None:

@@ -74,7 +74,8 @@ class StepInput:
         return len(self.token_ids)
 
 
-# One token's log-probabilities: (its logprob, the top ids, their logprobs, its rank)
+# One token's log-probabilities: (its logprob, the top ids, their logprobs, its rank: of
+# prompt tokens only, 0 for sampled ones)
 TokenLogprobs = tuple[float, list[int], list[float], int]
 
 

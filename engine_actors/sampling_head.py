@@ -38,7 +38,7 @@ class SamplingHead:
         out, parse, kp = sampled, None, -1
         if step.prompt_logprobs:
             kp = max(k for _, k, _ in step.prompt_logprobs)
-            prompt = top_logprobs(logits[num_sample:], inputs.prompt_targets, kp)
+            prompt = top_logprobs(logits[num_sample:], inputs.prompt_targets, kp, rank=True)
             packed = stack(sampled, packed, k, prompt, kp)
         if packed is not None:  # ids and log-probabilities in one copy to the host
             out = packed
