@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
 from deployments.http_metrics import HTTPMetrics
-from deployments.protocol import APIError
+from deployments.protocol import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, APIError
 from deployments.request_body import parse_body
 from deployments.structured import default_tool_parser
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
@@ -224,6 +224,28 @@ class Frontend:
                 raise APIError(400, "prompt must not be empty", param, "invalid_value")
             out.append(ids)
         return out
+
+
+async def bad_word_ids(frontend: Frontend, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token ids: each word as written (leading spaces stripped), and
+    with one leading space where that starts with another token and is as long."""
+    def encode(tokenizer) -> list[tuple[int, ...]]:
+        out = []
+        for i, word in enumerate(words):
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not 0 < len(plain) <= MAX_BAD_WORD_TOKENS:  # the engine's tables grow with it
+                raise APIError(400, f"bad_words must be words of 1 to {MAX_BAD_WORD_TOKENS} "
+                                    "tokens", f"bad_words.{i}", "invalid_value")
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(tuple(plain))
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(tuple(spaced))
+        return out
+    ids = await frontend.tokenize(encode, sum(map(len, words)))
+    if len(ids) > MAX_BAD_WORDS:
+        raise APIError(400, f"bad_words give {len(ids)} token sequences, over "
+                            f"{MAX_BAD_WORDS}", "bad_words", "invalid_value")
+    return tuple(ids)
 
 
 def _too_large() -> APIError:

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.engine_client import EngineUnavailable, RequestRefused
-from deployments.frontend import Frontend, unavailable
+from deployments.frontend import Frontend, bad_word_ids, unavailable
 from deployments.http_metrics import RequestTimer
 from deployments.chat_protocol import ChatCompletionRequest
 from deployments.protocol import (APIError, CompletionRequest,
@@ -112,6 +112,7 @@ class OpenAIRoutes:
         """Submit the request's choices to the engine: (their RequestGroup, their Choice
         by engine request id, the time limit in s or None)."""
         limit = info.max_model_len
+        bad_words = await bad_word_ids(self.frontend, req.bad_words) if req.bad_words else None
         subs = []  # (engine request, choice index, prompt text, prompt ids)
         for p_idx, (text, ids) in enumerate(prompts):
             if req.truncate_prompt_tokens is not None:
@@ -130,7 +131,8 @@ class OpenAIRoutes:
                 priority = 1 if req.priority is None else req.priority  # interactive default
                 sampling = req.sampling_params(n_new, j, info.sampling_defaults, info.vocab_size,
                                                max_tokens_given=max_tokens is not None,
-                                               grammar=grammar, **req.logprob_fields())
+                                               grammar=grammar, bad_words=bad_words,
+                                               **req.logprob_fields())
                 engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids, sampling, priority,
                                            req.deadline_ms, self.frontend.adapter(req))
                 subs.append((engine_req, p_idx * req.n + j, text, ids))

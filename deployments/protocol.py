@@ -20,6 +20,8 @@ MAX_SEED = MAX_SEED_ENGINE - MAX_N  # torch generators take 64-bit seeds; choice
 MAX_BATCH = 10_000  # requests per submitted batch
 MAX_LOGIT_BIAS = 1024  # entries per request
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 128  # token sequences, as vLLM (a word may give two: with a leading space)
+MAX_BAD_WORD_TOKENS = 64
 
 
 class APIError(Exception):
@@ -154,7 +156,7 @@ class SamplingFields(SamplingOptions):
     # any other is refused (a client that sends one expects its effect, and ignoring it
     # would answer something else)
     UNFOLLOWED: ClassVar[dict[str, object]] = {
-        "bad_words": None, "use_beam_search": False, "logits_processors": None,
+        "use_beam_search": False, "logits_processors": None,
         "guided_decoding_backend": None, "guided_whitespace_pattern": None,
         "structural_tag": None}
 
@@ -192,6 +194,7 @@ class SamplingFields(SamplingOptions):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM

@@ -29,6 +29,8 @@ class ProcessorSettings:
     num_generated: int = 0  # tokens generated before admission (recomputed after preemption)
     stop_ids: tuple[int, ...] = ()  # EOS and stop token ids, masked before min_tokens
     allowed_ids: tuple[int, ...] | None = None  # None: any token may be sampled
+    bad_words: tuple[tuple[int, ...], ...] | None = None  # token ids of each word
+    recent: tuple[int, ...] = ()  # the last generated tokens, as far as bad words look back
 
 
 @dataclass(slots=True)

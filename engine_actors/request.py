@@ -33,13 +33,14 @@ class SamplingParams:
     # logits processors, applied to the model's logits before temperature and top-k/p:
     # OpenAI's presence/frequency penalties over generated tokens, transformers'
     # repetition penalty over prompt and generated tokens, token id -> bias, no EOS or
-    # stop token before min_tokens, and no token outside allowed_token_ids
+    # stop token before min_tokens, no token outside allowed_token_ids, and no bad word
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: Annotated[int, Field(ge=0)] = 0
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: tuple[tuple[int, ...], ...] | None = None  # never complete these (token ids)
     # log-probabilities of the model's distribution (log-softmax of the raw logits): of each
     # sampled token plus this many top alternatives; of each prompt token (None: none)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -52,7 +53,7 @@ class SamplingParams:
     def has_processors(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.min_tokens
-                    or self.allowed_token_ids is not None)
+                    or self.allowed_token_ids is not None or bool(self.bad_words))
 
 
 class RequestStatus(enum.Enum):

@@ -74,7 +74,7 @@ class Sampler:
         if grammar_mask is not None:
             processed = apply_bitmask(processed, grammar_mask)
         ids = self(processed, rows, idx)
-        self.processors.sampled(rows, idx)
+        self.processors.sampled(rows, idx, ids)
         k = max((self.num_logprobs[r] for r in rows), default=-1)
         return ids, (top_logprobs(logits, ids, k) if k >= 0 else None), k
 

@@ -39,10 +39,14 @@ def new_request(req: Request, eos_token_ids: set[int]) -> NewRequest:
     processors = None
     if s.has_processors:
         stops = tuple(eos_token_ids) + s.stop_token_ids if s.min_tokens else ()
+        # bad words look back at most their longest prefix (a recomputed request's tokens)
+        look_back = max(map(len, s.bad_words)) - 1 if s.bad_words else 0
+        generated = req.token_ids[req.num_prompt_tokens:]
         processors = ProcessorSettings(
             req.num_prompt_tokens, s.presence_penalty, s.frequency_penalty,
             s.repetition_penalty, s.logit_bias, s.min_tokens, req.num_output_tokens, stops,
-            s.allowed_token_ids)
+            s.allowed_token_ids, s.bad_words,
+            tuple(generated[len(generated) - look_back:]) if look_back else ())
     return NewRequest(req.row, s.temperature, s.top_p, s.top_k, s.seed, s.min_p,
                       num_skip_draws=req.num_output_tokens, processors=processors,
                       logprobs=-1 if s.logprobs is None else s.logprobs, grammar=s.grammar,

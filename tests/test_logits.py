@@ -14,8 +14,10 @@ from transformers import (LogitsProcessor, LogitsProcessorList,
 
 from engine_actors.checkpoint import EOS_ID, resolve_model_path
 from engine_actors.config import DEFAULT_MODEL
-from engine_actors.logits_processors import top_logprobs, unpack_logprobs
+from engine_actors.logits_processors import LogitsProcessors, top_logprobs, unpack_logprobs
+from engine_actors.messages import ProcessorSettings
 from engine_actors.request import SamplingParams
+from engine_actors.transfer import Staging
 from tests.engine_harness import InProcessEngine, hf_model
 
 MODEL = resolve_model_path(DEFAULT_MODEL)
@@ -46,6 +48,23 @@ class AllowedTokens(LogitsProcessor):
         return out
 
 
+class BadWords(LogitsProcessor):
+    """vLLM's bad_words (reference): a word's last token is masked when the generated
+    tokens (not the prompt's) end with the rest of it."""
+
+    def __init__(self, prompt_len: int, words):
+        self.prompt_len, self.words = prompt_len, words
+
+    def __call__(self, input_ids, scores):
+        generated = input_ids[0, self.prompt_len:].tolist()
+        scores = scores.clone()
+        for *prefix, last in self.words:
+            if not prefix or generated[len(generated) - len(prefix):] == prefix and \
+                    len(generated) >= len(prefix):
+                scores[:, last] = float("-inf")
+        return scores
+
+
 def reference(prompt: list[int], s: SamplingParams) -> list[int]:
     """transformers' greedy generate() with the same processors, in the engine's order."""
     processors = []
@@ -59,6 +78,8 @@ def reference(prompt: list[int], s: SamplingParams) -> list[int]:
         processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), s.min_tokens, EOS_ID))
     if s.allowed_token_ids is not None:
         processors.append(AllowedTokens(s.allowed_token_ids))
+    if s.bad_words:
+        processors.append(BadWords(len(prompt), s.bad_words))
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_model(MODEL).generate(
@@ -122,6 +143,30 @@ def test_processors_give_transformers_greedy_tokens(engine_args):
     assert all(len(outputs[rid]) == 6 and outputs[rid][-1] == EOS_ID for rid in stopped)
 
 
+@pytest.mark.parametrize("engine_args", ENGINES + [ON_GPU])
+def test_bad_words_give_the_reference_greedy_tokens(engine_args):
+    """Words taken from each prompt's own greedy output (so they bite): one token, two and
+    three; a word that the prompt's end would complete does not count (only generated
+    tokens do)."""
+    rng = random.Random(3)
+    arrivals, free = {}, {}
+    for i in range(8):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 30))]
+        plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        out = free[f"r{i}"] = reference(prompt, plain)
+        words = ((out[0],), tuple(out[3:5]), tuple(out[6:9]), (prompt[-1], out[0]))
+        sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                  bad_words=words[i % 3:] if i % 2 else words[1:3])
+        arrivals.setdefault(rng.randint(0, 6), []).append((f"r{i}", prompt, sampling))
+    engine = InProcessEngine(**{"model": DEFAULT_MODEL, "max_batch_size": 8, "block_size": 4,
+                                "max_num_batched_tokens": 24, **engine_args})
+    outputs = engine.run(arrivals)
+    for reqs in arrivals.values():
+        for rid, prompt, sampling in reqs:
+            assert outputs[rid] == reference(prompt, sampling), (rid, sampling.bad_words)
+            assert outputs[rid] != free[rid]
+
+
 def hf_logprobs(tokens: list[int]) -> torch.Tensor:
     """log-softmax of transformers' fp32 logits at every position of `tokens`: [L, V]."""
     with torch.no_grad():
@@ -181,3 +226,20 @@ def test_logprobs_of_broken_logits_become_vllms_floor_not_invalid_json():
         json.dumps([chosen, top], allow_nan=False)
     assert unpack_logprobs(packed[0], 2)[0] == -9999.0  # the chosen token's logit was -inf
     assert unpack_logprobs(packed[1], 2)[2] == [-9999.0, -9999.0]
+
+
+def test_bad_words_look_back_at_a_recomputed_requests_tokens():
+    """A request admitted again after preemption brings its last generated tokens: a word
+    it was in the middle of is still caught; each sampled token moves the window on."""
+    cpu = torch.device("cpu")
+    processors = LogitsProcessors(4, cpu, Staging(cpu))
+    processors.add(1, ProcessorSettings(3, bad_words=((5, 6, 7), (9,)), recent=(5, 6)))
+    processors.add(2, ProcessorSettings(3, bad_words=((5, 6, 7),), recent=(6, 5)))
+    rows = torch.tensor([1, 2])
+    out = processors.apply(torch.zeros(2, 10), [1, 2], rows)
+    assert out[0, 7] == out[0, 9] == float("-inf") and out[1].isfinite().all()
+    processors.sampled([1, 2], rows, torch.tensor([3, 6]))  # row 1: (6, 3); row 2: (5, 6)
+    out = processors.apply(torch.zeros(2, 10), [1, 2], rows)
+    assert out[0, 7] == 0 and out[0, 9] == float("-inf") and out[1, 7] == float("-inf")
+    processors.add(1, None)  # the row's next request has no bad words
+    assert processors.apply(torch.zeros(2, 10), [1, 2], rows)[0].isfinite().all()

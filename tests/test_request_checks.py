@@ -186,7 +186,7 @@ C, CHAT = CompletionRequest, ChatCompletionRequest
 
 
 @pytest.mark.parametrize("fields,schema", [
-    ({"bad_words": ["x"]}, C), ({"use_beam_search": True}, C),
+    ({"use_beam_search": True}, C), ({"structural_tag": "x"}, C),
     ({"logits_processors": ["x"]}, CHAT), ({"chat_template": "{{ messages }}"}, CHAT)])
 def test_vllm_fields_this_server_does_not_follow_are_refused_not_ignored(fields, schema):
     """Ignored, each answered something other than what the client asked for; their values
@@ -195,7 +195,7 @@ def test_vllm_fields_this_server_does_not_follow_are_refused_not_ignored(fields,
     error = refused(json.dumps({**body, **fields}).encode(), schema)
     assert error.code == "unsupported_parameter", error.message
     assert error.param.startswith(next(iter(fields))), error.param
-    neutral = {"use_beam_search": False, "bad_words": None, "chat_template": None}
+    neutral = {"use_beam_search": False, "chat_template": None}
     parse_body(json.dumps({**body, **{k: v for k, v in neutral.items()
                                       if k in schema.UNFOLLOWED}}).encode(), schema)
 
@@ -208,6 +208,7 @@ def test_vllm_fields_this_server_does_not_follow_are_refused_not_ignored(fields,
     ({"prompt_logprobs": 21}, C, "prompt_logprobs"),
     ({"prompt_logprobs": 1, "stream": True}, C, "prompt_logprobs"),
     ({"continue_final_message": True}, CHAT, "continue_final_message"),
+    ({"bad_words": "abc"}, C, "bad_words"),
     ({"documents": [{"title": 5}]}, CHAT, "documents")])
 def test_vllm_fields_with_values_out_of_range_are_400(fields, schema, param):
     body = {"prompt": "a"} if schema is C else {"messages": [{"role": "user", "content": "a"}]}

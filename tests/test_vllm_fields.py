@@ -1,5 +1,5 @@
 """vLLM's request fields over HTTP, as vLLM answers them: min_p, allowed_token_ids,
-include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens, prompt_logprobs,
+bad_words, include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens, prompt_logprobs,
 stream_options.continuous_usage_stats, and on chat add_generation_prompt,
 continue_final_message, echo and documents."""
 from __future__ import annotations
@@ -197,3 +197,15 @@ def test_no_generation_prompt_answers_in_the_last_messages_role(url):
     res = post(url, "chat/completions", messages=messages, max_tokens=2, echo=True,
                temperature=0, ignore_eos=True, return_token_ids=True)
     assert res["choices"][0]["message"]["content"] == tok.decode(res["choices"][0]["token_ids"])
+
+
+def test_bad_words_never_appear_in_the_output(url):
+    letters = dict(max_tokens=16, ignore_eos=True, allowed_token_ids=list(range(97, 103)))
+    full = completion(url, **letters)  # "a" to "f" only: text as the bytes are
+    word = full["text"][3:5]  # two letters the greedy output writes
+    banned = completion(url, bad_words=[word, "  zq"], **letters)
+    assert word not in banned["text"] and banned["text"] != full["text"], (word, full)
+    for words, param in [([""], "bad_words.0"), (["ab"] * 129, "bad_words"),
+                         (["ok", "x" * 65], "bad_words.1")]:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "bad_words": words})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
