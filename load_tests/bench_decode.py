@@ -45,6 +45,10 @@ VARIANTS = {
     "plain": {},
     "logprobs": dict(logprobs=5),  # the sampled token's logprob and the top 5
     "penalties": dict(processors=True),  # repetition, presence and frequency penalties
+    "sampled": dict(sampled=True),  # temperature 1 (against which vllm_fields compares)
+    # temperature 1 with min_p 0.05, allowed_token_ids (16,000) and bad_words (16 of three
+    # tokens)
+    "vllm_fields": dict(sampled=True, vllm_fields=True),
     # every other request under the JSON schema (structured output, issue 14)
     "json_half": dict(grammar=("json_schema", RECORDS_SCHEMA), every=2),
     # the same schema after a reasoning model's thinking (deployments/structured.py's
@@ -66,6 +70,13 @@ def new_request(row: int, variant: str, context_len: int, lora_slot: int = -1,
     if extra.pop("processors", False):
         extra["processors"] = ProcessorSettings(context_len, presence_penalty=0.5,
                                                 frequency_penalty=0.5, repetition_penalty=1.1)
+    if extra.pop("sampled", False):
+        fields = extra.pop("vllm_fields", False)
+        processors = ProcessorSettings(
+            context_len, allowed_ids=tuple(range(0, 32_000, 2)),
+            bad_words=tuple((i, i + 1, i + 2) for i in range(100, 116))) if fields else None
+        return NewRequest(row, 1.0, 1.0, 0, None, 0.05 if fields else 0.0,
+                          processors=processors, lora_slot=lora_slot)
     parser = extra.pop("reasoning", None)
     think_ids = (None, None)
     if extra.pop("think_token", False):
