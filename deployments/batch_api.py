@@ -60,8 +60,12 @@ class BatchAPI:
                     raise APIError(400, f"request {i}: prompt ({len(ids)} tokens) + max_tokens "
                                         f"({item.max_tokens}) exceeds the context length {limit}",
                                    f"requests.{i}.max_tokens", "context_length_exceeded")
-                sampling = item.sampling_params(item.max_tokens, 0, info.sampling_defaults,
-                                                info.vocab_size)
+                try:
+                    sampling = item.sampling_params(item.max_tokens, 0, info.sampling_defaults,
+                                                    info.vocab_size)
+                except APIError as e:  # named within the body, as pydantic's errors are
+                    e.param = f"requests.{i}.{e.param}"
+                    raise
                 requests.append(BatchRequest(ids, sampling, item.deadline_ms, item.stop_list(),
                                              frontend.adapter(body)))
             frontend.refuse_if_draining()

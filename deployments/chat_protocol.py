@@ -153,7 +153,7 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs",
                            "invalid_value")
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None,
-                "prompt_logprobs": self.prompt_logprobs}
+                "prompt_logprobs": None if self.stream else self.prompt_logprobs}
 
     def check_supported(self) -> None:
         super().check_supported()

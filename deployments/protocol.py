@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from engine_actors.request import MAX_LOGPROBS, MAX_SEED as MAX_SEED_ENGINE, SamplingParams
@@ -67,6 +68,26 @@ class SamplingOptions(_Base):
     """How one request samples and stops: shared by the OpenAI routes and the batch API.
     Unset (or null) temperature, top_p, top_k and min_p take the checkpoint's
     generation_config values, else OpenAI's defaults (1, 1, off, off), as vLLM does."""
+    # vLLM's request fields a route does not follow -> the value that changes nothing: any
+    # other is refused (a client that sends one expects its effect, and ignoring it would
+    # answer something else). The batch API and the Responses API take fewer than the
+    # completions routes (SamplingFields).
+    UNFOLLOWED: ClassVar[dict[str, object]] = {
+        "bad_words": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
+        "truncate_prompt_tokens": None, "prompt_logprobs": None, "use_beam_search": False,
+        "logits_processors": None, "structural_tag": None}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unfollowed(cls, data):
+        for name, neutral in cls.UNFOLLOWED.items() if isinstance(data, dict) else ():
+            if data.get(name) not in (None, neutral):  # (request_body names the field)
+                where = "on this route (completions and chat completions take it)" \
+                    if name in SamplingFields.model_fields else "by this server"
+                raise PydanticCustomError("unsupported_parameter", f"not supported {where}",
+                                          {"name": name})
+        return data
+
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # vLLM: 0 or -1 disables
@@ -152,22 +173,10 @@ class StructuredOutputs(_Base):
 
 class SamplingFields(SamplingOptions):
     """Fields shared by completions and chat completions."""
-    # vLLM's request fields this server does not follow -> the value that changes nothing:
-    # any other is refused (a client that sends one expects its effect, and ignoring it
-    # would answer something else)
     UNFOLLOWED: ClassVar[dict[str, object]] = {
         "use_beam_search": False, "logits_processors": None,
         "guided_decoding_backend": None, "guided_whitespace_pattern": None,
         "structural_tag": None}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unfollowed(cls, data):
-        for name, neutral in cls.UNFOLLOWED.items() if isinstance(data, dict) else ():
-            if data.get(name) not in (None, neutral):
-                raise APIError(400, f"{name} is not supported by this server", name,
-                               "unsupported_parameter")
-        return data
 
     # structured output: OpenAI's response_format, or vLLM's guided_* extensions (or their
     # newer form, structured_outputs)
@@ -245,8 +254,8 @@ class CompletionRequest(SamplingFields):
     def logprob_fields(self) -> dict:
         """The engine's logprobs and prompt_logprobs: the prompt's for echo, for
         prompt_logprobs, or both (as many alternatives as the larger asks)."""
-        prompt = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
-                  if k is not None]
+        asked = None if self.stream else self.prompt_logprobs  # (a stream shows none)
+        prompt = [k for k in (self.logprobs if self.echo else None, asked) if k is not None]
         return {"logprobs": self.logprobs, "prompt_logprobs": max(prompt, default=None)}
 
 

@@ -39,8 +39,11 @@ def validation_error(e: ValidationError, prefix: str | None = None) -> APIError:
     err = e.errors(include_url=False)[0]
     names = [prefix] if prefix else []
     names += [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    if err["type"] == "unsupported_parameter":  # a model's refusal of one of its fields
+        names.append(err["ctx"]["name"])
     param = ".".join(names) or None
-    code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
+    code = {"missing": "missing_required_parameter",
+            "unsupported_parameter": "unsupported_parameter"}.get(err["type"], "invalid_value")
     return APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param, code)
 
 

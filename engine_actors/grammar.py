@@ -190,7 +190,8 @@ def _bytes_compiler():
 def advance(matchers: list[object | None], result: StepResult) -> StepResult:
     """A step's tokens reached the host: the matchers of its grammar rows accept them."""
     for m, token in zip(matchers, result.token_ids):
-        if m is not None and not m.is_terminated() and not m.accept_token(token):
+        if m is not None and token >= 0 and not m.is_terminated() and \
+                not m.accept_token(token):  # (NO_TOKEN: the request ends)
             # the mask allowed it, so this is a bug; the request's output may not follow its
             # grammar from here
             logger.error("orca-serve: a grammar matcher rejected sampled token %d", token)

@@ -76,6 +76,10 @@ class StepInput:
         return len(self.token_ids)
 
 
+# A sampled id that is no token: the request's own masks (allowed_token_ids, bad_words,
+# min_tokens, a grammar) left it none, and it ends there (finish reason "stop")
+NO_TOKEN = -1
+
 # One token's log-probabilities: (its logprob, the top ids, their logprobs, its rank: of
 # prompt tokens only, 0 for sampled ones)
 TokenLogprobs = tuple[float, list[int], list[float], int]

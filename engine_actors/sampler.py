@@ -12,7 +12,7 @@ import torch
 
 from engine_actors.grammar import apply_bitmask
 from engine_actors.logits_processors import LogitsProcessors, top_logprobs
-from engine_actors.messages import NewRequest
+from engine_actors.messages import NO_TOKEN, NewRequest
 from engine_actors.transfer import Staging
 
 
@@ -74,9 +74,14 @@ class Sampler:
         if grammar_mask is not None:
             processed = apply_bitmask(processed, grammar_mask)
         ids = self(processed, rows, idx)
-        self.processors.sampled(rows, idx, ids)
         k = max((self.num_logprobs[r] for r in rows), default=-1)
-        return ids, (top_logprobs(logits, ids, k) if k >= 0 else None), k
+        packed = top_logprobs(logits, ids, k) if k >= 0 else None
+        if processed is not logits:  # a row its masks left no token: NO_TOKEN, not token 0
+            ids = torch.where(processed.amax(dim=-1) == float("-inf"), NO_TOKEN, ids)
+            if packed is not None:
+                packed[:, 0] = ids.float()
+        self.processors.sampled(rows, idx, ids)
+        return ids, packed, k
 
     def __call__(self, logits: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:
         """logits [N, V] fp32 for the N sampling rows (`rows` on the host, `idx` on the

@@ -34,7 +34,8 @@ class SamplingHead:
         matchers, mask = self._grammar_mask(rows)
         sampled, packed, k = self.sampler.sample(logits[:num_sample], rows, inputs.sample_rows,
                                                  mask)
-        last_sampled[inputs.sample_rows] = sampled.to(torch.int32)
+        # NO_TOKEN ends its request: a step already in flight reads a valid id meanwhile
+        last_sampled[inputs.sample_rows] = sampled.clamp(min=0).to(torch.int32)
         out, parse, kp = sampled, None, -1
         if step.prompt_logprobs:
             kp = max(k for _, k, _ in step.prompt_logprobs)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import KVCacheManager, context_len
 from engine_actors.lora import LoRASlots
-from engine_actors.messages import RequestOutput, StepInput, StepResult
+from engine_actors.messages import NO_TOKEN, RequestOutput, StepInput, StepResult
 from engine_actors.policies import Budget, Policy, Scheduled, make_policy
 from engine_actors.request import FinishReason, Request, RequestStatus
 from engine_actors.step_extras import (add_to_step, new_prompt_logprobs, new_request, trim,
@@ -240,13 +240,14 @@ class Scheduler:
                 if new_prompt:
                     outputs.append(self._output(req, [], prompt_logprobs=new_prompt))
                 continue
-            req.token_ids.append(token)
+            new = [] if token == NO_TOKEN else [token]  # NO_TOKEN: its masks left none
+            req.token_ids += new
             lps = None
-            if req.sampling.logprobs is not None and token_logprobs is not None:
+            if new and req.sampling.logprobs is not None and token_logprobs is not None:
                 lps = [trim(token_logprobs, req.sampling.logprobs)]
-            reason = self._stop_reason(req, token)
-            out = self._finish(req, reason, [token]) if reason is not None else \
-                self._output(req, [token])
+            reason = self._stop_reason(req, token) if new else FinishReason.STOP
+            out = self._finish(req, reason, new) if reason is not None else \
+                self._output(req, new)
             out.logprobs, out.prompt_logprobs = lps, new_prompt
             outputs.append(out)
         return outputs

@@ -32,6 +32,7 @@ class InProcessEngine:
         self.steps = []
         self.logprobs: dict[str, list] = {}  # request id -> per generated token, when asked
         self.prompt_logprobs: dict[str, list] = {}
+        self.finish_reasons: dict[str, str] = {}
 
     def run(self, arrivals: dict[int, list[tuple]]):
         """arrivals: loop round -> requests (id, prompt, SamplingParams[, LoRA adapter name])
@@ -59,6 +60,8 @@ class InProcessEngine:
                     self.logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
                     self.prompt_logprobs.setdefault(out.request_id, []).extend(
                         out.prompt_logprobs or [])
+                    if out.finish_reason is not None:
+                        self.finish_reasons[out.request_id] = out.finish_reason
         return outputs
 
 

@@ -167,6 +167,29 @@ def test_bad_words_give_the_reference_greedy_tokens(engine_args):
             assert outputs[rid] != free[rid]
 
 
+@pytest.mark.parametrize("engine_args", [ENGINES[0], ON_GPU])
+def test_masks_that_leave_no_token_end_the_request_with_stop(engine_args):
+    """Not token 0, which they did not allow: the request ends where nothing is left."""
+    greedy = dict(max_tokens=5, temperature=0.0)
+    cases = {  # id -> (sampling, its tokens)
+        "eos-before-min-tokens": (SamplingParams(allowed_token_ids=(EOS_ID,), min_tokens=3,
+                                                 logprobs=2, **greedy), []),
+        "no-repeat": (SamplingParams(allowed_token_ids=(97,), bad_words=((97, 97),),
+                                     ignore_eos=True, **greedy), [97]),
+        "sampled": (SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True,
+                                   allowed_token_ids=(97, 98), bad_words=((97,), (98,))), []),
+    }
+    prompt = [5, 80, 13]
+    free = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine = InProcessEngine(**{"model": DEFAULT_MODEL, "max_batch_size": 8,
+                                "block_size": 4, **engine_args})
+    outputs = engine.run({0: [(rid, prompt, s) for rid, (s, _) in cases.items()] +
+                          [("free", prompt, free)]})
+    for rid, (_, tokens) in cases.items():
+        assert (outputs[rid], engine.finish_reasons[rid]) == (tokens, "stop"), rid
+    assert outputs["free"] == reference(prompt, free)  # the batch's other rows go on
+
+
 def hf_logprobs(tokens: list[int]) -> torch.Tensor:
     """log-softmax of transformers' fp32 logits at every position of `tokens`: [L, V]."""
     with torch.no_grad():

@@ -209,3 +209,33 @@ def test_bad_words_never_appear_in_the_output(url):
                          (["ok", "x" * 65], "bad_words.1")]:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "bad_words": words})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_grammar_and_allowed_tokens_that_leave_none_end_with_stop(url):
+    """A classifier's choice without EOS among its allowed tokens: the answer, then
+    nothing is left to sample (not token 0, which neither allows)."""
+    choice = completion(url, prompt="x", max_tokens=4, guided_choice=["ab"],
+                        allowed_token_ids=[97, 98])
+    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == \
+        ("ab", [97, 98], "stop")
+
+
+def test_the_batch_and_responses_routes_refuse_the_fields_they_do_not_take(url):
+    """They take min_p and allowed_token_ids, not the completions routes' other fields."""
+    for field, value in [("bad_words", ["a"]), ("truncate_prompt_tokens", 2),
+                         ("include_stop_str_in_output", True), ("prompt_logprobs", 1)]:
+        r = httpx.post(f"{url}/orca/v1/batches", timeout=30, json={
+            "requests": [{"prompt": "hi"}, {"prompt": "hi", field: value}]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"requests.1.{field}", r.text
+        r = httpx.post(f"{url}/v1/responses", json={"input": "hi", field: value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(f"{url}/orca/v1/batches", timeout=30,
+                   json={"requests": [{"prompt": "hi", "allowed_token_ids": [10 ** 6]}]})
+    assert r.status_code == 400 and \
+        r.json()["error"]["param"] == "requests.0.allowed_token_ids", r.text
+    r = httpx.post(f"{url}/v1/responses", timeout=30, json={
+        "input": "hi", "max_output_tokens": 6, "allowed_token_ids": [65], "min_p": 0.5,
+        "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][-1]["content"][0]["text"] == "A" * 6, r.text
