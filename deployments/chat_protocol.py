@@ -183,9 +183,7 @@ class ChatCompletionRequest(SamplingFields):
         last = self.messages[-1]
         if not self.echo or last.role != self.response_role():
             return None
-        if isinstance(last.content, list):
-            return "\n".join(part.text or "" for part in last.content)
-        return last.content or ""
+        return last.text()  # as the template had it (continue_final_message goes on from it)
 
     @property
     def uses_tools(self) -> bool:

@@ -226,7 +226,8 @@ class Frontend:
         return out
 
 
-async def bad_word_ids(frontend: Frontend, words: list[str]) -> tuple[tuple[int, ...], ...]:
+async def bad_word_ids(frontend: Frontend, words: list[str],
+                       vocab_size: int) -> tuple[tuple[int, ...], ...]:
     """vLLM's bad_words as token ids: each word as written (leading spaces stripped), and
     with one leading space where that starts with another token and is as long."""
     def encode(tokenizer) -> list[tuple[int, ...]]:
@@ -236,9 +237,12 @@ async def bad_word_ids(frontend: Frontend, words: list[str]) -> tuple[tuple[int,
             if not 0 < len(plain) <= MAX_BAD_WORD_TOKENS:  # the engine's tables grow with it
                 raise APIError(400, f"bad_words must be words of 1 to {MAX_BAD_WORD_TOKENS} "
                                     "tokens", f"bad_words.{i}", "invalid_value")
+            if max(plain) >= vocab_size:  # a tokenizer's added token past the model's logits
+                raise APIError(400, f"bad_words.{i} has a token the model does not predict",
+                               f"bad_words.{i}", "invalid_value")
             spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             out.append(tuple(plain))
-            if spaced[0] != plain[0] and len(spaced) == len(plain):
+            if spaced[0] != plain[0] and len(spaced) == len(plain) and max(spaced) < vocab_size:
                 out.append(tuple(spaced))
         return out
     ids = await frontend.tokenize(encode, sum(map(len, words)))

@@ -112,11 +112,13 @@ class OpenAIRoutes:
         """Submit the request's choices to the engine: (their RequestGroup, their Choice
         by engine request id, the time limit in s or None)."""
         limit = info.max_model_len
-        bad_words = await bad_word_ids(self.frontend, req.bad_words) if req.bad_words else None
+        bad_words = await bad_word_ids(self.frontend, req.bad_words, info.vocab_size) \
+            if req.bad_words else None
         subs = []  # (engine request, choice index, prompt text, prompt ids)
         for p_idx, (text, ids) in enumerate(prompts):
-            if req.truncate_prompt_tokens is not None:
-                ids, text = req.truncate(ids, limit), None  # echo shows the kept tokens
+            kept = req.truncate(ids, limit)
+            if len(kept) < len(ids):
+                ids, text = kept, None  # echo shows the kept tokens
             if len(ids) >= limit:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                                     f"However, your prompt has {len(ids)} tokens.",
