@@ -259,22 +259,6 @@ class CompletionRequest(SamplingFields):
         return {"logprobs": self.logprobs, "prompt_logprobs": max(prompt, default=None)}
 
 
-class BatchItem(SamplingOptions):
-    """One request of a submitted batch."""
-    prompt: str | list[int]
-    max_tokens: Annotated[int, Field(ge=1)] = 16
-
-
-class BatchSubmit(_Base):
-    """A background batch (native endpoint): scheduled per request, at low priority."""
-    model: str | None = None
-    requests: Annotated[list[BatchItem], Field(min_length=1, max_length=MAX_BATCH)]
-    priority: Annotated[int, Field(ge=-100, le=100)] = 0
-
-    def check_supported(self) -> None:
-        pass
-
-
 def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> APIError:
     """The HTTP answer to the scheduler refusing a request."""
     if code == "queue_full":

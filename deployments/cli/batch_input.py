@@ -2,7 +2,7 @@
 form given on the command line. Input is checked here, before anything is sent, so a
 malformed file fails with its name and line number instead of a half-submitted job.
 
-Each request is checked against the server's own schema (`deployments.protocol.BatchItem`),
+Each request is checked against the server's own schema (`deployments.batch_protocol.BatchItem`),
 so the CLI accepts exactly what the server accepts (token-id prompts, deadline_ms, ...).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from deployments.cli.http import CLIError
-from deployments.protocol import BatchItem
+from deployments.batch_protocol import BatchItem
 
 # The server ignores fields it does not know; the CLI refuses them, since a misspelt one
 # ("max_token") would otherwise be dropped silently.

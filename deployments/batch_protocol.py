@@ -1,0 +1,25 @@
+"""The native batch API's request schema (see protocol.py for the sampling fields it shares
+with the OpenAI routes, and batch_api.py for the routes)."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from deployments.protocol import MAX_BATCH, SamplingOptions, _Base
+
+
+class BatchItem(SamplingOptions):
+    """One request of a submitted batch."""
+    prompt: str | list[int]
+    max_tokens: Annotated[int, Field(ge=1)] = 16
+
+
+class BatchSubmit(_Base):
+    """A background batch (native endpoint): scheduled per request, at low priority."""
+    model: str | None = None
+    requests: Annotated[list[BatchItem], Field(min_length=1, max_length=MAX_BATCH)]
+    priority: Annotated[int, Field(ge=-100, le=100)] = 0
+
+    def check_supported(self) -> None:
+        pass
