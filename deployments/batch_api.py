@@ -24,9 +24,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.engine_client import EngineUnavailable
-from deployments.frontend import Frontend
+from deployments.frontend import Frontend, refusal_error
 from deployments.batch_protocol import BatchSubmit
-from deployments.protocol import APIError, refusal_error
+from deployments.protocol import APIError
 from deployments.responses import SSEResponse
 from engine_actors.detokenizer import TextStream
 from engine_actors.messages import BatchRequest, BatchResult

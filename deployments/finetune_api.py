@@ -15,9 +15,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from deployments.frontend import Frontend
+from deployments.frontend import Frontend, refusal_error
 from deployments.list_params import query_limit, query_order
-from deployments.protocol import APIError, _Base, refusal_error
+from deployments.protocol import APIError, _Base
 from deployments.request_body import check_unicode
 from deployments.training_data import parse_training_file
 from engine_actors.finetune_jobs import MAX_FILE_BYTES

@@ -29,6 +29,24 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, err_type="service_unavailable")
 
 
+def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> APIError:
+    """The HTTP answer to the scheduler refusing a request."""
+    if code == "queue_full":
+        return APIError(429, message, None, "queue_full", "rate_limit_error",
+                        headers={"Retry-After": "1"})
+    if code == "draining":
+        return APIError(503, message, None, "shutting_down", "service_unavailable")
+    if code == "unknown_model":
+        return APIError(404, message, "model", "model_not_found")
+    if code == "unknown_after":  # a list's page after an id it does not hold
+        return APIError(400, message, "after", "invalid_value")
+    if code == "invalid_state":  # e.g. cancelling a job that has ended
+        return APIError(409, message, None, code)
+    codes = {"too_long": "context_length_exceeded", "batch_too_large": "batch_too_large",
+             "lora_disabled": "lora_disabled", "invalid_adapter": "invalid_lora_adapter"}
+    return APIError(400, message, param, codes.get(code, "invalid_value"))
+
+
 class Frontend:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg

@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from deployments.frontend import Frontend
-from deployments.protocol import APIError, _Base, refusal_error
+from deployments.frontend import Frontend, refusal_error
+from deployments.protocol import APIError, _Base
 
 
 class LoadAdapter(_Base):

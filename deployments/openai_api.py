@@ -16,11 +16,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.engine_client import EngineUnavailable, RequestRefused
-from deployments.frontend import Frontend, bad_word_ids, unavailable
+from deployments.frontend import Frontend, bad_word_ids, refusal_error, unavailable
 from deployments.http_metrics import RequestTimer
 from deployments.chat_protocol import ChatCompletionRequest
-from deployments.protocol import (APIError, CompletionRequest,
-                                  refusal_error)
+from deployments.protocol import APIError, CompletionRequest
 from deployments.logprobs import LogprobsWriter, PromptLogprobs
 from deployments.reasoning import ReasoningStream, think_token_ids
 from deployments.structured import grammar_for, tool_grammar

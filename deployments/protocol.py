@@ -156,9 +156,20 @@ class JSONSchemaSpec(_Base):
     description: str | None = None
 
 
+class TagStructure(_Base):
+    """vLLM's older structural tag: text from `begin` to `end` follows `schema`."""
+    begin: str
+    schema_: dict | None = Field(None, alias="schema")  # (None: any JSON value)
+    end: str
+
+
 class ResponseFormat(_Base):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaSpec | None = None
+    # structural_tag (vLLM's): xgrammar's `format`, or the older `structures` and `triggers`
+    format: dict | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[str] | None = None
 
 
 class StructuredOutputs(_Base):
@@ -169,6 +180,7 @@ class StructuredOutputs(_Base):
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = None  # EBNF (xgrammar's, GBNF-like), its start rule `root`
     json_object: bool | None = None
+    structural_tag: str | None = None  # JSON: as response_format's structural_tag
 
 
 class SamplingFields(SamplingOptions):
@@ -257,24 +269,6 @@ class CompletionRequest(SamplingFields):
         asked = None if self.stream else self.prompt_logprobs  # (a stream shows none)
         prompt = [k for k in (self.logprobs if self.echo else None, asked) if k is not None]
         return {"logprobs": self.logprobs, "prompt_logprobs": max(prompt, default=None)}
-
-
-def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> APIError:
-    """The HTTP answer to the scheduler refusing a request."""
-    if code == "queue_full":
-        return APIError(429, message, None, "queue_full", "rate_limit_error",
-                        headers={"Retry-After": "1"})
-    if code == "draining":
-        return APIError(503, message, None, "shutting_down", "service_unavailable")
-    if code == "unknown_model":
-        return APIError(404, message, "model", "model_not_found")
-    if code == "unknown_after":  # a list's page after an id it does not hold
-        return APIError(400, message, "after", "invalid_value")
-    if code == "invalid_state":  # e.g. cancelling a job that has ended
-        return APIError(409, message, None, code)
-    codes = {"too_long": "context_length_exceeded", "batch_too_large": "batch_too_large",
-             "lora_disabled": "lora_disabled", "invalid_adapter": "invalid_lora_adapter"}
-    return APIError(400, message, param, codes.get(code, "invalid_value"))
 
 
 def _allowed_ids(ids: list[int] | None, vocab_size: int | None) -> tuple[int, ...] | None:

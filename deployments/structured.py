@@ -1,9 +1,9 @@
 """Structured output and tool calls: from a request's fields to the grammar the engine
 enforces (engine_actors/grammar.py), and the tool-call format of the served model.
 
-Grammars: OpenAI's `response_format` (`json_object`, `json_schema`), or vLLM's extensions
-`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (EBNF), or the same in
-`structured_outputs` (one of them per request). Tool calls: with
+Grammars: OpenAI's `response_format` (`json_object`, `json_schema`; vLLM's
+`structural_tag`), or vLLM's extensions `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar` (EBNF), or the same in `structured_outputs` (one of them per request). Tool calls: with
 `tool_choice: "required"` the output is forced to be one or more calls (one with
 `parallel_tool_calls: false`), with a named function one call of it, in the model family's
 format (an xgrammar structural tag); with `"auto"` the model chooses and the text is parsed
@@ -41,6 +41,9 @@ def grammar_for(req, reasoning_parser: str | None = None,
                                 "json_schema", "response_format.json_schema",
                            "missing_required_parameter")
         specs.append(("response_format", ("json_schema", json.dumps(rf.json_schema.schema_))))
+    if rf is not None and rf.type == "structural_tag":
+        specs.append(("response_format", _tag_spec(rf.model_dump(by_alias=True),
+                                                   "response_format")))
     kinds = ("json", "regex", "choice", "grammar")
     guided = [(f"guided_{kind}", kind, getattr(req, f"guided_{kind}")) for kind in kinds]
     so = req.structured_outputs  # vLLM's newer form of the guided_* fields
@@ -49,6 +52,13 @@ def grammar_for(req, reasoning_parser: str | None = None,
                     getattr(so, "json_" if kind == "json" else kind)) for kind in kinds]
         if so.json_object:
             specs.append(("structured_outputs.json_object", ("json_schema", '{"type": "object"}')))
+        if so.structural_tag is not None:
+            param = "structured_outputs.structural_tag"
+            try:
+                tag = json.loads(so.structural_tag)
+            except (ValueError, RecursionError) as e:
+                raise APIError(400, f"{param}: not JSON: {e}", param, "invalid_value") from None
+            specs.append((param, _tag_spec(tag, param)))
     specs += [(param, _guided_spec(kind, value)) for param, kind, value in guided
               if value is not None]
     if len(specs) > 1:
@@ -132,6 +142,28 @@ def reasoning_grammar(spec: tuple[str, str], parser: str, param: str | None = No
     return "reasoning", json.dumps({"end": end, "start": start if is_qwen3 else None,
                                     "first": list(wrapped) if is_qwen3 else None,
                                     "answer": list(after)})
+
+
+def _tag_spec(tag, param: str) -> tuple[str, str]:
+    """The grammar spec of vLLM's structural tag: xgrammar's `{"format": ...}`, or the older
+    `{"structures": [{"begin", "schema", "end"}], "triggers"}`: any text, in which a
+    trigger starts one of the structures that begin with it (xgrammar's triggered tags)."""
+    if isinstance(tag, dict) and isinstance(tag.get("format"), dict):
+        return _structural_tag(tag["format"])
+    if isinstance(tag, dict) and isinstance(tag.get("structures"), list) \
+            and isinstance(tag.get("triggers"), list):
+        try:
+            tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+                     "content": {"type": "json_schema",
+                                 "json_schema": True if s.get("schema") is None else s["schema"]}}
+                    for s in tag["structures"]]
+        except (TypeError, KeyError) as e:
+            raise APIError(400, f"{param}: each structure needs begin, schema and end ({e!r})",
+                           param, "invalid_value") from None
+        return _structural_tag({"type": "triggered_tags", "triggers": tag["triggers"],
+                                "tags": tags})
+    raise APIError(400, f"{param}: a structural tag needs `format`, or `structures` and "
+                        "`triggers`", param, "invalid_value")
 
 
 def _structural_tag(fmt: dict) -> tuple[str, str]:

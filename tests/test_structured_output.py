@@ -128,15 +128,61 @@ def test_vllm_structured_outputs_and_guided_grammar(url, fields, check):
     ("guided_grammar", "root ::= missing_rule", "guided_grammar"),
     ("structured_outputs", {"grammar": 'root ::= [^\\x00-\\U0010FFFF]'},
      "structured_outputs.grammar"),
-    # an option this server does not follow is refused, not ignored
-    ("structured_outputs", {"structural_tag": "{}"}, "structured_outputs.structural_tag"),
     ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs.choice"),
+    # structural tags: neither form, a format xgrammar does not know, a tag no trigger starts
+    ("structured_outputs", {"structural_tag": "{}"}, "structured_outputs.structural_tag"),
+    ("structured_outputs", {"structural_tag": "{"}, "structured_outputs.structural_tag"),
+    ("response_format", {"type": "structural_tag"}, "response_format"),
+    ("response_format", {"type": "structural_tag", "format": {"type": "nope"}},
+     "response_format"),
+    ("response_format", {"type": "structural_tag", "triggers": ["<b"], "structures": [
+        {"begin": "<a>", "schema": {}, "end": "</a>"}]}, "response_format"),
 ])
 def test_a_bad_grammar_is_a_400_naming_the_field(url, field, value, param):
     r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "x"}], field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+TAG = {"type": "tag", "begin": "<r>", "end": "</r>", "content": {
+    "type": "json_schema", "json_schema": {"type": "string", "enum": ["ab", "cd"]}}}
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "structural_tag", "format": TAG}},
+    {"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag",
+                                                          "format": TAG})}}])
+def test_a_structural_tag_shapes_the_whole_output(url, fields):
+    """vLLM's structural tag (xgrammar's format): here a tag around a JSON value."""
+    for seed in range(3):
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": "go", "max_tokens": 40, "temperature": 1.0, "seed": seed, **fields})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        assert re.fullmatch(r'<r>\s*"(ab|cd)"\s*</r>', choice["text"]), choice
+
+
+def test_older_structural_tags_start_where_a_trigger_appears(url):
+    """vLLM's older form: free text, in which a trigger starts the structure that begins
+    with it. A bias makes the model write the trigger "<" whenever it may: each time the
+    tag and its JSON follow (unmasked, it would write "<<<<...")."""
+    lt = httpx.post(f"{url}/tokenize", json={"prompt": "<", "add_special_tokens": False},
+                    timeout=30).json()["tokens"]
+    fmt = {"type": "structural_tag", "triggers": ["<"], "structures": [
+        {"begin": "<r>", "schema": {"type": "boolean"}, "end": "</r>"}]}
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "tags"}], "max_tokens": 40,
+        "temperature": 1.0, "seed": 0, "logit_bias": {str(lt[0]): 100},
+        "response_format": fmt})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert len(lt) == 1 and text.startswith("<r>"), text
+    whole = text[:text.rfind("</r>") + 4]  # (max_tokens may cut the last tag short)
+    assert re.fullmatch(r"(<r>\s*(true|false)\s*</r>)+", whole), text
+    rest = text[len(whole):].replace(" ", "")
+    assert any(tag.startswith(rest) for tag in ("<r>true</r>", "<r>false</r>")), text
 
 
 def test_required_and_named_tool_calls_streamed_or_not(url):
