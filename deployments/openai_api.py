@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from deployments.beam_search import BeamSearch, check as check_beam_search
 from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, bad_word_ids, refusal_error, unavailable
 from deployments.http_metrics import RequestTimer
@@ -111,9 +112,14 @@ class OpenAIRoutes:
         """Submit the request's choices to the engine: (their RequestGroup, their Choice
         by engine request id, the time limit in s or None)."""
         limit = info.max_model_len
+        beams = getattr(req, "use_beam_search", False)
+        if beams:
+            check_beam_search(req, grammar)
         bad_words = await bad_word_ids(self.frontend, req.bad_words, info.vocab_size) \
             if req.bad_words else None
+        priority = 1 if req.priority is None else req.priority  # interactive by default
         subs = []  # (engine request, choice index, prompt text, prompt ids)
+        searches = []  # with use_beam_search: (choice id prefix, prompt ids, max_tokens)
         for p_idx, (text, ids) in enumerate(prompts):
             kept = req.truncate(ids, limit)
             if len(kept) < len(ids):
@@ -128,8 +134,8 @@ class OpenAIRoutes:
                                     f"However, you requested {len(ids) + n_new} tokens "
                                     f"({len(ids)} in the prompt, {n_new} for the completion).",
                                "max_tokens", "context_length_exceeded")
+            searches.append((f"{base_id}-{p_idx}", ids, n_new))
             for j in range(req.n):
-                priority = 1 if req.priority is None else req.priority  # interactive default
                 sampling = req.sampling_params(n_new, j, info.sampling_defaults, info.vocab_size,
                                                max_tokens_given=max_tokens is not None,
                                                grammar=grammar, bad_words=bad_words,
@@ -139,9 +145,14 @@ class OpenAIRoutes:
                 subs.append((engine_req, p_idx * req.n + j, text, ids))
         self.frontend.refuse_if_draining()
         try:
-            # a non-streamed response without stop strings needs only each choice's end
-            group = await self.frontend.client.submit(
-                [s[0] for s in subs], wake_each_update=bool(req.stream or req.stop_list()))
+            if beams:  # the engine runs the searches' steps, not the choices
+                group = BeamSearch(self.frontend.client, searches, req.n, info.eos_token_ids,
+                                   req.ignore_eos, req.length_penalty, priority,
+                                   self.frontend.adapter(req))
+                await group.start()
+            else:  # a non-streamed response without stop strings needs only each end
+                group = await self.frontend.client.submit(
+                    [s[0] for s in subs], wake_each_update=bool(req.stream or req.stop_list()))
         except RequestRefused as e:
             self.metrics.failure(e.code)
             raise refusal_error(e.code, str(e)) from None

@@ -75,7 +75,7 @@ class SamplingOptions(_Base):
     UNFOLLOWED: ClassVar[dict[str, object]] = {
         "bad_words": None, "include_stop_str_in_output": False, "skip_special_tokens": True,
         "truncate_prompt_tokens": None, "prompt_logprobs": None, "use_beam_search": False,
-        "logits_processors": None, "structural_tag": None}
+        "length_penalty": 1.0, "logits_processors": None, "structural_tag": None}
 
     @model_validator(mode="before")
     @classmethod
@@ -186,9 +186,8 @@ class StructuredOutputs(_Base):
 class SamplingFields(SamplingOptions):
     """Fields shared by completions and chat completions."""
     UNFOLLOWED: ClassVar[dict[str, object]] = {
-        "use_beam_search": False, "logits_processors": None,
-        "guided_decoding_backend": None, "guided_whitespace_pattern": None,
-        "structural_tag": None}
+        "logits_processors": None, "guided_decoding_backend": None,
+        "guided_whitespace_pattern": None, "structural_tag": None}
 
     # structured output: OpenAI's response_format, or vLLM's guided_* extensions (or their
     # newer form, structured_outputs)
@@ -216,6 +215,9 @@ class SamplingFields(SamplingOptions):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
+    # vLLM's beam search (deployments/beam_search.py): the n likeliest outputs, not samples
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # ranks beams by logprob / length ** length_penalty
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
@@ -224,6 +226,9 @@ class SamplingFields(SamplingOptions):
         if self.stream and self.prompt_logprobs:  # as vLLM: chunks have no place for them
             raise APIError(400, "prompt_logprobs are not available when stream is true",
                            "prompt_logprobs", "invalid_value")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise APIError(400, "length_penalty applies only with use_beam_search",
+                           "length_penalty", "invalid_value")
         if self.truncate_prompt_tokens == 0:
             raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1",
                            "truncate_prompt_tokens", "invalid_value")

@@ -186,16 +186,16 @@ C, CHAT = CompletionRequest, ChatCompletionRequest
 
 
 @pytest.mark.parametrize("fields,schema", [
-    ({"use_beam_search": True}, C), ({"structural_tag": "x"}, C),
+    ({"guided_decoding_backend": "x"}, C), ({"structural_tag": "x"}, C),
     ({"logits_processors": ["x"]}, CHAT), ({"chat_template": "{{ messages }}"}, CHAT)])
 def test_vllm_fields_this_server_does_not_follow_are_refused_not_ignored(fields, schema):
     """Ignored, each answered something other than what the client asked for; their values
-    that change nothing (use_beam_search false, ...) are accepted."""
+    that change nothing (guided_decoding_backend null, ...) are accepted."""
     body = {"prompt": "a"} if schema is C else {"messages": [{"role": "user", "content": "a"}]}
     error = refused(json.dumps({**body, **fields}).encode(), schema)
     assert error.code == "unsupported_parameter", error.message
     assert error.param.startswith(next(iter(fields))), error.param
-    neutral = {"use_beam_search": False, "chat_template": None}
+    neutral = {"guided_decoding_backend": None, "chat_template": None}
     parse_body(json.dumps({**body, **{k: v for k, v in neutral.items()
                                       if k in schema.UNFOLLOWED}}).encode(), schema)
 

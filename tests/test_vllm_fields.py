@@ -229,7 +229,8 @@ def test_a_grammar_and_allowed_tokens_that_leave_none_end_with_stop(url):
 def test_the_batch_and_responses_routes_refuse_the_fields_they_do_not_take(url):
     """They take min_p and allowed_token_ids, not the completions routes' other fields."""
     for field, value in [("bad_words", ["a"]), ("truncate_prompt_tokens", 2),
-                         ("include_stop_str_in_output", True), ("prompt_logprobs", 1)]:
+                         ("include_stop_str_in_output", True), ("prompt_logprobs", 1),
+                         ("use_beam_search", True), ("length_penalty", 2.0)]:
         r = httpx.post(f"{url}/orca/v1/batches", timeout=30, json={
             "requests": [{"prompt": "hi"}, {"prompt": "hi", field: value}]})
         assert r.status_code == 400, r.text

@@ -1,0 +1,170 @@
+"""vLLM's beam search (`use_beam_search: true`): each prompt's `n` likeliest continuations
+under the model, instead of `n` samples.
+
+It runs in the ingress replica, as vLLM's does. Every step, each live beam goes to the engine
+as a request for one token that returns the 2n likeliest next tokens of the model's own
+distribution. Of all the beams' extensions, the n with the highest cumulative
+log-probability live on; one that picks EOS ends there (unless `ignore_eos`). After
+max_tokens steps, or when no beam is left, the ended and live beams are ranked by cumulative
+log-probability / (tokens generated, EOS counted) ** length_penalty, and the best n are the
+choices, best first. The prefix cache spares each step the beam's earlier tokens, all but
+those of its last partial block.
+
+`BeamSearch` is read as the route reads a RequestGroup (openai_api.py): when a prompt's
+search ends, one RequestUpdate for each of its choices, with all of that choice's tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from deployments.protocol import APIError
+from deployments.request_group import EngineUnavailable
+from engine_actors.messages import EngineRequest, RequestUpdate
+from engine_actors.request import MAX_LOGPROBS, SamplingParams
+
+MAX_WIDTH = MAX_LOGPROBS // 2  # each step asks for 2n log-probabilities
+# what beam search cannot follow -> the value that changes nothing (a sampling field such as
+# temperature or top_p has no effect on it, as in vLLM)
+UNFOLLOWED = {"stop": None, "stop_token_ids": None, "min_tokens": 0, "logit_bias": None,
+              "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+              "bad_words": None, "allowed_token_ids": None, "prompt_logprobs": None,
+              "deadline_ms": None, "logprobs": None}
+
+
+def check(req, grammar) -> None:
+    """APIError 400 naming the first field of `req` that beam search cannot follow."""
+    for name, neutral in UNFOLLOWED.items():
+        value = getattr(req, name, None)
+        if not (value is None or value is False or value in ([], {})
+                or (type(value) is type(neutral) and value == neutral)):
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", name,
+                           "unsupported_parameter")
+    if grammar is not None:
+        raise APIError(400, "structured output and forced tool calls cannot be combined with "
+                            "use_beam_search", "use_beam_search", "unsupported_parameter")
+    if req.n > MAX_WIDTH:
+        raise APIError(400, f"use_beam_search takes at most n={MAX_WIDTH} beams", "n",
+                       "invalid_value")
+
+
+@dataclasses.dataclass
+class Beam:
+    tokens: list[int]  # generated, the EOS it ended with included
+    logprob: float = 0.0  # cumulative
+    finish_reason: str = "length"
+
+
+class BeamSearch:
+    """The beam searches of one request's prompts. `prompts`: (choice id prefix, prompt ids,
+    max_tokens); each prompt's choices are "{prefix}-{j}", j = 0 (best) to n - 1."""
+
+    def __init__(self, client, prompts: list[tuple[str, list[int], int]], width: int,
+                 eos_ids: tuple[int, ...], ignore_eos: bool, length_penalty: float,
+                 priority: int, adapter: str | None):
+        self.client, self.prompts, self.width = client, prompts, width
+        self.eos, self.ignore_eos, self.length_penalty = set(eos_ids), ignore_eos, length_penalty
+        self.priority, self.adapter = priority, adapter
+        self.unfinished = {f"{prefix}-{j}" for prefix, _, _ in prompts for j in range(width)}
+        self.arrivals: dict = {}  # (as RequestGroup's: the route pops from it)
+        self._done: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._groups: set = set()  # the steps in flight (closed with the search)
+
+    async def start(self) -> None:
+        """Submit every prompt's first step (RequestRefused or EngineUnavailable, with
+        nothing left queued, if the engine takes none), then search on in tasks."""
+        try:
+            firsts = [await self._step(prefix, 0, ids, [Beam([])])
+                      for prefix, ids, _ in self.prompts]
+        except BaseException:
+            self.close()
+            raise
+        self._tasks = [asyncio.ensure_future(self._search(*prompt, first))
+                       for prompt, first in zip(self.prompts, firsts)]
+
+    async def _step(self, prefix: str, step: int, ids: list[int], beams: list[Beam]):
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                  logprobs=2 * self.width)
+        group = await self.client.submit(
+            [EngineRequest(f"{prefix}-s{step}-{i}", ids + b.tokens, sampling, self.priority,
+                           None, self.adapter) for i, b in enumerate(beams)],
+            wake_each_update=False)
+        self._groups.add(group)
+        return group
+
+    async def _tops(self, group, num_beams: int) -> list[tuple[list[int], list[float]]]:
+        """Each beam's likeliest next tokens and their log-probabilities."""
+        tops = {}
+        try:
+            async for rid, update in group:
+                if update.error or not update.logprobs:
+                    raise RuntimeError(update.error or "a beam's step ended without tokens")
+                _, ids, values, _ = update.logprobs[0]
+                tops[int(rid.rsplit("-", 1)[1])] = (ids, values)
+        finally:
+            group.close()
+            self._groups.discard(group)
+        return [tops[i] for i in range(num_beams)]
+
+    async def _search(self, prefix: str, ids: list[int], max_tokens: int, group) -> None:
+        beams, ended = [Beam([])], []
+        try:
+            for step in range(max_tokens):
+                if step:
+                    group = await self._step(prefix, step, ids, beams)
+                grown = []
+                for beam, (tokens, values) in zip(beams, await self._tops(group, len(beams))):
+                    for token, value in zip(tokens, values):
+                        new = Beam(beam.tokens + [token], beam.logprob + value)
+                        if token in self.eos and not self.ignore_eos:
+                            new.finish_reason = "stop"
+                            ended.append(new)
+                        else:
+                            grown.append(new)
+                beams = sorted(grown, key=lambda b: b.logprob, reverse=True)[:self.width]
+                if not beams:
+                    break
+        except EngineUnavailable as e:
+            self._done.put_nowait((None, e))
+            return
+        except Exception as e:  # a refusal or a failed step: the prompt's choices fail
+            for j in range(self.width):
+                self._done.put_nowait((f"{prefix}-{j}", RequestUpdate(
+                    finish_reason="abort", error=f"beam search: {e}")))
+            return
+        best = sorted(ended + beams, key=self._score, reverse=True)
+        for j in range(self.width):
+            beam = best[j] if j < len(best) else None
+            self._done.put_nowait((f"{prefix}-{j}", RequestUpdate(
+                token_ids=beam.tokens, finish_reason=beam.finish_reason,
+                num_prompt_tokens=len(ids), num_output_tokens=len(beam.tokens))
+                if beam else RequestUpdate(finish_reason="abort",
+                                           error="beam search found fewer than n beams")))
+
+    def _score(self, beam: Beam) -> float:
+        return beam.logprob / max(len(beam.tokens), 1) ** self.length_penalty
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[str, RequestUpdate]:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        rid, update = await self._done.get()
+        if isinstance(update, BaseException):
+            raise update
+        self.unfinished.discard(rid)
+        return rid, update
+
+    def finish(self, request_id: str) -> None:
+        self.unfinished.discard(request_id)
+
+    def close(self) -> None:
+        """End the searches (the client left, or the time ran out): abort their steps."""
+        for task in self._tasks:
+            task.cancel()
+        for group in list(self._groups):
+            group.close()
+        self._groups.clear()
+        self.unfinished.clear()

@@ -1,0 +1,125 @@
+"""vLLM's beam search over HTTP (`use_beam_search`, `n` beams, `length_penalty`): the choices
+are the beams a reference search over transformers' fp32 log-probabilities keeps, best
+first, streamed or not; what it cannot follow is a 400."""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import httpx
+import pytest
+
+from engine_actors.checkpoint import EOS_ID
+from tests.serve_fixture import wait_idle
+from tests.test_logits import hf_logprobs
+
+PROMPTS = [[72, 101, 108, 108, 111], [9, 200, 33, 33, 150, 7, 64]]
+
+
+def reference(prompt: list[int], width: int, max_tokens: int, length_penalty: float = 1.0,
+              ignore_eos: bool = False) -> list[tuple[list[int], str]]:
+    """vLLM's beam search, written out: each step extends every beam by its 2 * width
+    likeliest tokens; EOS ends a beam; the width likeliest extensions go on; at the end
+    the ended and live beams are ranked by logprob / len ** length_penalty."""
+    live, ended = [([], 0.0)], []
+    for _ in range(max_tokens):
+        grown = []
+        for tokens, total in live:
+            top = hf_logprobs(prompt + tokens)[-1].topk(2 * width)
+            for value, token in zip(top.values.tolist(), top.indices.tolist()):
+                (ended if token == EOS_ID and not ignore_eos else grown).append(
+                    (tokens + [token], total + value))
+        live = sorted(grown, key=lambda b: b[1], reverse=True)[:width]
+        if not live:
+            break
+    ranked = sorted([(t, s, "stop") for t, s in ended] + [(t, s, "length") for t, s in live],
+                    key=lambda b: b[1] / max(len(b[0]), 1) ** length_penalty, reverse=True)
+    return [(tokens, reason) for tokens, _, reason in ranked[:width]]
+
+
+def post(url: str, route: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{route}", timeout=120,
+                      json={"use_beam_search": True, "return_token_ids": True, **body})
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 2.0])
+def test_the_choices_are_the_reference_searchs_beams(url, length_penalty):
+    r = post(url, "completions", prompt=PROMPTS, n=3, max_tokens=6,
+             length_penalty=length_penalty, temperature=0.7)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for i, prompt in enumerate(PROMPTS):
+        want = reference(prompt, 3, 6, length_penalty)
+        got = [(c["token_ids"], c["finish_reason"]) for c in choices[3 * i:3 * i + 3]]
+        assert got == want, (i, got, want)
+    # three different beams, not three copies of the greedy output
+    assert len({tuple(c["token_ids"]) for c in choices[:3]}) == 3
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, 3.0])
+def test_a_beam_that_picks_eos_ends_there_and_ignore_eos_goes_on(url, length_penalty):
+    """The prompt ends where the random model ranks EOS among its two likeliest tokens, so
+    the first step already ends a beam there; the length penalty then decides where that
+    one-token beam ranks against the three-token ones."""
+    rng = random.Random(0)
+    text = [rng.randrange(3, 256) for _ in range(1000)]
+    logprobs = hf_logprobs(text)
+    ranks = (logprobs > logprobs[:, EOS_ID:EOS_ID + 1]).sum(-1)
+    prompt = text[:int((ranks < 2).nonzero()[0, 0]) + 1]
+    want = reference(prompt, 4, 3, length_penalty)
+    # the ended beam ranks first without a penalty, second with 1, and out with 3
+    assert any(reason == "stop" for _, reason in reference(prompt, 4, 3, 0.0))
+    body = dict(prompt=prompt, n=4, max_tokens=3, length_penalty=length_penalty)
+    choices = post(url, "completions", **body).json()["choices"]
+    assert [(c["token_ids"], c["finish_reason"]) for c in choices] == want
+    choices = post(url, "completions", ignore_eos=True, **body).json()["choices"]
+    assert [(c["token_ids"], c["finish_reason"]) for c in choices] == \
+        reference(prompt, 4, 3, length_penalty, ignore_eos=True)
+
+
+def test_streamed_and_chat_beams_equal_the_plain_ones(url):
+    messages = [{"role": "user", "content": "beams"}]
+    plain = post(url, "chat/completions", messages=messages, n=2, max_tokens=5).json()
+    texts = [c["message"]["content"] for c in plain["choices"]]
+    prompt = plain["choices"][0]["prompt_token_ids"]
+    assert [c["token_ids"] for c in plain["choices"]] == \
+        [tokens for tokens, _ in reference(prompt, 2, 5)]
+    r = post(url, "chat/completions", messages=messages, n=2, max_tokens=5, stream=True)
+    streamed = ["", ""]
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                streamed[c["index"]] += c["delta"].get("content") or ""
+    assert streamed == texts
+    assert plain["usage"]["completion_tokens"] == sum(len(c["token_ids"])
+                                                      for c in plain["choices"])
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"stop": ["x"]}, "stop"), ({"logprobs": 0}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"n": 11}, "n"),
+    ({"guided_regex": "[ab]+"}, "use_beam_search"),
+    ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty")])
+def test_what_beam_search_cannot_follow_is_a_400(url, body, param):
+    r = post(url, "completions", prompt="a", max_tokens=3, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+
+def prompt_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("orca:prompt_tokens_total"))
+
+
+def test_a_search_out_of_time_is_a_408_and_submits_no_more_steps(url):
+    r = post(url, "completions", prompt="a", n=4, max_tokens=300, ignore_eos=True,
+             timeout_s=0.5)
+    assert r.status_code == 408, r.text
+    before = prompt_tokens(url)
+    time.sleep(1.0)
+    assert prompt_tokens(url) == before
+    wait_idle(url)
