@@ -61,6 +61,9 @@ for part in $BENCH; do
     lora-decode) python3 -m load_tests.bench_lora --model llama-8b --batch-size 64 --adapters 1 2 8 32 --out "$OUT/lora-decode-8b.json" > "$OUT/lora-decode-8b.log" 2>&1; tail -8 "$OUT/lora-decode-8b.log" ;;
     lora-offline) python3 -m load_tests.bench_offline --model llama-8b --systems orca --adapters 0 8 --out "$OUT/lora-offline-8b.json" > "$OUT/lora-offline-8b.log" 2>&1; tail -5 "$OUT/lora-offline-8b.log" ;;
     prefix-8b) python3 -m load_tests.bench_prefix --model llama-8b --duration "${DURATION:-30}" --out "$OUT/prefix-8b.json" > "$OUT/prefix-8b.log" 2>&1; tail -14 "$OUT/prefix-8b.log" ;;
+    beam-1b|beam-8b) m=llama-${part#beam-}
+      python3 -m load_tests.bench_beam --model $m ${BEAM_ARGS:-} --out "$OUT/$part${LABEL:-}.json" \
+        > "$OUT/$part${LABEL:-}.log" 2>&1; tail -6 "$OUT/$part${LABEL:-}.log" ;;
     rows) for d in ${DECODE_ROWS:-18 32}; do python3 -m load_tests.bench_rows --model llama-8b --decode-rows $d \
         --out "$OUT/rows-8b-d$d${LABEL:-}.json" 2>&1 | tail -10; done ;;
     pieces) python3 -m load_tests.bench_pieces --model llama-8b --piece-flops ${PIECE_FLOPS:-2e12 1e12} \
