@@ -81,7 +81,8 @@ class SamplingOptions(_Base):
     @classmethod
     def _refuse_unfollowed(cls, data):
         for name, neutral in cls.UNFOLLOWED.items() if isinstance(data, dict) else ():
-            if data.get(name) not in (None, neutral):  # (request_body names the field)
+            neutral = neutral if isinstance(neutral, tuple) else (neutral,)
+            if data.get(name) not in (None, *neutral):  # (request_body names the field)
                 where = "on this route (completions and chat completions take it)" \
                     if name in SamplingFields.model_fields else "by this server"
                 raise PydanticCustomError("unsupported_parameter", f"not supported {where}",
@@ -186,7 +187,7 @@ class StructuredOutputs(_Base):
 class SamplingFields(SamplingOptions):
     """Fields shared by completions and chat completions."""
     UNFOLLOWED: ClassVar[dict[str, object]] = {
-        "logits_processors": None, "guided_decoding_backend": None,
+        "logits_processors": None, "guided_decoding_backend": ("xgrammar", "auto"),
         "guided_whitespace_pattern": None, "structural_tag": None}
 
     # structured output: OpenAI's response_format, or vLLM's guided_* extensions (or their

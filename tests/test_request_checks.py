@@ -195,7 +195,7 @@ def test_vllm_fields_this_server_does_not_follow_are_refused_not_ignored(fields,
     error = refused(json.dumps({**body, **fields}).encode(), schema)
     assert error.code == "unsupported_parameter", error.message
     assert error.param.startswith(next(iter(fields))), error.param
-    neutral = {"guided_decoding_backend": None, "chat_template": None}
+    neutral = {"guided_decoding_backend": "xgrammar", "chat_template": None}  # (ours)
     parse_body(json.dumps({**body, **{k: v for k, v in neutral.items()
                                       if k in schema.UNFOLLOWED}}).encode(), schema)
 
