@@ -7,8 +7,10 @@ distribution. Of all the beams' extensions, the n with the highest cumulative
 log-probability live on; one that picks EOS ends there (unless `ignore_eos`). After
 max_tokens steps, or when no beam is left, the ended and live beams are ranked by cumulative
 log-probability / (tokens generated, EOS counted) ** length_penalty, and the best n are the
-choices, best first. The prefix cache spares each step the beam's earlier tokens, all but
-those of its last partial block.
+choices, best first; a choice's tokens leave its EOS out (`include_stop_str_in_output` keeps
+it), as vLLM's. The prefix cache spares each step the beam's earlier tokens, all but those of
+its last partial block. Only the first step is subject to admission control: the later ones
+continue an admitted request (no queue limit or drain refuses them).
 
 `BeamSearch` is read as the route reads a RequestGroup (openai_api.py): when a prompt's
 search ends, one RequestUpdate for each of its choices, with all of that choice's tokens.
@@ -60,11 +62,11 @@ class BeamSearch:
     max_tokens); each prompt's choices are "{prefix}-{j}", j = 0 (best) to n - 1."""
 
     def __init__(self, client, prompts: list[tuple[str, list[int], int]], width: int,
-                 eos_ids: tuple[int, ...], ignore_eos: bool, length_penalty: float,
-                 priority: int, adapter: str | None):
+                 eos_ids: tuple[int, ...], ignore_eos: bool, include_stop: bool,
+                 length_penalty: float, priority: int, adapter: str | None):
         self.client, self.prompts, self.width = client, prompts, width
-        self.eos, self.ignore_eos, self.length_penalty = set(eos_ids), ignore_eos, length_penalty
-        self.priority, self.adapter = priority, adapter
+        self.eos, self.ignore_eos, self.include_stop = set(eos_ids), ignore_eos, include_stop
+        self.length_penalty, self.priority, self.adapter = length_penalty, priority, adapter
         self.unfinished = {f"{prefix}-{j}" for prefix, _, _ in prompts for j in range(width)}
         self.arrivals: dict = {}  # (as RequestGroup's: the route pops from it)
         self._done: asyncio.Queue = asyncio.Queue()
@@ -73,13 +75,15 @@ class BeamSearch:
 
     async def start(self) -> None:
         """Submit every prompt's first step (RequestRefused or EngineUnavailable, with
-        nothing left queued, if the engine takes none), then search on in tasks."""
-        try:
-            firsts = [await self._step(prefix, 0, ids, [Beam([])])
-                      for prefix, ids, _ in self.prompts]
-        except BaseException:
+        nothing left queued, if the engine takes one of them not), then search on in tasks.
+        Later steps continue an admitted request: no queue limit or drain refuses them."""
+        firsts = await asyncio.gather(*(self._step(prefix, 0, ids, [Beam([])])
+                                        for prefix, ids, _ in self.prompts),
+                                      return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
             self.close()
-            raise
+            raise failed
         self._tasks = [asyncio.ensure_future(self._search(*prompt, first))
                        for prompt, first in zip(self.prompts, firsts)]
 
@@ -88,8 +92,8 @@ class BeamSearch:
                                   logprobs=2 * self.width)
         group = await self.client.submit(
             [EngineRequest(f"{prefix}-s{step}-{i}", ids + b.tokens, sampling, self.priority,
-                           None, self.adapter) for i, b in enumerate(beams)],
-            wake_each_update=False)
+                           None, self.adapter, continues=step > 0)
+             for i, b in enumerate(beams)], wake_each_update=False)
         self._groups.add(group)
         return group
 
@@ -108,39 +112,46 @@ class BeamSearch:
         return [tops[i] for i in range(num_beams)]
 
     async def _search(self, prefix: str, ids: list[int], max_tokens: int, group) -> None:
-        beams, ended = [Beam([])], []
         try:
-            for step in range(max_tokens):
-                if step:
-                    group = await self._step(prefix, step, ids, beams)
-                grown = []
-                for beam, (tokens, values) in zip(beams, await self._tops(group, len(beams))):
-                    for token, value in zip(tokens, values):
-                        new = Beam(beam.tokens + [token], beam.logprob + value)
-                        if token in self.eos and not self.ignore_eos:
-                            new.finish_reason = "stop"
-                            ended.append(new)
-                        else:
-                            grown.append(new)
-                beams = sorted(grown, key=lambda b: b.logprob, reverse=True)[:self.width]
-                if not beams:
-                    break
+            best = await self._best(prefix, ids, max_tokens, group)
         except EngineUnavailable as e:
             self._done.put_nowait((None, e))
             return
-        except Exception as e:  # a refusal or a failed step: the prompt's choices fail
-            for j in range(self.width):
-                self._done.put_nowait((f"{prefix}-{j}", RequestUpdate(
-                    finish_reason="abort", error=f"beam search: {e}")))
-            return
+        except Exception as e:  # a failed step: the prompt's choices fail
+            best = [RequestUpdate(finish_reason="abort", error=f"beam search: {e}")] * self.width
+        for j, update in enumerate(best):
+            self._done.put_nowait((f"{prefix}-{j}", update))
+
+    async def _best(self, prefix: str, ids: list[int], max_tokens: int, group
+                    ) -> list[RequestUpdate]:
+        beams, ended = [Beam([])], []  # ended: the n best that picked EOS
+        for step in range(max_tokens):
+            if step:
+                group = await self._step(prefix, step, ids, beams)
+            grown = []  # (cumulative logprob, beam, token): a Beam only for the n kept
+            for beam, (tokens, values) in zip(beams, await self._tops(group, len(beams))):
+                for token, value in zip(tokens, values):
+                    if token in self.eos and not self.ignore_eos:
+                        ended.append(Beam(beam.tokens + [token], beam.logprob + value, "stop"))
+                    else:
+                        grown.append((beam.logprob + value, beam, token))
+            ended = sorted(ended, key=self._score, reverse=True)[:self.width]  # (fixed scores)
+            grown.sort(key=lambda c: c[0], reverse=True)
+            beams = [Beam(beam.tokens + [token], total) for total, beam, token in
+                     grown[:self.width]]
+            if not beams:
+                break
         best = sorted(ended + beams, key=self._score, reverse=True)
-        for j in range(self.width):
-            beam = best[j] if j < len(best) else None
-            self._done.put_nowait((f"{prefix}-{j}", RequestUpdate(
-                token_ids=beam.tokens, finish_reason=beam.finish_reason,
-                num_prompt_tokens=len(ids), num_output_tokens=len(beam.tokens))
-                if beam else RequestUpdate(finish_reason="abort",
-                                           error="beam search found fewer than n beams")))
+        if len(best) < self.width:
+            raise RuntimeError(f"only {len(best)} beams for n={self.width}")
+        updates = []
+        for beam in best[:self.width]:  # EOS is not output, as vLLM's beam search
+            out = beam.tokens[:-1] if beam.finish_reason == "stop" and not self.include_stop \
+                else beam.tokens
+            updates.append(RequestUpdate(token_ids=out, finish_reason=beam.finish_reason,
+                                         num_prompt_tokens=len(ids),
+                                         num_output_tokens=len(out)))
+        return updates
 
     def _score(self, beam: Beam) -> float:
         return beam.logprob / max(len(beam.tokens), 1) ** self.length_penalty

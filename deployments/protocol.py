@@ -218,7 +218,7 @@ class SamplingFields(SamplingOptions):
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
     # vLLM's beam search (deployments/beam_search.py): the n likeliest outputs, not samples
     use_beam_search: bool = False
-    length_penalty: float = 1.0  # ranks beams by logprob / length ** length_penalty
+    length_penalty: Annotated[float, Field(ge=-10, le=10)] = 1.0  # logprob / len ** this
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM

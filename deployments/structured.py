@@ -44,6 +44,9 @@ def grammar_for(req, reasoning_parser: str | None = None,
     if rf is not None and rf.type == "structural_tag":
         specs.append(("response_format", _tag_spec(rf.model_dump(by_alias=True),
                                                    "response_format")))
+    elif rf is not None and (rf.format, rf.structures, rf.triggers) != (None, None, None):
+        raise APIError(400, "response_format: format, structures and triggers go with type "
+                            "structural_tag", "response_format", "invalid_value")
     kinds = ("json", "regex", "choice", "grammar")
     guided = [(f"guided_{kind}", kind, getattr(req, f"guided_{kind}")) for kind in kinds]
     so = req.structured_outputs  # vLLM's newer form of the guided_* fields
@@ -148,6 +151,13 @@ def _tag_spec(tag, param: str) -> tuple[str, str]:
     """The grammar spec of vLLM's structural tag: xgrammar's `{"format": ...}`, or the older
     `{"structures": [{"begin", "schema", "end"}], "triggers"}`: any text, in which a
     trigger starts one of the structures that begin with it (xgrammar's triggered tags)."""
+    if _depth(tag) > MAX_JSON_DEPTH:  # (before it is wrapped in more levels)
+        raise APIError(400, f"{param}: the structural tag is nested more than "
+                            f"{MAX_JSON_DEPTH} JSON levels deep", param, "invalid_value")
+    if isinstance(tag, dict) and tag.get("format") is not None and (
+            tag.get("structures") is not None or tag.get("triggers") is not None):
+        raise APIError(400, f"{param}: a structural tag has `format`, or `structures` and "
+                            "`triggers`, not both", param, "invalid_value")
     if isinstance(tag, dict) and isinstance(tag.get("format"), dict):
         return _structural_tag(tag["format"])
     if isinstance(tag, dict) and isinstance(tag.get("structures"), list) \

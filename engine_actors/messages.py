@@ -104,6 +104,8 @@ class EngineRequest:
     priority: int = 0  # higher runs first under the priority policy
     deadline_ms: float | None = None  # must start within this long, else finish "deadline"
     lora_name: str | None = None  # a LoRA adapter (the request's `model`); None: the base
+    continues: bool = False  # a step of a request already admitted (a beam search's): no
+    # queue limit or drain refuses it
 
 
 @dataclass(slots=True)

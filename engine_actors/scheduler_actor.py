@@ -178,9 +178,9 @@ class SchedulerActor:
     def _add(self, sink, r: EngineRequest) -> Refusal | None:
         if self._early_aborts.take(r.request_id):
             return None  # aborted before it was added
-        if self.draining:
+        if self.draining and not r.continues:
             return Refusal("draining", "the server is shutting down")
-        refusal = self.engine.queue_full()
+        refusal = None if r.continues else self.engine.queue_full()
         if refusal is not None:
             return refusal
         adapter = self.adapters.of(r.lora_name)  # counted per adapter

@@ -18,10 +18,11 @@ PROMPTS = [[72, 101, 108, 108, 111], [9, 200, 33, 33, 150, 7, 64]]
 
 
 def reference(prompt: list[int], width: int, max_tokens: int, length_penalty: float = 1.0,
-              ignore_eos: bool = False) -> list[tuple[list[int], str]]:
+              ignore_eos: bool = False, keep_eos: bool = False) -> list[tuple[list[int], str]]:
     """vLLM's beam search, written out: each step extends every beam by its 2 * width
     likeliest tokens; EOS ends a beam; the width likeliest extensions go on; at the end
-    the ended and live beams are ranked by logprob / len ** length_penalty."""
+    the ended and live beams are ranked by logprob / len ** length_penalty (EOS counted);
+    the output leaves EOS out unless `keep_eos`."""
     live, ended = [([], 0.0)], []
     for _ in range(max_tokens):
         grown = []
@@ -35,7 +36,8 @@ def reference(prompt: list[int], width: int, max_tokens: int, length_penalty: fl
             break
     ranked = sorted([(t, s, "stop") for t, s in ended] + [(t, s, "length") for t, s in live],
                     key=lambda b: b[1] / max(len(b[0]), 1) ** length_penalty, reverse=True)
-    return [(tokens, reason) for tokens, _, reason in ranked[:width]]
+    return [(tokens if reason == "length" or keep_eos else tokens[:-1], reason)
+            for tokens, _, reason in ranked[:width]]
 
 
 def post(url: str, route: str, **body) -> httpx.Response:
@@ -77,6 +79,10 @@ def test_a_beam_that_picks_eos_ends_there_and_ignore_eos_goes_on(url, length_pen
     choices = post(url, "completions", ignore_eos=True, **body).json()["choices"]
     assert [(c["token_ids"], c["finish_reason"]) for c in choices] == \
         reference(prompt, 4, 3, length_penalty, ignore_eos=True)
+    r = post(url, "completions", include_stop_str_in_output=True, **body).json()
+    assert [(c["token_ids"], c["finish_reason"]) for c in r["choices"]] == \
+        reference(prompt, 4, 3, length_penalty, keep_eos=True)
+    assert r["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in r["choices"])
 
 
 def test_streamed_and_chat_beams_equal_the_plain_ones(url):
@@ -97,11 +103,70 @@ def test_streamed_and_chat_beams_equal_the_plain_ones(url):
                                                       for c in plain["choices"])
 
 
+def test_only_a_searchs_first_step_is_subject_to_admission_control():
+    """Its later steps continue a request already admitted: a full queue or a drain must
+    not fail a search half done."""
+    import asyncio
+
+    from deployments.beam_search import BeamSearch
+    from engine_actors.config import EngineConfig
+    from engine_actors.messages import EngineRequest, Refusal, RequestUpdate
+    from engine_actors.request import SamplingParams
+    from engine_actors.scheduler_actor import SchedulerActor
+
+    class Queue:  # the scheduler's admission, its queue always full
+        added = []
+
+        def queue_full(self):
+            return Refusal("queue_full", "full")
+
+        def add(self, r, sink, lora):
+            self.added.append(r.request_id)
+
+    actor = SchedulerActor(EngineConfig())
+    actor.engine = Queue()
+    request = EngineRequest("r", [1], SamplingParams(max_tokens=1))
+    assert actor._add(None, request).code == "queue_full"
+    actor.draining = True
+    assert actor._add(None, request).code == "draining"
+    assert actor._add(None, EngineRequest("c", [1], SamplingParams(max_tokens=1),
+                                          continues=True)) is None
+    assert Queue.added == ["c"]
+
+    class Client:  # answers every step with tokens 5 and 6, records what it was sent
+        sent = []
+
+        async def submit(self, requests, wake_each_update):
+            self.sent += requests
+            return Steps([r.request_id for r in requests])
+
+    class Steps:
+        def __init__(self, ids):
+            self.ids = ids
+
+        async def __aiter__(self):
+            for rid in self.ids:
+                yield rid, RequestUpdate([5], "length", logprobs=[(-1.0, [5, 6], [-1.0, -2.0],
+                                                                   0)])
+
+        def close(self):
+            pass
+
+    async def search():
+        beams = BeamSearch(Client(), [("b", [1, 2], 3)], 1, (9,), False, False, 1.0, 1, None)
+        await beams.start()
+        return [update async for update in beams]
+    [(rid, update)] = asyncio.run(search())
+    assert rid == "b-0" and update.token_ids == [5, 5, 5]
+    assert [r.continues for r in Client.sent] == [False, True, True]
+
+
 @pytest.mark.parametrize("body,param", [
     ({"stop": ["x"]}, "stop"), ({"logprobs": 0}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"n": 11}, "n"),
     ({"guided_regex": "[ab]+"}, "use_beam_search"),
-    ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty")])
+    ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+    ({"length_penalty": 2000}, "length_penalty")])
 def test_what_beam_search_cannot_follow_is_a_400(url, body, param):
     r = post(url, "completions", prompt="a", max_tokens=3, **body)
     assert r.status_code == 400, r.text

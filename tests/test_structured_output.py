@@ -137,6 +137,12 @@ def test_vllm_structured_outputs_and_guided_grammar(url, fields, check):
      "response_format"),
     ("response_format", {"type": "structural_tag", "triggers": ["<b"], "structures": [
         {"begin": "<a>", "schema": {}, "end": "</a>"}]}, "response_format"),
+    ("response_format", {"type": "structural_tag", "format": {"type": "any_text"},
+                         "triggers": ["<a"], "structures": []}, "response_format"),
+    ("response_format", {"type": "json_object", "format": {"type": "any_text"}},
+     "response_format"),
+    ("structured_outputs", {"structural_tag": '{"format": ' * 900 + "1" + "}" * 900},
+     "structured_outputs.structural_tag"),
 ])
 def test_a_bad_grammar_is_a_400_naming_the_field(url, field, value, param):
     r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
