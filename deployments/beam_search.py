@@ -13,7 +13,8 @@ its last partial block. Only the first step is subject to admission control: the
 continue an admitted request (no queue limit or drain refuses them).
 
 `BeamSearch` is read as the route reads a RequestGroup (openai_api.py): when a prompt's
-search ends, one RequestUpdate for each of its choices, with all of that choice's tokens.
+search ends, one RequestUpdate for each of its choices, with all of that choice's tokens
+(and with `logprobs`, each token's log-probability and alternatives from its step).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ MAX_WIDTH = MAX_LOGPROBS // 2  # each step asks for 2n log-probabilities
 UNFOLLOWED = {"stop": None, "stop_token_ids": None, "min_tokens": 0, "logit_bias": None,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "bad_words": None, "allowed_token_ids": None, "prompt_logprobs": None,
-              "deadline_ms": None, "logprobs": None}
+              "deadline_ms": None}
 
 
 def check(req, grammar) -> None:
@@ -45,6 +46,9 @@ def check(req, grammar) -> None:
     if grammar is not None:
         raise APIError(400, "structured output and forced tool calls cannot be combined with "
                             "use_beam_search", "use_beam_search", "unsupported_parameter")
+    if req.logprob_fields().get("prompt_logprobs") is not None:  # (the prompt's, for echo)
+        raise APIError(400, "echo with logprobs cannot be combined with use_beam_search",
+                       "echo", "unsupported_parameter")
     if req.n > MAX_WIDTH:
         raise APIError(400, f"use_beam_search takes at most n={MAX_WIDTH} beams", "n",
                        "invalid_value")
@@ -55,6 +59,7 @@ class Beam:
     tokens: list[int]  # generated, the EOS it ended with included
     logprob: float = 0.0  # cumulative
     finish_reason: str = "length"
+    logprobs: list = dataclasses.field(default_factory=list)  # per token, when asked
 
 
 class BeamSearch:
@@ -63,8 +68,10 @@ class BeamSearch:
 
     def __init__(self, client, prompts: list[tuple[str, list[int], int]], width: int,
                  eos_ids: tuple[int, ...], ignore_eos: bool, include_stop: bool,
-                 length_penalty: float, priority: int, adapter: str | None):
-        self.client, self.prompts, self.width = client, prompts, width
+                 length_penalty: float, priority: int, adapter: str | None,
+                 logprobs: int | None = None):
+        """`logprobs`: each output token's log-probability and this many alternatives."""
+        self.client, self.prompts, self.width, self.num_top = client, prompts, width, logprobs
         self.eos, self.ignore_eos, self.include_stop = set(eos_ids), ignore_eos, include_stop
         self.length_penalty, self.priority, self.adapter = length_penalty, priority, adapter
         self.unfinished = {f"{prefix}-{j}" for prefix, _, _ in prompts for j in range(width)}
@@ -89,7 +96,7 @@ class BeamSearch:
 
     async def _step(self, prefix: str, step: int, ids: list[int], beams: list[Beam]):
         sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                                  logprobs=2 * self.width)
+                                  logprobs=max(2 * self.width, self.num_top or 0))
         group = await self.client.submit(
             [EngineRequest(f"{prefix}-s{step}-{i}", ids + b.tokens, sampling, self.priority,
                            None, self.adapter, continues=step > 0)
@@ -128,17 +135,20 @@ class BeamSearch:
         for step in range(max_tokens):
             if step:
                 group = await self._step(prefix, step, ids, beams)
-            grown = []  # (cumulative logprob, beam, token): a Beam only for the n kept
+            grown = []  # (cumulative logprob, beam, token, its logprobs): a Beam for n only
             for beam, (tokens, values) in zip(beams, await self._tops(group, len(beams))):
-                for token, value in zip(tokens, values):
+                for token, value in zip(tokens[:2 * self.width], values):
+                    k = self.num_top  # (its own logprob, its alternatives; no rank)
+                    lps = [] if k is None else [(value, tokens[:k], values[:k], 0)]
                     if token in self.eos and not self.ignore_eos:
-                        ended.append(Beam(beam.tokens + [token], beam.logprob + value, "stop"))
+                        ended.append(Beam(beam.tokens + [token], beam.logprob + value, "stop",
+                                          beam.logprobs + lps))
                     else:
-                        grown.append((beam.logprob + value, beam, token))
+                        grown.append((beam.logprob + value, beam, token, lps))
             ended = sorted(ended, key=self._score, reverse=True)[:self.width]  # (fixed scores)
             grown.sort(key=lambda c: c[0], reverse=True)
-            beams = [Beam(beam.tokens + [token], total) for total, beam, token in
-                     grown[:self.width]]
+            beams = [Beam(beam.tokens + [token], total, "length", beam.logprobs + lps)
+                     for total, beam, token, lps in grown[:self.width]]
             if not beams:
                 break
         best = sorted(ended + beams, key=self._score, reverse=True)
@@ -146,11 +156,11 @@ class BeamSearch:
             raise RuntimeError(f"only {len(best)} beams for n={self.width}")
         updates = []
         for beam in best[:self.width]:  # EOS is not output, as vLLM's beam search
-            out = beam.tokens[:-1] if beam.finish_reason == "stop" and not self.include_stop \
-                else beam.tokens
-            updates.append(RequestUpdate(token_ids=out, finish_reason=beam.finish_reason,
-                                         num_prompt_tokens=len(ids),
-                                         num_output_tokens=len(out)))
+            n = len(beam.tokens) - (beam.finish_reason == "stop" and not self.include_stop)
+            updates.append(RequestUpdate(
+                token_ids=beam.tokens[:n], finish_reason=beam.finish_reason,
+                num_prompt_tokens=len(ids), num_output_tokens=n,
+                logprobs=beam.logprobs[:n] if self.num_top is not None else None))
         return updates
 
     def _score(self, beam: Beam) -> float:

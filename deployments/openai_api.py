@@ -148,7 +148,8 @@ class OpenAIRoutes:
             if beams:  # the engine runs the searches' steps, not the choices
                 group = BeamSearch(self.frontend.client, searches, req.n, info.eos_token_ids,
                                    req.ignore_eos, req.include_stop_str_in_output,
-                                   req.length_penalty, priority, self.frontend.adapter(req))
+                                   req.length_penalty, priority, self.frontend.adapter(req),
+                                   req.logprob_fields()["logprobs"])
                 await group.start()
             else:  # a non-streamed response without stop strings needs only each end
                 group = await self.frontend.client.submit(

@@ -48,7 +48,7 @@ def post(url: str, route: str, **body) -> httpx.Response:
 @pytest.mark.parametrize("length_penalty", [1.0, 2.0])
 def test_the_choices_are_the_reference_searchs_beams(url, length_penalty):
     r = post(url, "completions", prompt=PROMPTS, n=3, max_tokens=6,
-             length_penalty=length_penalty, temperature=0.7)
+             length_penalty=length_penalty, temperature=0.7, logprobs=2)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == list(range(6))
@@ -56,6 +56,15 @@ def test_the_choices_are_the_reference_searchs_beams(url, length_penalty):
         want = reference(prompt, 3, 6, length_penalty)
         got = [(c["token_ids"], c["finish_reason"]) for c in choices[3 * i:3 * i + 3]]
         assert got == want, (i, got, want)
+        for c in choices[3 * i:3 * i + 3]:  # each token's log-probability and the top 2
+            ref = hf_logprobs(prompt + c["token_ids"])[len(prompt) - 1:-1]
+            lps = c["logprobs"]
+            assert len(lps["token_logprobs"]) == len(c["token_ids"])
+            for t, token in enumerate(c["token_ids"]):
+                assert lps["token_logprobs"][t] == pytest.approx(ref[t, token].item(), abs=1e-4)
+                assert max(lps["top_logprobs"][t].values()) == \
+                    pytest.approx(ref[t].max().item(), abs=1e-4)
+                assert len(lps["top_logprobs"][t]) <= 3  # (tokens that decode alike: one)
     # three different beams, not three copies of the greedy output
     assert len({tuple(c["token_ids"]) for c in choices[:3]}) == 3
 
@@ -87,8 +96,11 @@ def test_a_beam_that_picks_eos_ends_there_and_ignore_eos_goes_on(url, length_pen
 
 def test_streamed_and_chat_beams_equal_the_plain_ones(url):
     messages = [{"role": "user", "content": "beams"}]
-    plain = post(url, "chat/completions", messages=messages, n=2, max_tokens=5).json()
+    plain = post(url, "chat/completions", messages=messages, n=2, max_tokens=5,
+                 logprobs=True, top_logprobs=1).json()
     texts = [c["message"]["content"] for c in plain["choices"]]
+    assert [len(c["logprobs"]["content"]) for c in plain["choices"]] == \
+        [len(c["token_ids"]) for c in plain["choices"]]
     prompt = plain["choices"][0]["prompt_token_ids"]
     assert [c["token_ids"] for c in plain["choices"]] == \
         [tokens for tokens, _ in reference(prompt, 2, 5)]
@@ -162,7 +174,7 @@ def test_only_a_searchs_first_step_is_subject_to_admission_control():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"stop": ["x"]}, "stop"), ({"logprobs": 0}, "logprobs"),
+    ({"stop": ["x"]}, "stop"), ({"echo": True, "logprobs": 0}, "echo"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"n": 11}, "n"),
     ({"guided_regex": "[ab]+"}, "use_beam_search"),
     ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
