@@ -19,6 +19,7 @@ import time
 import torch
 
 from engine_actors.checkpoint import resolve_model_path
+from engine_actors.cuda_graphs import BATCH_SIZES
 from engine_actors.kv_cache import cdiv
 from engine_actors.messages import NewRequest, ProcessorSettings, StepInput
 from engine_actors.model_runner import ModelRunner
@@ -121,6 +122,12 @@ def bpe_tokenizer_dir(vocab_size: int) -> str:
     return path
 
 
+def graph_size(batch: int) -> int:
+    """The decode graph a batch replays, as in the server (graphs up to max_batch_size): the
+    smallest captured size that holds it."""
+    return next((b for b in BATCH_SIZES if b >= batch), batch)
+
+
 def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int,
                 variant: str = "plain", lora_slots: list[int] | None = None) -> float:
     """Mean ms per step over `iters` back-to-back steps, after warm-up; lora_slots: each
@@ -185,7 +192,7 @@ def _bench_worker_class():
                 k.normal_()
                 v.normal_()
             eager = time_decode(runner, batch, context_len, iters)
-            runner.capture_cuda_graphs(batch)
+            runner.capture_cuda_graphs(graph_size(batch))
             graph = time_decode(runner, batch, context_len, iters)
             kv = batch * (context_len + iters // 2) * runner.kv_bytes_per_block() \
                 // runner.block_size
@@ -232,7 +239,8 @@ def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int,
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False)
     cfg = EngineConfig.from_args(dict(model=model, device="cuda", tensor_parallel_size=tp,
-                                      max_batch_size=batch, disable_custom_all_reduce=nccl_only))
+                                      max_batch_size=graph_size(batch),
+                                      disable_custom_all_reduce=nccl_only))
     pg = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
     ray.get(pg.ready())
     cls = ray.remote(_bench_worker_class())
@@ -274,7 +282,7 @@ def main(argv=None) -> dict:
                                 args.disable_custom_all_reduce)
     else:
         runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
-                             batch, 0)
+                             graph_size(batch), 0)
         holder = _Holder(runner)
         holder.grammar_threads = args.grammar_threads
         r = _bench_worker_class().run_decode.__get__(holder)(batch, ctx, args.iters)
