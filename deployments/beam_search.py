@@ -82,7 +82,7 @@ class BeamSearch:
 
     async def start(self) -> None:
         """Submit every prompt's first step (RequestRefused or EngineUnavailable, with
-        nothing left queued, if the engine takes one of them not), then search on in tasks.
+        nothing left queued, if the engine refuses any of them), then search on in tasks.
         Later steps continue an admitted request: no queue limit or drain refuses them."""
         firsts = await asyncio.gather(*(self._step(prefix, 0, ids, [Beam([])])
                                         for prefix, ids, _ in self.prompts),
