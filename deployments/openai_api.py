@@ -134,7 +134,8 @@ class OpenAIRoutes:
                                     f"However, you requested {len(ids) + n_new} tokens "
                                     f"({len(ids)} in the prompt, {n_new} for the completion).",
                                "max_tokens", "context_length_exceeded")
-            searches.append((f"{base_id}-{p_idx}", ids, n_new))
+            if beams:
+                searches.append((f"{base_id}-{p_idx}", ids, n_new))
             for j in range(req.n):
                 sampling = req.sampling_params(n_new, j, info.sampling_defaults, info.vocab_size,
                                                max_tokens_given=max_tokens is not None,
