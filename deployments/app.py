@@ -5,7 +5,7 @@ import os
 
 from ray.serve import Application
 
-from deployments.chat_protocol import check_template_kwargs
+from deployments.chat_protocol import chat_template_text, check_template_kwargs
 from deployments.engine_client import start_engine_early
 from deployments.ingress import OpenAIIngress
 from deployments.protocol import APIError
@@ -25,7 +25,10 @@ def build_app(args: dict | None = None) -> Application:
     try:
         cfg = EngineConfig.from_args(args)
         check_template_kwargs(cfg.default_chat_template_kwargs, "default_chat_template_kwargs")
-    except (ConfigError, APIError) as e:
+        if cfg.chat_template is not None:  # its text: replicas may run where the file is not
+            cfg = EngineConfig.from_args({**args,
+                                          "chat_template": chat_template_text(cfg.chat_template)})
+    except (ConfigError, APIError, ValueError) as e:
         cause = f"ConfigError: {getattr(e, 'message', e)}"
         stop_serve_run(cause)  # else `serve run` would go on, its application failed
         raise ConfigError(cause) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PrivateAttr, field_validator
 from pydantic_core import PydanticCustomError
@@ -127,10 +127,28 @@ def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwarg
                            "invalid_value")
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """The server's chat_template arg as template text: the file it names, or the template
+    itself; ValueError when it is neither, or does not parse."""
+    import os
+
+    import jinja2.sandbox
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif "{{" not in value and "{%" not in value:
+        raise ValueError(f"chat_template: no file {value!r}, and not a Jinja template")
+    try:  # (as transformers compiles it; rendering errors show per request)
+        jinja2.sandbox.ImmutableSandboxedEnvironment(
+            extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template does not parse: {e} (line {e.lineno})") from None
+    return value
+
+
 class ChatCompletionRequest(SamplingFields):
-    # a chat template sent with the request is refused, as vLLM does unless told to trust it
-    UNFOLLOWED: ClassVar[dict[str, object]] = {**SamplingFields.UNFOLLOWED,
-                                               "chat_template": None}
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -147,6 +165,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None  # with the server's trust_request_chat_template only
 
     def logprob_fields(self) -> dict:
         if not self.logprobs and self.top_logprobs:

@@ -10,6 +10,8 @@ import copy
 import logging
 import threading
 
+import jinja2
+
 from starlette.requests import Request
 
 from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
@@ -99,8 +101,19 @@ class Frontend:
 
     async def _load_tokenizer(self) -> None:
         if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer,
-                                                     resolve_model_path(self.cfg.model))
+            tokenizer = await asyncio.to_thread(load_tokenizer,
+                                                resolve_model_path(self.cfg.model))
+            if self.cfg.chat_template is not None:  # the server's, over the checkpoint's
+                tokenizer.chat_template = self.cfg.chat_template
+            self.tokenizer = tokenizer
+
+    def request_template(self, template: str | None) -> str | None:
+        """A request's own chat_template: only on a server that trusts them (as vLLM)."""
+        if template is not None and not self.cfg.trust_request_chat_template:
+            raise APIError(400, "a chat_template in the request needs the server's "
+                                "trust_request_chat_template: true", "chat_template",
+                           "unsupported_parameter")
+        return template
 
     def _fail(self, cause: str) -> None:
         self.failure = cause
@@ -196,11 +209,13 @@ class Frontend:
     async def chat_ids(self, messages: list, tools: list | None,
                        add_generation_prompt: bool = True, add_special_tokens: bool = False,
                        template_kwargs: dict | None = None, continue_final_message=False,
-                       documents: list | None = None) -> list[int]:
+                       documents: list | None = None, template: str | None = None
+                       ) -> list[int]:
         """Token ids of chat messages (ChatMessage) and tools (Tool) as the chat template
-        renders them, with the server's default_chat_template_kwargs and the request's
-        `template_kwargs` over them as template variables; APIError 400 when it cannot.
-        continue_final_message: the text ends with the last message's (no end of turn)."""
+        (or `template`, a request's own) renders them, with the server's
+        default_chat_template_kwargs and the request's `template_kwargs` over them as
+        template variables; APIError 400 when it cannot. continue_final_message: the text
+        ends with the last message's (no end of turn)."""
         messages = [m.for_template() for m in messages]
         tools = [t.model_dump(by_alias=True, exclude_none=True) for t in tools] \
             if tools else None
@@ -209,13 +224,16 @@ class Frontend:
         def render(tokenizer) -> list[int]:
             text = tokenizer.apply_chat_template(
                 messages, tools=tools, documents=documents, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt, chat_template=template,
                 continue_final_message=continue_final_message, **variables)
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
         size = len(str(messages)) + len(str(tools or "")) + len(str(variables)) + \
             len(str(documents or ""))
         try:
             return await self.tokenize(render, size)
+        except jinja2.TemplateSyntaxError as e:  # (only a request's can fail to parse)
+            raise APIError(400, f"chat_template does not parse: {e}", "chat_template",
+                           "invalid_value") from None
         except Exception as e:
             with_variables = " (with chat_template_kwargs)" if template_kwargs else ""
             raise APIError(400, f"messages could not be formatted{with_variables}: {e}",

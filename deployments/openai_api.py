@@ -81,7 +81,9 @@ class OpenAIRoutes:
                                            req.add_generation_prompt,
                                            template_kwargs=req.chat_template_kwargs,
                                            continue_final_message=req.continue_final_message,
-                                           documents=req.documents)
+                                           documents=req.documents,
+                                           template=self.frontend.request_template(
+                                               req.chat_template))
         reasoning = self.frontend.cfg.reasoning_parser
         think_ids = think_token_ids(self.frontend.tokenizer) if reasoning else (None, None)
         grammar = grammar_for(req, reasoning, think_ids)

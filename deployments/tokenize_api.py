@@ -25,6 +25,7 @@ class TokenizeRequest(_Base):
     add_special_tokens: bool | None = None  # vLLM's defaults: prompt true, messages false
     return_token_strs: bool = False
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None  # as on chat completions
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -68,7 +69,9 @@ class TokenizeAPI:
                                                    req.add_generation_prompt,
                                                    bool(req.add_special_tokens),
                                                    req.chat_template_kwargs,
-                                                   req.continue_final_message)
+                                                   req.continue_final_message,
+                                                   template=self.frontend.request_template(
+                                                       req.chat_template))
             body = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
                     "token_strs": self.frontend.tokenizer.convert_ids_to_tokens(ids)
                     if req.return_token_strs else None}

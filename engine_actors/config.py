@@ -112,6 +112,10 @@ class EngineConfig:
     # Template variables of every chat request (a request's chat_template_kwargs go over
     # them), e.g. {"enable_thinking": false} to turn Qwen3's thinking off by default.
     default_chat_template_kwargs: dict[str, Any] | None = None
+    # A Jinja chat template, or a file holding one, in place of the checkpoint's (vLLM's
+    # --chat-template); requests may send their own only with trust_request_chat_template.
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
 
     # Security: when set, every route but /health and /metrics needs this bearer token.
     # build_app also reads it from ORCA_SERVE_API_KEY.

@@ -246,3 +246,52 @@ def test_the_batch_and_responses_routes_refuse_the_fields_they_do_not_take(url):
         "temperature": 1.0})
     assert r.status_code == 200, r.text
     assert r.json()["output"][-1]["content"][0]["text"] == "A" * 6, r.text
+
+
+def test_a_requests_chat_template_needs_a_server_that_trusts_it(url):
+    messages = [{"role": "user", "content": "hi"}]
+    for route, body in [("v1/chat/completions", {"max_tokens": 2}), ("tokenize", {})]:
+        r = httpx.post(f"{url}/{route}", timeout=30, json={
+            "messages": messages, "chat_template": "{{ messages[0].content }}", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+def test_the_servers_chat_template_and_a_trusted_requests_own(tmp_path):
+    """vLLM's --chat-template (a file or the template) and --trust-request-chat-template."""
+    import asyncio
+
+    from deployments.app import build_app
+    from deployments.chat_protocol import ChatMessage, chat_template_text
+    from deployments.frontend import Frontend
+    from deployments.protocol import APIError
+    from engine_actors.config import ConfigError, EngineConfig
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "t.jinja").write_text(template)
+    assert chat_template_text(str(tmp_path / "t.jinja")) == template
+    assert chat_template_text(template) == template
+    for bad in (str(tmp_path / "missing.jinja"), "{% for %}"):
+        with pytest.raises(ValueError):
+            chat_template_text(bad)
+        with pytest.raises(ConfigError, match="chat_template"):
+            build_app({"chat_template": bad})
+    messages = [ChatMessage(role="user", content="hi")]
+
+    def rendered(frontend, **kwargs) -> str:
+        if frontend.tokenizer is None:
+            asyncio.run(frontend._load_tokenizer())
+        return tokenizer().decode(asyncio.run(frontend.chat_ids(messages, None, **kwargs)))
+    server = Frontend(EngineConfig(chat_template=template))
+    assert rendered(server) == "<user>hi<assistant>"
+    with pytest.raises(APIError) as info:
+        server.request_template("{{ messages[0].content }}!")
+    assert info.value.param == "chat_template"
+    trusting = Frontend(EngineConfig(trust_request_chat_template=True))
+    own = trusting.request_template("{{ messages[0].content }}!")
+    assert rendered(trusting, template=own) == "hi!"
+    assert rendered(trusting) == tokenizer().decode(tokenizer().apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
+        return_dict=False))  # (the checkpoint's, without one)
+    with pytest.raises(APIError) as info:
+        rendered(trusting, template="{% if %}")
+    assert info.value.param == "chat_template"
