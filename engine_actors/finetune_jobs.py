@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 import uuid
 
@@ -38,6 +37,7 @@ import ray
 
 from engine_actors.finetune_busy import BusyTraining
 from engine_actors.finetune_job import Job
+from engine_actors.lora_files import temp_adapter_dir
 from engine_actors.finetune_steps import TrainingSteps
 from engine_actors.messages import Refusal, page
 
@@ -76,8 +76,7 @@ class FineTuning(TrainingSteps):
         super().__init__(cfg, metrics)
         self.adapters = adapters
         # the default directory goes with the engine (close): finetune_dir keeps them
-        self._temp = None if cfg.finetune_dir else \
-            tempfile.TemporaryDirectory(prefix="orca-finetune-")
+        self._temp = None if cfg.finetune_dir else temp_adapter_dir()
         self.dir = cfg.finetune_dir or self._temp.name
         self.files: dict[str, tuple[dict, bytes]] = {}
         self.jobs: dict[str, Job] = {}

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,3 +161,23 @@ def read_adapter(name: str, path: str, max_rank: int, adapter_id: int) -> Adapte
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return AdapterInfo(name, os.path.abspath(path), rank, float(scale),
                        tuple(t for t in TARGETS if t in targets), adapter_id)
+
+
+def temp_adapter_dir() -> tempfile.TemporaryDirectory:
+    """A temp directory for the adapters of finished jobs, named after this process. Those of
+    processes that are gone (a scheduler killed before its teardown) are removed first."""
+    for path in pathlib.Path(tempfile.gettempdir()).glob("orca-finetune-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"orca-finetune-{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

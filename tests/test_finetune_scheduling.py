@@ -3,6 +3,8 @@ the memory plan against the KV pool, FineInfer's deferral rule and what this pro
 to it (draining, lulls for long steps), and micro-batches sent ahead and called off."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -356,8 +358,6 @@ def test_jobs_listed_by_metadata_page_after_any_job_even_one_the_filter_leaves_o
 def test_the_default_adapter_directory_goes_with_the_engine(tmp_path):
     """A temp directory per engine used to stay behind after shutdown (thousands piled up);
     a finetune_dir that the user set is kept."""
-    import os
-
     from engine_actors.config import EngineConfig
     from engine_actors.finetune_jobs import FineTuning
     ft = FineTuning(EngineConfig(), adapters=None)
@@ -367,3 +367,26 @@ def test_the_default_adapter_directory_goes_with_the_engine(tmp_path):
     kept = FineTuning(EngineConfig(finetune_dir=str(tmp_path)), adapters=None)
     kept.close()
     assert kept.dir == str(tmp_path) and os.path.isdir(tmp_path)
+
+
+def test_directories_of_killed_engines_are_removed_at_start(tmp_path, monkeypatch):
+    """A scheduler killed before its teardown leaves its directory: the next engine on the
+    machine removes those whose process is gone, and keeps the others'."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from engine_actors.config import EngineConfig
+    from engine_actors.finetune_jobs import FineTuning
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"orca-finetune-{gone.pid}-abc"
+    live = tmp_path / f"orca-finetune-{os.getppid()}-def"  # pytest's parent: running
+    other = tmp_path / "orca-finetune-notapid-x"
+    for d in (dead, live, other):
+        (d / "adapter").mkdir(parents=True)
+    ft = FineTuning(EngineConfig(), adapters=None)
+    assert ft.dir.startswith(str(tmp_path / f"orca-finetune-{os.getpid()}-"))
+    assert not dead.exists() and live.exists() and other.exists()
+    ft.close()
