@@ -214,3 +214,18 @@ def test_vllm_fields_with_values_out_of_range_are_400(fields, schema, param):
     body = {"prompt": "a"} if schema is C else {"messages": [{"role": "user", "content": "a"}]}
     error = refused(json.dumps({**body, **fields}).encode(), schema)
     assert error.status == 400 and error.param.startswith(param), (error.param, error.message)
+
+
+def test_a_bad_word_with_a_token_past_the_models_logits_is_a_400():
+    """A tokenizer's added token past the model's vocabulary would index past the logits."""
+    import asyncio
+
+    from deployments.frontend import Frontend, bad_word_ids
+    from engine_actors.checkpoint import load_tokenizer, resolve_model_path
+    from engine_actors.config import DEFAULT_MODEL, EngineConfig
+    frontend = Frontend(EngineConfig())
+    frontend.tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))  # bytes: "z" is 122
+    assert asyncio.run(bad_word_ids(frontend, ["a"], 100)) == ((97,),)
+    with pytest.raises(APIError) as info:
+        asyncio.run(bad_word_ids(frontend, ["a", "z"], 100))
+    assert (info.value.status, info.value.param) == (400, "bad_words.1")
