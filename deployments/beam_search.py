@@ -79,6 +79,7 @@ class BeamSearch:
         self._done: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._groups: set = set()  # the steps in flight (closed with the search)
+        self.search_id = f"{prompts[0][0]}-search"  # (a drain waits for it: close ends it)
 
     async def start(self) -> None:
         """Submit every prompt's first step (RequestRefused or EngineUnavailable, with
@@ -99,7 +100,7 @@ class BeamSearch:
                                   logprobs=max(2 * self.width, self.num_top or 0))
         group = await self.client.submit(
             [EngineRequest(f"{prefix}-s{step}-{i}", ids + b.tokens, sampling, self.priority,
-                           None, self.adapter, continues=step > 0)
+                           None, self.adapter, continues=step > 0, search=self.search_id)
              for i, b in enumerate(beams)], wake_each_update=False)
         self._groups.add(group)
         return group
@@ -189,3 +190,4 @@ class BeamSearch:
             group.close()
         self._groups.clear()
         self.unfinished.clear()
+        self.client.end_search(self.search_id)

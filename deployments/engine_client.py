@@ -175,6 +175,14 @@ class EngineClient:
             self._is_adding = False
             self._send_adds(actor)  # what arrived meanwhile
 
+    def end_search(self, search: str) -> None:
+        """A beam search of this replica is over (EngineRequest.search)."""
+        if self._actor is not None:
+            try:
+                detached(self._actor.end_search.remote, self.client_id, search)
+            except Exception:  # the scheduler is gone, and with it the search
+                pass
+
     async def _connected_actor(self):
         """The scheduler actor, connecting first; EngineUnavailable if it is gone."""
         await self.connect()

@@ -289,10 +289,10 @@ class EngineLoop:
         self.metrics.finetune_lent_blocks.set(s.kv.num_lent_blocks)
         self.metrics.prefix_cache(s.kv.num_queried_tokens, s.kv.num_hit_tokens)
 
-    async def drain(self, timeout_s: float) -> list[RequestOutput]:
-        """Wait up to timeout_s for the requests to finish; ends those left (finish "abort")."""
+    async def drain(self, timeout_s: float, searching=bool) -> list[RequestOutput]:
+        """Wait up to timeout_s for the requests (and searches) to end; abort those left."""
         deadline = time.monotonic() + timeout_s
-        while self.scheduler.pool and time.monotonic() < deadline:
+        while (self.scheduler.pool or searching()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return self.scheduler.fail_all()
 

@@ -106,6 +106,8 @@ class EngineRequest:
     lora_name: str | None = None  # a LoRA adapter (the request's `model`); None: the base
     continues: bool = False  # a step of a request already admitted (a beam search's): no
     # queue limit or drain refuses it
+    search: str | None = None  # the beam search whose step it is: a drain waits for the
+    # search's next steps until its caller ends it (SchedulerActor.end_search)
 
 
 @dataclass(slots=True)

@@ -32,10 +32,13 @@ class Outbox:
         self.client_id = client_id
         self.pending: dict[str, RequestUpdate] = {}
         self.request_ids: set[str] = set()  # unfinished requests of this caller
+        self.searches: set[str] = set()  # its beam searches not ended (EngineRequest.search)
         self.event = asyncio.Event()
 
-    def add(self, request_id: str) -> None:
+    def add(self, request_id: str, search: str | None = None) -> None:
         self.request_ids.add(request_id)
+        if search is not None:
+            self.searches.add(search)
 
     def deliver(self, out: RequestOutput, error: str | None) -> None:
         update = RequestUpdate(out.new_token_ids, out.finish_reason, out.num_prompt_tokens,

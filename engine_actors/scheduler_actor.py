@@ -1,19 +1,17 @@
 """The singleton scheduler actor: the engine's one address for its callers.
 
 It composes the iteration loop with worker recovery (`engine_loop`), the callers' outboxes
-(`outbox`), background batches (`batches`), LoRA adapters (`lora`) and fine-tuning jobs
-(`finetune_jobs`); here are start-up, teardown and the calls. `_deliver` is the one place
-where outputs go out to their requests' sinks. An ingress replica submits with
-`add_requests` and holds one `stream` call that yields, once per iteration, the updates of
-all its requests.
+(`outbox`), background batches, LoRA adapters and fine-tuning jobs; here are start-up,
+teardown and the calls. `_deliver` is the one place where outputs go out to their requests'
+sinks. An ingress replica submits with `add_requests` and holds one `stream` call that
+yields, once per iteration, the updates of all its requests.
 
-Lifetime: created when the application is built (deployments/engine_client.py's
-`start_engine_early`; or by an ingress replica that finds none, after one died or left), a
-named, detached actor, one per distinct configuration, which starts its engine at once; it
-tears itself down, workers and placement group included, when its last client unregisters
-while the application is being deleted, when the last client leaves otherwise (a
-scale-down, a redeploy), its last stream breaks or none ever opens, and no client comes back
-within ORPHAN_GRACE_S, or when the engine fails in a way it cannot recover from.
+Lifetime: a named, detached actor per distinct configuration, created when the application
+is built (engine_client.py's `start_engine_early`) or by a replica that finds none; it
+starts its engine at once. It tears itself down, workers and placement group included: when
+its last client unregisters during the application's deletion; when the last client leaves
+otherwise (a scale-down, a redeploy), its last stream breaks or none ever opens, and none
+comes back within ORPHAN_GRACE_S; or when the engine fails beyond recovery.
 """
 from __future__ import annotations
 
@@ -188,7 +186,7 @@ class SchedulerActor:
             return adapter
         refusal = self.engine.add(r, sink, adapter)
         if refusal is None and isinstance(sink, Outbox):
-            sink.add(r.request_id)
+            sink.add(r.request_id, r.search)
         return refusal
 
     def abort(self, request_ids: list[str], stopped: bool = False) -> None:
@@ -202,6 +200,9 @@ class SchedulerActor:
             self.metrics.finished(out.finish_reason, out.num_prompt_tokens,
                                   out.num_output_tokens)
             out.sink.aborted(out)
+
+    def end_search(self, client_id: str, search: str) -> None:  # a drain waits no more
+        self.outboxes.get(client_id, Outbox(client_id)).searches.discard(search)
 
     def _deliver(self, outputs: list[RequestOutput], error: str | None) -> None:
         self.metrics.count(outputs)
@@ -223,9 +224,7 @@ class SchedulerActor:
                 self._check_orphaned()
 
     def _drop_client(self, client_id: str) -> None:
-        outbox = self.outboxes.pop(client_id, None)
-        if outbox is not None:
-            self.abort(list(outbox.request_ids))
+        self.abort(list(self.outboxes.pop(client_id, Outbox(client_id)).request_ids))
 
     async def adapter_call(self, method: str, *args):  # lora.Adapters' load, unload, paths
         await self.ready()
@@ -243,7 +242,6 @@ class SchedulerActor:
     def response_call(self, method: str, *args):  # ResponseStore: put/get/chain/holding/delete
         return getattr(self.responses, method)(*args)
 
-    # ---- background batches -------------------------------------------------------------
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
                            priority: int = 0) -> Refusal | None:
         await self.ready()
@@ -287,10 +285,11 @@ class SchedulerActor:
         return {r: s for r, (_, s) in self._http_metrics.items()}
 
     async def drain(self, timeout_s: float) -> None:
-        """Refuse new requests; end those still running after timeout_s ("abort")."""
+        """Refuse new requests; end those running (or searching) after timeout_s ("abort")."""
         self.draining = True
         if self.engine is not None:
-            self._deliver(await self.engine.drain(timeout_s), None)
+            self._deliver(await self.engine.drain(timeout_s, lambda: any(
+                o.searches for o in self.outboxes.values())), None)
 
     async def executor_call(self, method: str, *args):
         """Operations and diagnosis on the workers (Executor's: `workers`, stage-major;

@@ -152,6 +152,9 @@ def test_only_a_searchs_first_step_is_subject_to_admission_control():
             self.sent += requests
             return Steps([r.request_id for r in requests])
 
+        def end_search(self, search):
+            self.ended = search
+
     class Steps:
         def __init__(self, ids):
             self.ids = ids
@@ -164,13 +167,19 @@ def test_only_a_searchs_first_step_is_subject_to_admission_control():
         def close(self):
             pass
 
+    client = Client()
+
     async def search():
-        beams = BeamSearch(Client(), [("b", [1, 2], 3)], 1, (9,), False, False, 1.0, 1, None)
+        beams = BeamSearch(client, [("b", [1, 2], 3)], 1, (9,), False, False, 1.0, 1, None)
         await beams.start()
-        return [update async for update in beams]
+        updates = [update async for update in beams]
+        beams.close()  # (the route's finally)
+        return updates
     [(rid, update)] = asyncio.run(search())
     assert rid == "b-0" and update.token_ids == [5, 5, 5]
     assert [r.continues for r in Client.sent] == [False, True, True]
+    # every step names its search, which the route's close ends (a drain waits for it)
+    assert {r.search for r in Client.sent} == {"b-search"} and client.ended == "b-search"
 
 
 @pytest.mark.parametrize("body,param", [

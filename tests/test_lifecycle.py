@@ -140,6 +140,35 @@ def test_a_replica_leaving_does_not_stop_the_shared_engine(app):
     assert successes(url) - before == 17  # the same engine: nothing restarted it
 
 
+def test_a_drain_waits_for_a_beam_search_between_its_steps(app):
+    """A search runs as one engine request per step: between two steps none is in the
+    engine, and the drain (launch.py's, on SIGTERM) must not end there."""
+    import ray
+    url, cfg = app
+    scheduler = scheduler_handle(cfg)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            search = asyncio.create_task(http.post("/v1/completions", json={
+                "prompt": "x", "n": 2, "use_beam_search": True, "max_tokens": 40,
+                "ignore_eos": True, "return_token_ids": True}))
+            await asyncio.sleep(0.3)
+            drained = asyncio.wrap_future(scheduler.drain.remote(30).future())
+            await asyncio.wait([search, drained], return_when=asyncio.FIRST_COMPLETED)
+            search_first = search.done()  # (the launcher stops Serve once the drain returns)
+            await drained
+            return await search, search_first
+    response, search_first = asyncio.run(scenario())
+    assert search_first, "the drain ended before the beam search"
+    assert response.status_code == 200, response.text
+    assert [len(c["token_ids"]) for c in response.json()["choices"]] == [40, 40]
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "a"}).status_code == 503
+    ray.kill(scheduler)  # a new scheduler (not draining) for the next tests
+    ok = httpx.post(f"{url}/v1/completions", timeout=120,
+                    json={"prompt": "again", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text
+
+
 def test_deleting_the_application_drains_then_tears_the_engine_down(app):
 
     import ray
