@@ -148,6 +148,10 @@ def chat_template_text(value: str | None) -> str | None:
     return value
 
 
+# OpenAI's reasoning efforts, and vLLM's "max"
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -166,6 +170,7 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None  # with the server's trust_request_chat_template only
+    reasoning_effort: ReasoningEffort | None = None
 
     def logprob_fields(self) -> dict:
         if not self.logprobs and self.top_logprobs:
@@ -191,6 +196,15 @@ class ChatCompletionRequest(SamplingFields):
                                 "is not among the tools", "tool_choice", "invalid_value")
         if self.forces_tool_calls and not self.tools:
             raise APIError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
+
+    def template_variables(self) -> dict | None:
+        """chat_template_kwargs, and reasoning_effort as vLLM passes it: the variable
+        `reasoning_effort`, and `enable_thinking` false for "none" (true otherwise) unless
+        chat_template_kwargs set it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"enable_thinking": self.reasoning_effort != "none",
+                **(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     def response_role(self) -> str:
         """The answer's role: the assistant's, or with add_generation_prompt: false the last

@@ -79,7 +79,7 @@ class OpenAIRoutes:
         response_format, or a forced tool call), and the tool-call parser (with tools)."""
         ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None,
                                            req.add_generation_prompt,
-                                           template_kwargs=req.chat_template_kwargs,
+                                           template_kwargs=req.template_variables(),
                                            continue_final_message=req.continue_final_message,
                                            documents=req.documents,
                                            template=self.frontend.request_template(

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from deployments.chat_protocol import (ChatCompletionRequest, ChatMessage,
                                        FunctionDefinition, NamedFunction, NamedToolChoice,
-                                       Tool)
+                                       ReasoningEffort, Tool)
 from deployments.protocol import APIError, JSONSchemaSpec, ResponseFormat, SamplingOptions, _Base
 from deployments.responses_items import item_messages, need_object, validate
 
@@ -45,6 +45,11 @@ class TextConfig(_Base):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Base):
+    effort: ReasoningEffort | None = None  # (as chat's reasoning_effort)
+    summary: Literal["auto", "concise", "detailed"] | None = None  # (no summaries: echoed)
+
+
 class ResponsesRequest(SamplingOptions):
     model: str | None = None
     input: str | list[Any]  # the items are checked in to_chat, each naming its index
@@ -55,6 +60,7 @@ class ResponsesRequest(SamplingOptions):
     parallel_tool_calls: bool = True
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     stream: bool = False
     store: bool = True
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
@@ -126,6 +132,7 @@ class ResponsesRequest(SamplingOptions):
             priority=self.priority, timeout_s=self.timeout_s, user=self.user,
             logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs,
             chat_template_kwargs=self.chat_template_kwargs,
+            reasoning_effort=self.reasoning.effort if self.reasoning else None,
             **self.model_dump(include=set(SamplingOptions.model_fields)))
         chat._call_limit = self.max_tool_calls
         chat.check_supported()

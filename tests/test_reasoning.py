@@ -255,3 +255,41 @@ def test_the_greedy_output_is_reasoning_on_both_routes(url, tokenizer):
     assert res.output[0].content[0].text == message.reasoning
     assert res.usage.output_tokens_details.reasoning_tokens == res.usage.output_tokens == 12
     assert res.status == "incomplete" and res.output[0].status == "incomplete"
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(tokenizer):
+    """reasoning_effort (chat) and reasoning.effort (Responses): the template variable, and
+    enable_thinking off for "none" (Qwen3's switch) unless chat_template_kwargs sets it."""
+    from deployments.chat_protocol import ChatCompletionRequest, ChatMessage
+    from deployments.frontend import Frontend
+    from deployments.openai_api import OpenAIRoutes
+    from deployments.request_body import parse_body
+    from engine_actors.config import EngineConfig
+    frontend = Frontend(EngineConfig())
+    frontend.tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    frontend.tokenizer.chat_template = "{{ reasoning_effort }}|{{ enable_thinking }}"
+    routes = OpenAIRoutes(frontend)
+
+    def rendered(req) -> str:
+        ids, _, _ = asyncio.run(routes.chat_prompt(req, None))
+        return tokenizer.decode(ids)
+
+    def chat(**fields) -> str:
+        return rendered(ChatCompletionRequest(
+            messages=[ChatMessage(role="user", content="hi")], **fields))
+    assert chat() == "|"
+    assert chat(reasoning_effort="none") == "none|False"
+    assert chat(reasoning_effort="high") == "high|True"
+    assert chat(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}) == \
+        "low|False"
+    assert chat(reasoning_effort="max", chat_template_kwargs={"reasoning_effort": "x"}) == \
+        "max|True"
+    assert rendered(to_chat({"input": "hi", "reasoning": {"effort": "none",
+                                                          "summary": "auto"}})) == "none|False"
+    echoed = ResponseObject(parse({"input": "hi", "reasoning": {"effort": "low"}}), MODEL, 1.0,
+                            1.0).settings["reasoning"]
+    assert echoed == {"effort": "low", "summary": None}
+    with pytest.raises(APIError) as info:
+        parse_body(b'{"messages": [{"role": "user", "content": "a"}], '
+                   b'"reasoning_effort": "huge"}', ChatCompletionRequest)
+    assert info.value.status == 400 and info.value.param == "reasoning_effort"
