@@ -171,6 +171,7 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None  # with the server's trust_request_chat_template only
     reasoning_effort: ReasoningEffort | None = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's own around the template's text
 
     def logprob_fields(self) -> dict:
         if not self.logprobs and self.top_logprobs:

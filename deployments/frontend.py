@@ -240,12 +240,13 @@ class Frontend:
                            "messages") from None
 
     async def prompt_ids(self, prompts: list[str | list[int]], info: ModelInfo,
-                         params: list[str]) -> list[list[int]]:
-        """Token ids of each prompt (text is tokenized, all in one go; ids are checked
-        against the vocab); APIError 400 naming the prompt's param."""
+                         params: list[str], special: bool = True) -> list[list[int]]:
+        """Token ids of each prompt (text is tokenized, all in one go, with the tokenizer's
+        special tokens if `special`; ids are checked against the vocab); APIError 400 naming
+        the prompt's param."""
         texts = [p for p in prompts if isinstance(p, str) and p]
         encoded = iter(await self.tokenize(
-            lambda t: [t.encode(text, add_special_tokens=True) for text in texts],
+            lambda t: [t.encode(text, add_special_tokens=special) for text in texts],
             sum(map(len, texts))))
         out = []
         for prompt, param in zip(prompts, params):

@@ -55,7 +55,8 @@ class OpenAIRoutes:
                 raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
             self.frontend.refuse_over_queue(len(prompts) * req.n,
                                             f"{len(prompts)} prompts with n={req.n}", "prompt")
-            ids = await self.frontend.prompt_ids(prompts, info, ["prompt"] * len(prompts))
+            ids = await self.frontend.prompt_ids(prompts, info, ["prompt"] * len(prompts),
+                                                 req.add_special_tokens)
             prompts = [(p if isinstance(p, str) else None, i) for p, i in zip(prompts, ids)]
             return await self._generate(req, prompts, req.max_tokens, info, False, arrival,
                                         grammar_for(req))
@@ -78,7 +79,7 @@ class OpenAIRoutes:
         """A chat request's prompt token ids, the grammar its output must follow (its
         response_format, or a forced tool call), and the tool-call parser (with tools)."""
         ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None,
-                                           req.add_generation_prompt,
+                                           req.add_generation_prompt, req.add_special_tokens,
                                            template_kwargs=req.template_variables(),
                                            continue_final_message=req.continue_final_message,
                                            documents=req.documents,

@@ -258,6 +258,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (a BOS) around text prompts
 
     def check_supported(self) -> None:
         super().check_supported()

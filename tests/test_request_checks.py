@@ -229,3 +229,39 @@ def test_a_bad_word_with_a_token_past_the_models_logits_is_a_400():
     with pytest.raises(APIError) as info:
         asyncio.run(bad_word_ids(frontend, ["a", "z"], 100))
     assert (info.value.status, info.value.param) == (400, "bad_words.1")
+
+
+def test_add_special_tokens_as_vllm_has_it():
+    """A tokenizer that puts a BOS before text: completions add it unless the request says
+    add_special_tokens: false (a prompt already templated); chat adds none unless asked
+    (the template writes its own)."""
+    import asyncio
+    import types
+
+    from tokenizers.processors import TemplateProcessing
+
+    from deployments.chat_protocol import ChatCompletionRequest, ChatMessage
+    from deployments.frontend import Frontend
+    from deployments.openai_api import OpenAIRoutes
+    from engine_actors.checkpoint import BOS_ID, load_tokenizer, resolve_model_path
+    from engine_actors.config import DEFAULT_MODEL, EngineConfig
+    frontend = Frontend(EngineConfig())
+    frontend.tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    frontend.tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS_ID)])
+    frontend.tokenizer.chat_template = "{{ messages[0].content }}"
+    info = types.SimpleNamespace(vocab_size=BOS_ID + 2)  # (what these calls read of it)
+
+    def prompt(**fields) -> list[int]:
+        req = CompletionRequest(prompt="ab", **fields)
+        return asyncio.run(frontend.prompt_ids([req.prompt], info, ["prompt"],
+                                               req.add_special_tokens))[0]
+    assert prompt() == [BOS_ID, 97, 98]
+    assert prompt(add_special_tokens=False) == [97, 98]
+
+    def chat(**fields) -> list[int]:
+        req = ChatCompletionRequest(messages=[ChatMessage(role="user", content="ab")],
+                                    **fields)
+        return asyncio.run(OpenAIRoutes(frontend).chat_prompt(req, info))[0]
+    assert chat() == [97, 98]
+    assert chat(add_special_tokens=True) == [BOS_ID, 97, 98]
