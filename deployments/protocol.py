@@ -133,7 +133,8 @@ class SamplingOptions(_Base):
         if self.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens ({self.min_tokens}) exceeds max_tokens "
                                 f"({max_tokens})", "min_tokens", "invalid_value")
-        seed = None if self.seed is None else self.seed + choice  # n choices must differ
+        # n choices must differ; -1 is vLLM's "no seed"
+        seed = None if self.seed in (None, -1) else self.seed + choice
         # a grammar ends its output with EOS (all that is left to sample): keep it
         ignore_eos = self.ignore_eos and not engine_fields.get("grammar")
         return SamplingParams(

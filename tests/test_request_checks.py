@@ -265,3 +265,9 @@ def test_add_special_tokens_as_vllm_has_it():
         return asyncio.run(OpenAIRoutes(frontend).chat_prompt(req, info))[0]
     assert chat() == [97, 98]
     assert chat(add_special_tokens=True) == [BOS_ID, 97, 98]
+
+
+def test_seed_minus_one_is_vllms_no_seed():
+    seeds = [CompletionRequest(prompt="a", seed=seed).sampling_params(4, choice=1).seed
+             for seed in (-1, -2, 7, None)]
+    assert seeds == [None, -1, 8, None]
