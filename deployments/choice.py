@@ -14,7 +14,8 @@ class Choice:
 
     def __init__(self, index: int, prompt_index: int, text_stream: TextStream,
                  prompt_ids: list[int], echo: str | None, timer=None, logprobs=None,
-                 tools=None, reasoning=None, stop_token_ids: tuple[int, ...] = ()):
+                 tools=None, reasoning=None, stop_token_ids: tuple[int, ...] = (),
+                 stop_reason_ids: tuple[int, ...] = ()):
         self.index = index
         self.prompt_index = prompt_index
         self.text_stream = text_stream
@@ -26,6 +27,10 @@ class Choice:
         self.echo = echo
         self.text = echo or ""
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop string, or the stop token (of stop_reason_ids: the
+        # request's, and EOS ids other than the tokenizer's), that ended it
+        self.stop_reason: str | int | None = None
+        self.stop_reason_ids = stop_reason_ids
         self.error: str | None = None
         self.timer = timer  # deployments.http_metrics.RequestTimer, when measured
         self.logprobs = logprobs  # deployments.logprobs.LogprobsWriter, when asked
@@ -68,9 +73,11 @@ class Choice:
                 self.call_ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in self.tool_calls]
         self.text += delta
         if self.text_stream.is_stopped:
-            self.finish_reason = "stop"
+            self.finish_reason, self.stop_reason = "stop", self.text_stream.stop_string
         elif is_final:
             self.finish_reason = update.finish_reason
+            if update.finish_reason == "stop" and ids and ids[-1] in self.stop_reason_ids:
+                self.stop_reason = ids[-1]
         if self.tool_calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
         if self.logprobs is not None and not was_stopped:

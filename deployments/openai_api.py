@@ -212,6 +212,7 @@ class OpenAIRoutes:
         tokenizer, reasoning = self.frontend.tokenizer, self.frontend.cfg.reasoning_parser
         include_stop = req.include_stop_str_in_output
         k = r.sampling.logprobs
+        other_eos = tuple(set(eos_token_ids) - {tokenizer.eos_token_id})  # (vLLM's stop_reason)
         choice = Choice(index, index // req.n,
                         TextStream(tokenizer, req.stop_list(), include_stop,
                                    req.skip_special_tokens),
@@ -220,7 +221,8 @@ class OpenAIRoutes:
                         LogprobsWriter(tokenizer, chat, k) if k is not None else None,
                         self._tool_calls(req, tool_parser) if tool_parser else None,
                         ReasoningStream(reasoning) if chat and reasoning else None,
-                        () if include_stop else r.sampling.stop_token_ids + eos_token_ids)
+                        () if include_stop else r.sampling.stop_token_ids + eos_token_ids,
+                        r.sampling.stop_token_ids + other_eos)
         if req.prompt_logprobs is not None:
             choice.prompt_logprobs = PromptLogprobs(tokenizer, ids, req.prompt_logprobs)
         if chat:

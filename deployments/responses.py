@@ -82,10 +82,12 @@ def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choic
 
     if chat:
         items = [{"index": c.index, "message": c.message(), "logprobs": logprobs(c),
-                  "finish_reason": c.finish_reason} for c in ordered]
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                 for c in ordered]
     else:
         items = [{"index": c.index, "text": c.text, "logprobs": logprobs(c),
-                  "finish_reason": c.finish_reason} for c in ordered]
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                 for c in ordered]
         for item, c in zip(items, ordered):
             if c.prompt_logprobs is not None:  # vLLM's, per choice on completions
                 item["prompt_logprobs"] = c.prompt_logprobs.result()
@@ -161,6 +163,8 @@ class SSEWriter:
         else:
             item = {"index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish_reason}
+        if finish_reason is not None:
+            item["stop_reason"] = choice.stop_reason
         if self.return_token_ids:
             item["token_ids"] = token_ids or []
         return self._event([item], usage({"": choice}) if self.continuous_usage else None)

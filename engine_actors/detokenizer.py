@@ -22,6 +22,7 @@ class TextStream:
         self.skip_special_tokens = skip_special_tokens
         self.num_tokens_used = 0  # tokens that produced the returned text (less, after a stop)
         self.is_stopped = False
+        self.stop_string: str | None = None  # the one that stopped it
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._pending: list[int] = []  # ids since the last decoded chunk
@@ -86,11 +87,11 @@ class TextStream:
         if self.stop:
             longest = max(map(len, self.stop))
             search_from = max(0, start - longest + 1)
-            hits = [(i, i + len(s)) for i, s in ((text.find(s, search_from), s)
-                                                 for s in self.stop) if i != -1]
+            hits = [(i, i + len(s), s) for i, s in ((text.find(s, search_from), s)
+                                                    for s in self.stop) if i != -1]
             if hits:
                 self.is_stopped = True
-                first, first_end = min(hits)
+                first, first_end, self.stop_string = min(hits)
                 end = max(first_end if self.include_stop else first, start)
                 self._num_emitted = end
                 return text[start:end]

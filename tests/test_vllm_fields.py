@@ -295,3 +295,25 @@ def test_the_servers_chat_template_and_a_trusted_requests_own(tmp_path):
     with pytest.raises(APIError) as info:
         rendered(trusting, template="{% if %}")
     assert info.value.param == "chat_template"
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(url):
+    letters = dict(max_tokens=16, ignore_eos=True, allowed_token_ids=list(range(97, 103)))
+    full = completion(url, **letters)
+    assert (full["finish_reason"], full["stop_reason"]) == ("length", None)
+    word, token = full["text"][4:6], full["token_ids"][3]
+    by_string = completion(url, stop=["zz", word], **letters)
+    assert (by_string["finish_reason"], by_string["stop_reason"]) == ("stop", word)
+    by_token = completion(url, stop_token_ids=[token], **letters)
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", token)
+    eos = completion(url, max_tokens=4, allowed_token_ids=[EOS_ID])  # the tokenizer's EOS
+    assert (eos["finish_reason"], eos["stop_reason"]) == ("stop", None)
+    def chat(**fields) -> dict:
+        return post(url, "chat/completions", messages=[{"role": "user", "content": "hi"}],
+                    temperature=0, **letters, **fields)["choices"][0]
+    said = chat()["message"]["content"][4:6]
+    assert (chat(stop=[said])["stop_reason"], chat()["stop_reason"]) == (said, None)
+    streamed = events(url, "completions", prompt=PROMPT, temperature=0,
+                      stop_token_ids=[token], **letters)
+    last = [c for e in streamed for c in e["choices"] if c["finish_reason"]]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in last] == [("stop", token)]
