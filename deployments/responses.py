@@ -69,9 +69,13 @@ def usage(choices: dict[str, Choice]) -> dict:
         cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
     prompt_tokens = sum(per_prompt.values())
     completion = sum(c.num_output_tokens for c in choices.values())
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+           "total_tokens": prompt_tokens + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    if any(c.reasoning is not None for c in choices.values()):  # chat, a reasoning parser
+        out["completion_tokens_details"] = {
+            "reasoning_tokens": sum(c.num_reasoning_tokens for c in choices.values())}
+    return out
 
 
 def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choice],

@@ -243,8 +243,10 @@ def test_the_greedy_output_is_reasoning_on_both_routes(url, tokenizer):
     assert "</think>" not in expected
     kwargs = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                   extra_body=NO_EOS)
-    message = client.chat.completions.create(**kwargs).choices[0].message
+    answer = client.chat.completions.create(**kwargs)
+    message = answer.choices[0].message
     assert (message.reasoning, message.content) == (expected.lstrip("\n"), None)
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 12  # (vLLM's)
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     streamed = "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks
                        if c.choices)
