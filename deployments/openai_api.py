@@ -115,8 +115,7 @@ class OpenAIRoutes:
         """Submit the request's choices to the engine: (their RequestGroup, their Choice
         by engine request id, the time limit in s or None)."""
         limit = info.max_model_len
-        beams = getattr(req, "use_beam_search", False)
-        if beams:
+        if beams := getattr(req, "use_beam_search", False):
             check_beam_search(req, grammar)
         bad_words = await bad_word_ids(self.frontend, req.bad_words, info.vocab_size) \
             if req.bad_words else None
@@ -131,7 +130,8 @@ class OpenAIRoutes:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                                     f"However, your prompt has {len(ids)} tokens.",
                                "messages" if chat else "prompt", "context_length_exceeded")
-            n_new = max_tokens if max_tokens is not None else limit - len(ids)
+            rest = limit - len(ids)  # unset max_tokens: the checkpoint's default, or all
+            n_new = max_tokens or min(rest, info.sampling_defaults.get("max_tokens", rest))
             if len(ids) + n_new > limit:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                                     f"However, you requested {len(ids) + n_new} tokens "

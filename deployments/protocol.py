@@ -66,8 +66,8 @@ class StreamOptions(_Base):
 
 class SamplingOptions(_Base):
     """How one request samples and stops: shared by the OpenAI routes and the batch API.
-    Unset (or null) temperature, top_p, top_k and min_p take the checkpoint's
-    generation_config values, else OpenAI's defaults (1, 1, off, off), as vLLM does."""
+    Unset (or null) temperature, top_p, top_k, min_p and the penalties take the checkpoint's
+    generation_config values, else OpenAI's defaults (1, 1, off, off, none), as vLLM does."""
     # vLLM's request fields a route does not follow -> the value that changes nothing: any
     # other is refused (a client that sends one expects its effect, and ignoring it would
     # answer something else). The batch API and the Responses API take fewer than the
@@ -98,9 +98,9 @@ class SamplingOptions(_Base):
     ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
     # extension: a deadline to start by, in ms after arrival (finish_reason "deadline")
     deadline_ms: Annotated[float, Field(gt=0, le=86_400_000)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0  # vLLM / transformers
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None  # vLLM's
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM: no EOS or stop token before this
@@ -133,8 +133,7 @@ class SamplingOptions(_Base):
         if self.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens ({self.min_tokens}) exceeds max_tokens "
                                 f"({max_tokens})", "min_tokens", "invalid_value")
-        # n choices must differ; -1 is vLLM's "no seed"
-        seed = None if self.seed in (None, -1) else self.seed + choice
+        seed = None if self.seed in (None, -1) else self.seed + choice  # -1: none (vLLM)
         # a grammar ends its output with EOS (all that is left to sample): keep it
         ignore_eos = self.ignore_eos and not engine_fields.get("grammar")
         return SamplingParams(
@@ -142,8 +141,9 @@ class SamplingOptions(_Base):
             top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0),
             min_p=pick("min_p", 0.0), seed=seed,
             ignore_eos=ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=_logit_bias(self.logit_bias, vocab_size), min_tokens=self.min_tokens,
             allowed_token_ids=_allowed_ids(self.allowed_token_ids, vocab_size), **engine_fields)
 
@@ -252,7 +252,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # null: the rest of the context
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # null: as chat's unset max_tokens
     echo: bool = False
     # the sampled token's log-probability and this many alternatives, per generated token
     # (and per prompt token with echo)

@@ -280,6 +280,8 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
         defaults = {k: gen[k] for k in SAMPLING_DEFAULTS if gen.get(k) is not None}
         try:  # each request would fail on a default that SamplingParams refuses
             SamplingParams(1, **{**defaults, "top_k": max(defaults.get("top_k", 0), 0)})
+            if gen.get("max_new_tokens") is not None:  # (vLLM's default max_tokens)
+                defaults["max_tokens"] = SamplingParams(gen["max_new_tokens"]).max_tokens
         except (TypeError, ValueError) as e:
             raise ValueError(f"{generation_config}: unusable sampling defaults: {e}") from None
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
@@ -287,7 +289,8 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
                      target_shapes(hf))
 
 
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty")
 
 
 def _as_ids(value) -> set[int]:

@@ -49,6 +49,26 @@ def test_generation_config_gives_eos_ids_and_sampling_defaults(tmp_path):
     assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.5, 3)
     plain = CompletionRequest(prompt="x").sampling_params(8)  # no generation config
     assert (plain.temperature, plain.top_p, plain.top_k, plain.min_p) == (1.0, 1.0, 0, 0.0)
+    assert (plain.repetition_penalty, plain.presence_penalty) == (1.0, 0.0)
+
+
+def test_generation_config_penalties_and_max_new_tokens_are_defaults_as_in_vllm(tmp_path):
+    """Qwen2.5's repetition_penalty 1.05, say: requests that leave it unset get it."""
+    save_random_checkpoint(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"repetition_penalty": 1.05, "presence_penalty": 0.5, "max_new_tokens": 7}))
+    info = model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+    assert info.sampling_defaults == {"repetition_penalty": 1.05, "presence_penalty": 0.5,
+                                      "max_tokens": 7}
+    unset = CompletionRequest(prompt="x").sampling_params(8, 0, info.sampling_defaults)
+    assert (unset.repetition_penalty, unset.presence_penalty, unset.frequency_penalty) == \
+        (1.05, 0.5, 0.0)
+    given = CompletionRequest(prompt="x", repetition_penalty=1.0, presence_penalty=0.0)
+    s = given.sampling_params(8, 0, info.sampling_defaults)
+    assert (s.repetition_penalty, s.presence_penalty) == (1.0, 0.0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
+    with pytest.raises(ValueError, match="unusable sampling defaults"):
+        model_info(EngineConfig.from_args({"model": str(tmp_path)}))
 
 
 @pytest.mark.parametrize("bad", [{"top_p": 0}, {"min_p": 1.5}, {"top_k": "40"}])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 
 import httpx
 import pytest
@@ -22,6 +23,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-http")
     base = str(root / "base")
     save_random_llama(base, seed=6)
+    generation = pathlib.Path(base) / "generation_config.json"  # (test_max_new_tokens_...)
+    generation.write_text(json.dumps({**json.loads(generation.read_text()),
+                                      "max_new_tokens": 5}))
     paths = {}
     for i, (name, rank, targets) in enumerate([
             ("sql", 4, ["q_proj", "v_proj", "down_proj"]),
@@ -147,3 +151,15 @@ def test_adapters_that_cannot_be_served_are_refused(url, models, tmp_path):
         for model, status in [("never", 404), ("tok", 200), (BASE, 200)]:
             r = httpx.post(f"{url}/{route}", json={**body, "model": model}, timeout=30)
             assert r.status_code == status, (route, model, r.text)
+
+
+def test_max_new_tokens_of_the_generation_config_is_the_default_max_tokens(url):
+    """As vLLM: a chat request without max_tokens gets the checkpoint's max_new_tokens."""
+    def chat(**fields) -> dict:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": BASE, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "ignore_eos": True, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()
+    assert chat()["usage"]["completion_tokens"] == 5
+    assert chat(max_tokens=9)["usage"]["completion_tokens"] == 9
