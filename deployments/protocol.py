@@ -46,6 +46,7 @@ class APIError(Exception):
 
 class _Base(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset()  # fields whose null is None, not unset
 
     @model_validator(mode="before")
     @classmethod
@@ -54,8 +55,8 @@ class _Base(BaseModel):
         vLLM take it (openai-python sends null for a None in user code)."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items()
-                    if v is not None or k not in fields or fields[k].is_required()}
+            return {k: v for k, v in data.items() if v is not None or k not in fields
+                    or fields[k].is_required() or k in cls.NULL_KEPT}
         return data
 
 
@@ -191,8 +192,7 @@ class SamplingFields(SamplingOptions):
         "logits_processors": None, "guided_decoding_backend": ("xgrammar", "auto"),
         "guided_whitespace_pattern": None, "structural_tag": None}
 
-    # structured output: OpenAI's response_format, or vLLM's guided_* extensions (or their
-    # newer form, structured_outputs)
+    # structured output: OpenAI's response_format, vLLM's guided_* or structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -252,10 +252,10 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # (as vLLM's)
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # null: as chat's unset max_tokens
     echo: bool = False
-    # the sampled token's log-probability and this many alternatives, per generated token
-    # (and per prompt token with echo)
+    # per generated token (and prompt token, with echo): its logprob and k alternatives
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: int | None = None

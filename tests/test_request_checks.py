@@ -271,3 +271,12 @@ def test_seed_minus_one_is_vllms_no_seed():
     seeds = [CompletionRequest(prompt="a", seed=seed).sampling_params(4, choice=1).seed
              for seed in (-1, -2, 7, None)]
     assert seeds == [None, -1, 8, None]
+
+
+def test_null_max_tokens_on_completions_is_vllms_none_not_the_default_16():
+    from deployments.request_body import parse_body
+    assert parse_body(b'{"prompt": "a"}', CompletionRequest).max_tokens == 16
+    assert parse_body(b'{"prompt": "a", "max_tokens": null}', CompletionRequest).max_tokens \
+        is None
+    assert parse_body(b'{"prompt": "a", "temperature": null}', CompletionRequest) \
+        .temperature is None  # (unset: the checkpoint's default)
