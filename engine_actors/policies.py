@@ -191,12 +191,16 @@ class FCFS(Policy):
     A request that did not give max_tokens (a chat's default: the rest of the context) would
     reserve a whole context and shrink concurrency: it grows its KV as it goes instead, and
     when KV runs out the latest-arrived such request is preempted and recomputed later, as
-    vLLM does. Requests with reservations are never preempted."""
+    vLLM does. Requests with reservations are never preempted.
+
+    Arrival order is kept within a `priority` class: a waiting interactive request (1)
+    starts before waiting background-batch requests (0), which would otherwise hold it for
+    as long as the batch runs. With one class (ORCA's setting) this is arrival order."""
 
     stop_at_first_misfit = True
 
     def key(self, req):
-        return req.arrival_time
+        return (-req.priority, req.arrival_time)
 
     def reservation(self, req):
         return req.max_num_tokens if req.sampling.max_tokens_given else 0
