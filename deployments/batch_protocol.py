@@ -2,7 +2,7 @@
 with the OpenAI routes, and batch_api.py for the routes)."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
@@ -10,7 +10,13 @@ from deployments.protocol import MAX_BATCH, SamplingOptions, _Base
 
 
 class BatchItem(SamplingOptions):
-    """One request of a submitted batch."""
+    """One request of a submitted batch. Fields of the completions route that it does not
+    follow are refused, not ignored."""
+    UNFOLLOWED: ClassVar[dict[str, object]] = {
+        **SamplingOptions.UNFOLLOWED, "n": 1, "best_of": (None, 1), "logprobs": None,
+        "echo": False, "stream": False, "suffix": None, "return_token_ids": False,
+        "response_format": None, "structured_outputs": None, "guided_json": None,
+        "guided_regex": None, "guided_choice": None, "guided_grammar": None, "tools": None}
     prompt: str | list[int]
     max_tokens: Annotated[int, Field(ge=1)] = 16
 

@@ -116,7 +116,8 @@ def template_call_args() -> frozenset[str]:
                  getattr(chat_template_utils, "render_jinja_template", None)]
     return frozenset(name for f in functions if f is not None
                      for name, p in inspect.signature(f).parameters.items()
-                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self")
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self") \
+        | {"messages"}  # (the template's own variable, from the conversation)
 
 
 def check_template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs") -> None:

@@ -84,8 +84,8 @@ class SamplingOptions(_Base):
         for name, neutral in cls.UNFOLLOWED.items() if isinstance(data, dict) else ():
             neutral = neutral if isinstance(neutral, tuple) else (neutral,)
             if data.get(name) not in (None, *neutral):  # (request_body names the field)
-                where = "on this route (completions and chat completions take it)" \
-                    if name in SamplingFields.model_fields else "by this server"
+                where = "by this server" if name in SamplingFields.UNFOLLOWED else \
+                    "on this route (completions and chat completions take it)"
                 raise PydanticCustomError("unsupported_parameter", f"not supported {where}",
                                           {"name": name})
         return data

@@ -10,14 +10,15 @@ and `background` are refused.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
 from deployments.chat_protocol import (ChatCompletionRequest, ChatMessage,
                                        FunctionDefinition, NamedFunction, NamedToolChoice,
                                        ReasoningEffort, Tool)
-from deployments.protocol import APIError, JSONSchemaSpec, ResponseFormat, SamplingOptions, _Base
+from deployments.protocol import (APIError, JSONSchemaSpec, ResponseFormat, SamplingOptions,
+                                  StructuredOutputs, _Base)
 from deployments.responses_items import item_messages, need_object, validate
 
 # the chat request's params, as a Responses request names them (in error objects)
@@ -51,6 +52,14 @@ class ReasoningConfig(_Base):
 
 
 class ResponsesRequest(SamplingOptions):
+    # vLLM's fields of the chat route that it takes too (the others are refused)
+    FOLLOWED: ClassVar = ("include_stop_str_in_output", "skip_special_tokens")
+    UNFOLLOWED: ClassVar[dict[str, object]] = {
+        k: v for k, v in SamplingOptions.UNFOLLOWED.items()
+        if k not in ("include_stop_str_in_output", "skip_special_tokens")}
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # (as on the chat route)
     model: str | None = None
     input: str | list[Any]  # the items are checked in to_chat, each naming its index
     instructions: str | None = None
@@ -133,6 +142,8 @@ class ResponsesRequest(SamplingOptions):
             logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs,
             chat_template_kwargs=self.chat_template_kwargs,
             reasoning_effort=self.reasoning.effort if self.reasoning else None,
+            structured_outputs=self.structured_outputs,
+            **self.model_dump(include=set(self.FOLLOWED)),
             **self.model_dump(include=set(SamplingOptions.model_fields)))
         chat._call_limit = self.max_tool_calls
         chat.check_supported()

@@ -227,7 +227,11 @@ def test_chat_template_kwargs_are_template_variables(tokenizer):
         ChatCompletionRequest(messages=messages, chat_template_kwargs={"tokenize": True}) \
             .check_supported()
     assert info.value.param == "chat_template_kwargs.tokenize"
-    for key in ("chat_template", "tokenize", "conversation"):
+    with pytest.raises(APIError) as info:  # the template's own variable (once a jinja error)
+        ChatCompletionRequest(messages=messages, chat_template_kwargs={"messages": []}) \
+            .check_supported()
+    assert info.value.param == "chat_template_kwargs.messages"
+    for key in ("chat_template", "tokenize", "conversation", "messages"):
         with pytest.raises(ConfigError, match=key):
             build_app({"default_chat_template_kwargs": {key: "x"}})
 

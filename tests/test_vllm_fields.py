@@ -227,16 +227,35 @@ def test_a_grammar_and_allowed_tokens_that_leave_none_end_with_stop(url):
 
 
 def test_the_batch_and_responses_routes_refuse_the_fields_they_do_not_take(url):
-    """They take min_p and allowed_token_ids, not the completions routes' other fields."""
+    """They take min_p and allowed_token_ids, not the completions routes' other fields
+    (the Responses API takes include_stop_str_in_output, skip_special_tokens and
+    structured_outputs too, as vLLM's)."""
     for field, value in [("bad_words", ["a"]), ("truncate_prompt_tokens", 2),
                          ("include_stop_str_in_output", True), ("prompt_logprobs", 1),
-                         ("use_beam_search", True), ("length_penalty", 2.0)]:
+                         ("use_beam_search", True), ("length_penalty", 2.0), ("n", 2),
+                         ("logprobs", 1), ("guided_regex", "a+"), ("echo", True),
+                         ("response_format", {"type": "json_object"})]:
         r = httpx.post(f"{url}/orca/v1/batches", timeout=30, json={
             "requests": [{"prompt": "hi"}, {"prompt": "hi", field: value}]})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == f"requests.1.{field}", r.text
+        if field in ("include_stop_str_in_output", "n", "logprobs", "guided_regex", "echo",
+                     "response_format"):
+            continue  # (the Responses API follows or has its own)
         r = httpx.post(f"{url}/v1/responses", json={"input": "hi", field: value}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    for fields in [{"structured_outputs": {"regex": "[ab]{5}"}},
+                   {"structured_outputs": {"choice": ["yes", "no"]}}]:
+        r = httpx.post(f"{url}/v1/responses", timeout=30, json={
+            "input": "hi", "max_output_tokens": 8, **fields})
+        assert r.status_code == 200, r.text
+        text = r.json()["output"][-1]["content"][0]["text"]
+        assert text in ("yes", "no") if "choice" in fields["structured_outputs"] else \
+            len(text) == 5 and set(text) <= set("ab"), text
+    r = httpx.post(f"{url}/v1/responses", timeout=30, json={
+        "input": "hi", "max_output_tokens": 8, "stop": ["a"], "include_stop_str_in_output": True,
+        "allowed_token_ids": [97], "skip_special_tokens": False})
+    assert r.status_code == 200 and r.json()["output"][-1]["content"][0]["text"] == "a", r.text
     r = httpx.post(f"{url}/orca/v1/batches", timeout=30,
                    json={"requests": [{"prompt": "hi", "allowed_token_ids": [10 ** 6]}]})
     assert r.status_code == 400 and \
