@@ -87,7 +87,9 @@ class ModelsAPI:
             await self.frontend.ready()
             refusal = await self.frontend.call("adapter_call", "unload", body.lora_name)
             if refusal is not None:
-                raise refusal_error(refusal.code, refusal.message, "lora_name")
+                error = refusal_error(refusal.code, refusal.message)
+                error.param = "lora_name"  # (not the request's model)
+                raise error
         except APIError as e:
             return e.response()
         return PlainTextResponse(

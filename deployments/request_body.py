@@ -3,6 +3,7 @@ first error as an OpenAI-style 400 naming its param."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,6 +19,8 @@ def parse_body(raw: bytes, schema: type[_Base]) -> Any:
     except UnicodeDecodeError:
         raise APIError(400, "request body is not valid UTF-8", None, "invalid_encoding") from None
     except ValueError as e:
+        if "integer string conversion" in str(e):  # (Python's limit: no JSON error)
+            e = f"an integer has more than {sys.get_int_max_str_digits()} digits"
         raise APIError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
     except RecursionError:
         raise APIError(400, "request body is nested too deeply", None, "invalid_json") from None

@@ -61,8 +61,10 @@ class ResponsesAPI:
                 await save(body)
             return JSONResponse(body)
         except APIError as e:
-            # the chat machinery names the chat request's params
-            e.param = RESPONSES_PARAMS.get(e.param, e.param)
+            # the chat machinery names the chat request's params (in its messages too)
+            if e.param in RESPONSES_PARAMS:
+                e.message = e.message.replace(e.param, RESPONSES_PARAMS[e.param])
+                e.param = RESPONSES_PARAMS[e.param]
             return e.response()
 
 

@@ -72,7 +72,8 @@ class ResponsesRequest(SamplingOptions):
     reasoning: ReasoningConfig | None = None
     stream: bool = False
     store: bool = True
-    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]],
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)],  # (OpenAI's limits)
+                             Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     user: str | None = None
     previous_response_id: str | None = None

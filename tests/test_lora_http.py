@@ -144,6 +144,7 @@ def test_adapters_that_cannot_be_served_are_refused(url, models, tmp_path):
         assert r.status_code == status and text in r.json()["error"]["message"], r.text
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "never"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "lora_name"
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "tok",
                                                         "lora_path": paths["code"]}, timeout=30)
     assert r.status_code == 200, r.text

@@ -280,3 +280,8 @@ def test_null_max_tokens_on_completions_is_vllms_none_not_the_default_16():
         is None
     assert parse_body(b'{"prompt": "a", "temperature": null}', CompletionRequest) \
         .temperature is None  # (unset: the checkpoint's default)
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_json_error_without_internals():
+    error = refused(b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", CompletionRequest)
+    assert error.code == "invalid_json" and "sys." not in error.message, error.message

@@ -113,6 +113,7 @@ def test_input_items_become_chat_messages():
     ({"tool_choice": ["auto"], "tools": [TOOL]}, "tool_choice"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),  # (OpenAI's: keys of 64 at most)
 ])
 def test_refusals_name_their_param(body, param):
     with pytest.raises(APIError) as info:
@@ -323,6 +324,7 @@ def test_refusals_over_http(url, body, param):
                    json={"model": MODEL, "input": "hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+    assert "response_format" not in r.json()["error"]["message"]  # (the chat route's name)
 
 
 def test_a_missed_deadline_is_408_or_a_failed_response(url):
