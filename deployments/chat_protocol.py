@@ -222,8 +222,13 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def uses_tools(self) -> bool:
-        """Tools are rendered, and the output is parsed for calls."""
+        """The output is parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def rendered_tools(self, exclude_when_none: bool) -> list[Tool] | None:
+        """The tools the template renders: with tool_choice "none" too (the model is told of
+        them, no call is parsed) unless `exclude_when_none`, as vLLM."""
+        return None if self.tool_choice == "none" and exclude_when_none else self.tools
 
     @property
     def forces_tool_calls(self) -> bool:

@@ -78,13 +78,13 @@ class OpenAIRoutes:
                           ) -> tuple[list[int], tuple[str, str] | None, str | None]:
         """A chat request's prompt token ids, the grammar its output must follow (its
         response_format, or a forced tool call), and the tool-call parser (with tools)."""
-        ids = await self.frontend.chat_ids(req.messages, req.tools if req.uses_tools else None,
+        tools = req.rendered_tools(self.frontend.cfg.exclude_tools_when_tool_choice_none)
+        ids = await self.frontend.chat_ids(req.messages, tools,
                                            req.add_generation_prompt, req.add_special_tokens,
                                            template_kwargs=req.template_variables(),
                                            continue_final_message=req.continue_final_message,
-                                           documents=req.documents,
-                                           template=self.frontend.request_template(
-                                               req.chat_template))
+                                           documents=req.documents, template=self.frontend
+                                           .request_template(req.chat_template))
         reasoning = self.frontend.cfg.reasoning_parser
         think_ids = think_token_ids(self.frontend.tokenizer) if reasoning else (None, None)
         grammar = grammar_for(req, reasoning, think_ids)

@@ -18,7 +18,8 @@ DEFAULT_MODEL = "tiny-random-llama"
 
 
 HTTP_ONLY = {"api_key", "request_timeout_s", "served_model_name", "tool_call_parser",
-             "reasoning_parser", "default_chat_template_kwargs"}
+             "reasoning_parser", "default_chat_template_kwargs",
+             "exclude_tools_when_tool_choice_none"}
 
 
 class ConfigError(ValueError):
@@ -107,6 +108,9 @@ class EngineConfig:
     # Tool calls: the output format to parse ("auto": from the chat template, else the
     # architecture: hermes for Qwen and templates with <tool_call>, llama3_json for Llama).
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+    # tool_choice "none" still renders the tools (the model is told of them, calls are not
+    # parsed), as vLLM does, unless this is set (vLLM's --exclude-tools-when-tool-choice-none)
+    exclude_tools_when_tool_choice_none: bool = False
     # The chat routes return <think>...</think> apart from the answer (deployments/reasoning.py).
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     # Template variables of every chat request (a request's chat_template_kwargs go over

@@ -285,3 +285,36 @@ def test_null_max_tokens_on_completions_is_vllms_none_not_the_default_16():
 def test_an_integer_past_pythons_digit_limit_is_a_json_error_without_internals():
     error = refused(b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", CompletionRequest)
     assert error.code == "invalid_json" and "sys." not in error.message, error.message
+
+
+def test_tool_choice_none_renders_the_tools_unless_the_server_excludes_them():
+    """vLLM's default, and its --exclude-tools-when-tool-choice-none."""
+    import asyncio
+    import types
+
+    from deployments.chat_protocol import ChatCompletionRequest
+    from deployments.frontend import Frontend
+    from deployments.openai_api import OpenAIRoutes
+    from engine_actors.checkpoint import load_tokenizer, resolve_model_path
+    from engine_actors.config import DEFAULT_MODEL, EngineConfig
+    from tests.test_structured_output import WEATHER
+    tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    messages = [{"role": "user", "content": "hi"}]
+
+    def prompt(exclude: bool, choice: str) -> list[int]:
+        frontend = Frontend(EngineConfig(exclude_tools_when_tool_choice_none=exclude))
+        frontend.tokenizer = tokenizer
+        req = ChatCompletionRequest.model_validate({"messages": messages, "tools": [WEATHER],
+                                                    "tool_choice": choice})
+        info = types.SimpleNamespace(architecture="LlamaForCausalLM")
+        ids, _, parser = asyncio.run(OpenAIRoutes(frontend).chat_prompt(req, info))
+        assert parser is None or choice == "auto"
+        return ids
+    with_tools = tokenizer.apply_chat_template(messages, tools=[WEATHER], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False)
+    without = tokenizer.apply_chat_template(messages, tokenize=True,
+                                            add_generation_prompt=True, return_dict=False)
+    assert with_tools != without
+    assert prompt(False, "none") == list(with_tools)
+    assert prompt(True, "none") == list(without)
+    assert prompt(True, "auto") == list(with_tools)

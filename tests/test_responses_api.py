@@ -302,9 +302,10 @@ def test_a_forced_tool_call_is_a_function_call_item(client, url, tool_choice):
 def test_a_function_call_round_trip_is_served(client, tokenizer):
     res = client.responses.create(model=MODEL, input=ROUND_TRIP, instructions="Be brief.",
                                   tools=[TOOL], tool_choice="none", max_output_tokens=3)
-    expected = tokenizer.apply_chat_template(ROUND_TRIP_CHAT, add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)
-    assert res.usage.input_tokens == len(expected)  # "none": the tools are not rendered
+    expected = tokenizer.apply_chat_template(ROUND_TRIP_CHAT, tools=[WEATHER],
+                                             add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert res.usage.input_tokens == len(expected)  # "none": rendered, as vLLM (not parsed)
 
 
 @pytest.mark.parametrize("body,param", [
