@@ -95,7 +95,7 @@ def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choic
         for item, c in zip(items, ordered):
             if c.prompt_logprobs is not None:  # vLLM's, per choice on completions
                 item["prompt_logprobs"] = c.prompt_logprobs.result()
-    if token_ids:
+    if token_ids:  # (per choice on chat too; vLLM's place is the top level, below)
         for item, c in zip(items, ordered):
             item["prompt_token_ids"], item["token_ids"] = c.prompt_ids, c.token_ids
     body = {"id": base_id, "object": "chat.completion" if chat else "text_completion",
@@ -103,6 +103,8 @@ def response_body(base_id: str, model: str, chat: bool, choices: dict[str, Choic
             "usage": usage(choices)}
     if chat and ordered[0].prompt_logprobs is not None:  # one prompt: once, as vLLM
         body["prompt_logprobs"] = ordered[0].prompt_logprobs.result()
+    if chat and token_ids:
+        body["prompt_token_ids"] = ordered[0].prompt_ids
     return body
 
 
@@ -139,12 +141,13 @@ class SSEWriter:
         # vLLM's: every chunk has its choice's usage so far (only with include_usage)
         self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
         self.return_token_ids = req.return_token_ids
+        self._sent_prompt_ids: set[int] = set()  # choices whose prompt ids went out
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
-    def _event(self, choices: list, usage: dict | None = None) -> str:
+    def _event(self, choices: list, usage: dict | None = None, **fields) -> str:
         body = {"id": self.base_id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": choices}
+                "model": self.model, "choices": choices, **fields}
         if self.include_usage:
             body["usage"] = usage
         # ASCII-only JSON: U+2028, NEL and the like stay escaped, so clients that split lines
@@ -169,9 +172,17 @@ class SSEWriter:
                     "finish_reason": finish_reason}
         if finish_reason is not None:
             item["stop_reason"] = choice.stop_reason
+        fields = {}
         if self.return_token_ids:
             item["token_ids"] = token_ids or []
-        return self._event([item], usage({"": choice}) if self.continuous_usage else None)
+            if index not in self._sent_prompt_ids:  # vLLM's: the prompt's, with the first
+                self._sent_prompt_ids.add(index)  # chunk (a chat's: once, at the top level)
+                if not self.chat:
+                    item["prompt_token_ids"] = choice.prompt_ids
+                elif not self._sent_prompt_ids - {index}:
+                    fields["prompt_token_ids"] = choice.prompt_ids
+        return self._event([item], usage({"": choice}) if self.continuous_usage else None,
+                           **fields)
 
     def usage(self, usage: dict) -> str:
         return self._event([], usage)

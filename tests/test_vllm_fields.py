@@ -336,3 +336,25 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(url):
                       stop_token_ids=[token], **letters)
     last = [c for e in streamed for c in e["choices"] if c["finish_reason"]]
     assert [(c["finish_reason"], c["stop_reason"]) for c in last] == [("stop", token)]
+
+
+def test_return_token_ids_puts_the_prompts_ids_where_vllm_does(url):
+    """Chat: at the top level (streamed: in the first chunk); completions: in each choice
+    (streamed: in each choice's first chunk)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = list(tokenizer().apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False))
+    fields = dict(max_tokens=3, n=2, return_token_ids=True, ignore_eos=True)
+    chat = post(url, "chat/completions", messages=messages, **fields)
+    assert chat["prompt_token_ids"] == expected
+    chunks = events(url, "chat/completions", messages=messages, **fields)
+    assert chunks[0]["prompt_token_ids"] == expected
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    chunks = events(url, "completions", prompt=PROMPT, **fields)
+    firsts = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            firsts.setdefault(c["index"], c.get("prompt_token_ids"))
+    assert firsts == {0: PROMPT, 1: PROMPT}
+    later = [c for chunk in chunks for c in chunk["choices"] if "prompt_token_ids" in c]
+    assert len(later) == 2  # once per choice
