@@ -20,7 +20,8 @@ from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, bad_word_ids, refusal_error, unavailable
 from deployments.http_metrics import RequestTimer
 from deployments.chat_protocol import ChatCompletionRequest
-from deployments.protocol import APIError, CompletionRequest
+from deployments.completion_protocol import CompletionRequest
+from deployments.protocol import APIError
 from deployments.logprobs import LogprobsWriter, PromptLogprobs
 from deployments.reasoning import ReasoningStream, think_token_ids
 from deployments.structured import grammar_for, tool_grammar

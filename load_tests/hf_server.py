@@ -35,7 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from deployments.protocol import APIError, CompletionRequest
+from deployments.completion_protocol import CompletionRequest
+from deployments.protocol import APIError
 from deployments.request_body import parse_body
 from engine_actors.detokenizer import TextStream
 from load_tests.hf_backends import Backend, ContinuousBackend, GenRequest, StaticBackend

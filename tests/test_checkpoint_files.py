@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from deployments.protocol import CompletionRequest
+from deployments.completion_protocol import CompletionRequest
 from engine_actors.checkpoint import load_tokenizer, model_info, save_random_checkpoint
 from engine_actors.config import EngineConfig
 

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from deployments.chat_protocol import ChatCompletionRequest
+from deployments.completion_protocol import CompletionRequest
 from deployments.finetune_api import FineTuningJobRequest
-from deployments.protocol import APIError, CompletionRequest
+from deployments.protocol import APIError
 from deployments.request_body import parse_body
 from deployments.structured import MAX_JSON_DEPTH, grammar_for
 from deployments.training_data import parse_training_file
