@@ -16,7 +16,8 @@ class BatchItem(SamplingOptions):
         **SamplingOptions.UNFOLLOWED, "n": 1, "best_of": (None, 1), "logprobs": None,
         "echo": False, "stream": False, "suffix": None, "return_token_ids": False,
         "response_format": None, "structured_outputs": None, "guided_json": None,
-        "guided_regex": None, "guided_choice": None, "guided_grammar": None, "tools": None}
+        "guided_regex": None, "guided_choice": None, "guided_grammar": None, "tools": None,
+        "cache_salt": None}
     prompt: str | list[int]
     max_tokens: Annotated[int, Field(ge=1)] = 16
 

@@ -69,8 +69,9 @@ class BeamSearch:
     def __init__(self, client, prompts: list[tuple[str, list[int], int]], width: int,
                  eos_ids: tuple[int, ...], ignore_eos: bool, include_stop: bool,
                  length_penalty: float, priority: int, adapter: str | None,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, cache_salt: str | None = None):
         """`logprobs`: each output token's log-probability and this many alternatives."""
+        self.cache_salt = cache_salt or ""
         self.client, self.prompts, self.width, self.num_top = client, prompts, width, logprobs
         self.eos, self.ignore_eos, self.include_stop = set(eos_ids), ignore_eos, include_stop
         self.length_penalty, self.priority, self.adapter = length_penalty, priority, adapter
@@ -100,7 +101,8 @@ class BeamSearch:
                                   logprobs=max(2 * self.width, self.num_top or 0))
         group = await self.client.submit(
             [EngineRequest(f"{prefix}-s{step}-{i}", ids + b.tokens, sampling, self.priority,
-                           None, self.adapter, continues=step > 0, search=self.search_id)
+                           None, self.adapter, continues=step > 0, search=self.search_id,
+                           cache_salt=self.cache_salt)
              for i, b in enumerate(beams)], wake_each_update=False)
         self._groups.add(group)
         return group

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import uuid
 
-from deployments.reasoning import reasoning_tokens
+from deployments.logprobs import LogprobsWriter, PromptLogprobs
+from deployments.reasoning import ReasoningStream, reasoning_tokens
+from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
 from engine_actors.detokenizer import TextStream
-from engine_actors.messages import RequestUpdate
+from engine_actors.messages import EngineRequest, RequestUpdate
 
 
 class Choice:
@@ -145,3 +147,40 @@ class Choice:
     @property
     def num_output_tokens(self) -> int:
         return self.text_stream.num_tokens_used
+
+
+def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: EngineRequest,
+               chat: bool, timer, tool_parser: str | None,
+               eos_token_ids: tuple[int, ...] = ()) -> Choice:
+    """What turns one choice's tokens into its text: stop strings, echo, log-probabilities,
+    tool calls and reasoning, as the request `req` asks (its engine request: `r`, its prompt
+    `text` and `ids`). `frontend`: the replica's (tokenizer, config)."""
+    tokenizer, reasoning = frontend.tokenizer, frontend.cfg.reasoning_parser
+    include_stop = req.include_stop_str_in_output
+    k = r.sampling.logprobs
+    other_eos = tuple(set(eos_token_ids) - {tokenizer.eos_token_id})  # (vLLM's stop_reason)
+    calls = ToolCallStream(make_parser(tool_parser), req.max_tool_calls(),  # as many as it may
+                           CALL_SEPARATORS[tool_parser] if req.forces_tool_calls else None) \
+        if tool_parser else None
+    choice = Choice(index, index // req.n,
+                    TextStream(tokenizer, req.stop_list(), include_stop, req.skip_special_tokens),
+                    ids, _echo_text(tokenizer, req, text, ids, chat), timer,
+                    LogprobsWriter(tokenizer, chat, k) if k is not None else None, calls,
+                    ReasoningStream(reasoning) if chat and reasoning else None,
+                    () if include_stop else r.sampling.stop_token_ids + eos_token_ids,
+                    r.sampling.stop_token_ids + other_eos)
+    if req.prompt_logprobs is not None:
+        choice.prompt_logprobs = PromptLogprobs(tokenizer, ids, req.prompt_logprobs)
+    if chat:
+        choice.role = req.response_role()
+    return choice
+
+
+def _echo_text(tokenizer, req, text: str | None, ids: list[int], chat: bool) -> str | None:
+    """What the output starts with: a completion's prompt (echo), or a chat's last message
+    if it has the answer's role (echo, as vLLM)."""
+    if not req.echo:
+        return None
+    if chat:
+        return req.echo_text()
+    return text if text is not None else tokenizer.decode(ids)

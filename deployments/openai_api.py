@@ -16,21 +16,18 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.beam_search import BeamSearch, check as check_beam_search
+from deployments.chat_protocol import ChatCompletionRequest
+from deployments.choice import new_choice
+from deployments.completion_protocol import CompletionRequest
 from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, bad_word_ids, refusal_error, unavailable
 from deployments.http_metrics import RequestTimer
-from deployments.chat_protocol import ChatCompletionRequest
-from deployments.completion_protocol import CompletionRequest
 from deployments.protocol import APIError
-from deployments.logprobs import LogprobsWriter, PromptLogprobs
-from deployments.reasoning import ReasoningStream, think_token_ids
-from deployments.structured import grammar_for, tool_grammar
-from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
-from deployments.choice import Choice
+from deployments.reasoning import think_token_ids
 from deployments.responses import (SSEResponse, SSEWriter, StreamWriter, deadline_error,
                                    response_body, timeout_error)
+from deployments.structured import grammar_for, tool_grammar
 from engine_actors.checkpoint import ModelInfo
-from engine_actors.detokenizer import TextStream
 from engine_actors.messages import EngineRequest
 
 
@@ -146,7 +143,8 @@ class OpenAIRoutes:
                                                grammar=grammar, bad_words=bad_words,
                                                **req.logprob_fields())
                 engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids, sampling, priority,
-                                           req.deadline_ms, self.frontend.adapter(req))
+                                           req.deadline_ms, self.frontend.adapter(req),
+                                           cache_salt=req.cache_salt or "")
                 subs.append((engine_req, p_idx * req.n + j, text, ids))
         self.frontend.refuse_if_draining()
         try:
@@ -154,7 +152,7 @@ class OpenAIRoutes:
                 group = BeamSearch(self.frontend.client, searches, req.n, info.eos_token_ids,
                                    req.ignore_eos, req.include_stop_str_in_output,
                                    req.length_penalty, priority, self.frontend.adapter(req),
-                                   req.logprob_fields()["logprobs"])
+                                   req.logprob_fields()["logprobs"], req.cache_salt)
                 await group.start()
             else:  # a non-streamed response without stop strings needs only each end
                 group = await self.frontend.client.submit(
@@ -165,9 +163,9 @@ class OpenAIRoutes:
         except EngineUnavailable as e:
             self.metrics.failure("engine_unavailable")
             raise unavailable(str(e)) from None
-        choices = {r.request_id: self._choice(req, index, text, ids, r, chat, arrival,
-                                              tool_parser, info.eos_token_ids)
-                   for r, index, text, ids in subs}
+        choices = {r.request_id: new_choice(
+            self.frontend, req, index, text, ids, r, chat, RequestTimer(self.metrics, arrival),
+            tool_parser, info.eos_token_ids) for r, index, text, ids in subs}
         limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
         timeout = min(limits) if limits else None  # a request may only shorten the limit
         return group, choices, timeout
@@ -204,46 +202,6 @@ class OpenAIRoutes:
             raise unavailable(f"request failed: {failed}")
         if all(c.finish_reason == "deadline" for c in choices.values()):
             raise deadline_error(req.deadline_ms)
-
-    def _choice(self, req, index: int, text: str | None, ids: list[int], r: EngineRequest,
-                chat: bool, arrival: float, tool_parser: str | None,
-                eos_token_ids: tuple[int, ...] = ()) -> Choice:
-        """What turns one choice's tokens into its text: stop strings, echo, log-
-        probabilities, tool calls and reasoning, as the request asks."""
-        tokenizer, reasoning = self.frontend.tokenizer, self.frontend.cfg.reasoning_parser
-        include_stop = req.include_stop_str_in_output
-        k = r.sampling.logprobs
-        other_eos = tuple(set(eos_token_ids) - {tokenizer.eos_token_id})  # (vLLM's stop_reason)
-        choice = Choice(index, index // req.n,
-                        TextStream(tokenizer, req.stop_list(), include_stop,
-                                   req.skip_special_tokens),
-                        ids, self._echo_text(req, text, ids, chat),
-                        RequestTimer(self.metrics, arrival),
-                        LogprobsWriter(tokenizer, chat, k) if k is not None else None,
-                        self._tool_calls(req, tool_parser) if tool_parser else None,
-                        ReasoningStream(reasoning) if chat and reasoning else None,
-                        () if include_stop else r.sampling.stop_token_ids + eos_token_ids,
-                        r.sampling.stop_token_ids + other_eos)
-        if req.prompt_logprobs is not None:
-            choice.prompt_logprobs = PromptLogprobs(tokenizer, ids, req.prompt_logprobs)
-        if chat:
-            choice.role = req.response_role()
-        return choice
-
-    @staticmethod
-    def _tool_calls(req, parser: str) -> ToolCallStream:
-        """The parser of one choice's tool calls, as many as the request allows."""
-        return ToolCallStream(make_parser(parser), req.max_tool_calls(),
-                              CALL_SEPARATORS[parser] if req.forces_tool_calls else None)
-
-    def _echo_text(self, req, text: str | None, ids: list[int], chat: bool) -> str | None:
-        """What the output starts with: a completion's prompt (echo), or a chat's last
-        message if it has the answer's role (echo, as vLLM)."""
-        if not req.echo:
-            return None
-        if chat:
-            return req.echo_text()
-        return text if text is not None else self.frontend.tokenizer.decode(ids)
 
     async def _stream(self, group, choices, sse: StreamWriter, req, timeout: float | None):
         try:

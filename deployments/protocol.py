@@ -65,6 +65,11 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
+# vLLM's cache_salt: a prefix cache of its own (one tenant's prompts cannot be probed by
+# another's cache hits); vLLM's limits
+CacheSalt = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$")]
+
+
 class SamplingOptions(_Base):
     """How one request samples and stops: shared by the OpenAI routes and the batch API.
     Unset (or null) temperature, top_p, top_k, min_p and the penalties take the checkpoint's
@@ -217,6 +222,7 @@ class SamplingFields(SamplingOptions):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
+    cache_salt: CacheSalt | None = None
     # vLLM's beam search (deployments/beam_search.py): the n likeliest outputs, not samples
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(ge=-10, le=10)] = 1.0  # logprob / len ** this

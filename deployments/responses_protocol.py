@@ -17,8 +17,8 @@ from pydantic import Field
 from deployments.chat_protocol import (ChatCompletionRequest, ChatMessage,
                                        FunctionDefinition, NamedFunction, NamedToolChoice,
                                        ReasoningEffort, Tool)
-from deployments.protocol import (APIError, JSONSchemaSpec, ResponseFormat, SamplingOptions,
-                                  StructuredOutputs, _Base)
+from deployments.protocol import (APIError, CacheSalt, JSONSchemaSpec, ResponseFormat,
+                                  SamplingOptions, StructuredOutputs, _Base)
 from deployments.responses_items import item_messages, need_object, validate
 
 # the chat request's params, as a Responses request names them (in error objects)
@@ -60,6 +60,7 @@ class ResponsesRequest(SamplingOptions):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # (as on the chat route)
+    cache_salt: CacheSalt | None = None
     model: str | None = None
     input: str | list[Any]  # the items are checked in to_chat, each naming its index
     instructions: str | None = None
@@ -143,7 +144,7 @@ class ResponsesRequest(SamplingOptions):
             logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs,
             chat_template_kwargs=self.chat_template_kwargs,
             reasoning_effort=self.reasoning.effort if self.reasoning else None,
-            structured_outputs=self.structured_outputs,
+            structured_outputs=self.structured_outputs, cache_salt=self.cache_salt,
             **self.model_dump(include=set(self.FOLLOWED)),
             **self.model_dump(include=set(SamplingOptions.model_fields)))
         chat._call_limit = self.max_tool_calls

@@ -112,7 +112,7 @@ class EngineLoop:
         deadline = now + r.deadline_ms / 1e3 if r.deadline_ms is not None else float("inf")
         try:
             self.scheduler.add(Request(r.request_id, r.prompt_token_ids, r.sampling, now, sink,
-                                       priority=r.priority, deadline=deadline, lora=lora))
+                                       r.priority, deadline, lora=lora, cache_salt=r.cache_salt))
         except RequestRejected as e:
             return Refusal("too_long", str(e))
         self.last_arrival = now

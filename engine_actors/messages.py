@@ -108,6 +108,7 @@ class EngineRequest:
     # queue limit or drain refuses it
     search: str | None = None  # the beam search whose step it is: a drain waits for the
     # search's next steps until its caller ends it (SchedulerActor.end_search)
+    cache_salt: str = ""  # vLLM's: it shares cached prefix blocks only with this salt
 
 
 @dataclass(slots=True)

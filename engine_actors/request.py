@@ -111,7 +111,7 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.lora is not None:  # its KV differs from the base model's on the same tokens
-            self.cache_salt = self.lora.cache_salt
+            self.cache_salt = f"{self.lora.cache_salt}\x00{self.cache_salt}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -353,3 +353,11 @@ def test_a_client_that_leaves_mid_stream_ends_the_request(url):
             pass
     after = wait_idle(url, timeout=30)
     assert after["num_steps"] - before["num_steps"] < 3000, (before, after)
+
+
+def test_vllm_fields_reach_the_chat_request():
+    chat = to_chat({"input": "hi", "cache_salt": "s", "skip_special_tokens": False,
+                    "include_stop_str_in_output": True,
+                    "structured_outputs": {"regex": "a+"}})
+    assert (chat.cache_salt, chat.skip_special_tokens, chat.include_stop_str_in_output,
+            chat.structured_outputs.regex) == ("s", False, True, "a+")

@@ -358,3 +358,24 @@ def test_return_token_ids_puts_the_prompts_ids_where_vllm_does(url):
     assert firsts == {0: PROMPT, 1: PROMPT}
     later = [c for chunk in chunks for c in chunk["choices"] if "prompt_token_ids" in c]
     assert len(later) == 2  # once per choice
+
+
+def test_cache_salt_keeps_a_prefix_cache_of_its_own(url):
+    """vLLM's cache_salt: a prompt computed under one salt is found cached only under it."""
+    import random
+    prompt = [random.Random(7).randrange(65, 120) for _ in range(50)]  # (no other test's)
+
+    def cached(**salt) -> int:
+        res = post(url, "completions", prompt=prompt, max_tokens=1, **salt)
+        return res["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") >= 32  # its full blocks, under the same salt
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached() >= 32
+    for salt in ["", "a/b", "x" * 129]:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "cache_salt": salt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    r = httpx.post(f"{url}/orca/v1/batches", timeout=30,
+                   json={"requests": [{"prompt": "hi", "cache_salt": "s"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "requests.0.cache_salt"
