@@ -193,14 +193,15 @@ class FCFS(Policy):
     when KV runs out the latest-arrived such request is preempted and recomputed later, as
     vLLM does. Requests with reservations are never preempted.
 
-    Arrival order is kept within a `priority` class: a waiting interactive request (1)
-    starts before waiting background-batch requests (0), which would otherwise hold it for
-    as long as the batch runs. With one class (ORCA's setting) this is arrival order."""
+    Of the waiting requests, arrival order is kept within a `priority` class: a waiting
+    interactive request (1) starts before waiting background-batch requests (0), which would
+    otherwise hold it for as long as the batch runs. With one class (ORCA's setting) this is
+    arrival order. Started requests still come first, whatever their class."""
 
     stop_at_first_misfit = True
 
     def key(self, req):
-        return (-req.priority, req.arrival_time)
+        return (not req.is_admitted, -req.priority, req.arrival_time)
 
     def reservation(self, req):
         return req.max_num_tokens if req.sampling.max_tokens_given else 0
