@@ -241,7 +241,7 @@ class FineTuningAPI:
     async def create(self, request: Request):
         try:
             req = await self.frontend.parse(request, FineTuningJobRequest)
-            if req.model != self.cfg.model_name:
+            if req.model not in self.cfg.model_names:
                 raise APIError(404, f"The model `{req.model}` does not exist or cannot be "
                                f"fine-tuned here; this server fine-tunes `{self.cfg.model_name}`",
                                "model", "model_not_found")

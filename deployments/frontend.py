@@ -158,7 +158,8 @@ class Frontend:
         req = parse_body(body, schema)
         model = getattr(req, "model", None)
         # another name may be a LoRA adapter: the engine knows them, and answers 404 if not
-        if model is not None and model != self.cfg.model_name and not self.cfg.lora_enabled:
+        if model is not None and model not in self.cfg.model_names and \
+                not self.cfg.lora_enabled:
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
                                 f"`{self.cfg.model_name}`.", "model", "model_not_found")
         return req
@@ -174,7 +175,7 @@ class Frontend:
     def adapter(self, req) -> str | None:
         """The LoRA adapter a request names in `model` (None: the base model)."""
         model = getattr(req, "model", None)
-        return model if model not in (None, self.cfg.model_name) else None
+        return model if model is not None and model not in self.cfg.model_names else None
 
     async def check_served(self, req) -> None:
         """APIError 404 unless `model` names the base model or a loaded adapter: for the

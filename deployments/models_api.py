@@ -48,8 +48,9 @@ class ModelsAPI:
                 "max_model_len": info.max_model_len}
         adapters = await self.frontend.call("adapter_call", "paths") \
             if self.cfg.lora_enabled else {}
-        return [base] + [{**base, "id": name, "root": path, "parent": self.cfg.model_name}
-                         for name, path in sorted(adapters.items())]
+        return [{**base, "id": name} for name in self.cfg.model_names] + \
+            [{**base, "id": name, "root": path, "parent": self.cfg.model_name}
+             for name, path in sorted(adapters.items())]
 
     async def models(self, request: Request):
         try:

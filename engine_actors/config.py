@@ -22,6 +22,9 @@ HTTP_ONLY = {"api_key", "request_timeout_s", "served_model_name", "tool_call_par
              "exclude_tools_when_tool_choice_none"}
 
 
+Name = Annotated[str, Field(min_length=1)]
+
+
 class ConfigError(ValueError):
     """The application args are invalid; the message says which arg and why."""
 
@@ -31,7 +34,8 @@ class ConfigError(ValueError):
 class EngineConfig:
     # Model: a local Hugging Face checkpoint directory, or DEFAULT_MODEL (built at start-up).
     model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
+    # the names clients may use in `model` (vLLM's: one, or several, the first reported)
+    served_model_name: Name | Annotated[tuple[Name, ...], Field(min_length=1)] | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     max_model_len: PositiveInt | None = None  # default: the checkpoint's max_position_embeddings
     seed: int = 0
@@ -167,8 +171,14 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients use in the `model` field (vLLM's served_model_name)."""
-        return self.served_model_name or self.model
+        """The name clients use in the `model` field (vLLM's served_model_name's first)."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name of the base model in `model` (served_model_name's, else model)."""
+        names = self.served_model_name or self.model
+        return (names,) if isinstance(names, str) else names
 
     def fingerprint(self) -> str:
         """A short stable hash of the engine's args: one scheduler actor per distinct engine

@@ -160,7 +160,7 @@ class Adapters:
         """Check the lora_modules arg's adapters' configs before the workers start (a
         LoRAError fails the start); they are read and added once the model is known."""
         for name, path in self.cfg.lora_modules.items():
-            self.registry.check_name(name, {self.cfg.model_name})
+            self.registry.check_name(name, set(self.cfg.model_names))
             read_adapter(name, path, self.cfg.max_lora_rank, 0)
 
     def of(self, name: str | None) -> AdapterInfo | Refusal | None:
@@ -186,7 +186,7 @@ class Adapters:
         if not self.cfg.lora_enabled:
             return Refusal("lora_disabled", "LoRA adapters are not enabled on this server "
                            "(start it with enable_lora: true)")
-        reserved = {self.cfg.model_name}
+        reserved = set(self.cfg.model_names)
         try:
             self.registry.check_name(name, reserved)
             self.registry.insert(await asyncio.to_thread(self.registry.read, name, path),

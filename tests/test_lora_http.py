@@ -16,6 +16,7 @@ pytestmark = pytest.mark.own_server  # conftest runs these modules last
 
 pytest.importorskip("peft")
 BASE = "lora-base"
+ALIAS = "lora-base-alias"  # served_model_name's second name (vLLM's several names)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def models(tmp_path_factory):
 def url(models):
     from tests.serve_fixture import app_config, start_app, stop_app
     base, paths = models
-    yield start_app(app_config(model=base, served_model_name=BASE, max_loras=2,
+    yield start_app(app_config(model=base, served_model_name=[BASE, ALIAS], max_loras=2,
                                max_lora_rank=8, lora_modules={"sql": paths["sql"]}))
     stop_app()
 
@@ -75,10 +76,11 @@ async def stream_tokens(url: str, model: str, prompt: list[int], n: int,
 def test_model_picks_the_adapter_and_models_lists_them(url, models):
     base, paths = models
     cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-    assert [(c["id"], c["parent"]) for c in cards] == [(BASE, None), ("sql", BASE)]
+    assert [(c["id"], c["parent"]) for c in cards] == \
+        [(BASE, None), (ALIAS, None), ("sql", BASE)]
     assert httpx.get(f"{url}/v1/models/sql", timeout=30).json()["root"] == paths["sql"]
     prompt = list(range(30, 52))
-    for model, adapter in [(BASE, None), ("sql", paths["sql"])]:
+    for model, adapter in [(BASE, None), (ALIAS, None), ("sql", paths["sql"])]:
         res = complete(url, model, prompt, 8)
         assert res.status_code == 200, res.text
         assert res.json()["model"] == model
@@ -121,7 +123,7 @@ def test_adapters_load_and_unload_while_requests_run(url, models):
     gone = complete(url, "sql", prompts["sql"], 2)
     assert gone.status_code == 404
     ids = [c["id"] for c in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
-    assert ids == [BASE, "chat", "code"]
+    assert ids == [BASE, ALIAS, "chat", "code"]
     health = httpx.get(f"{url}/health", timeout=30).json()["lora_adapters"]
     assert health["loaded"] == ["chat", "code"] and len(health["resident"]) <= 2
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
@@ -138,6 +140,7 @@ def test_adapters_that_cannot_be_served_are_refused(url, models, tmp_path):
              ({"lora_name": "narrow", "lora_path": narrow}, 400, "not [2, 64]"),
              ({"lora_name": "chat2", "lora_path": str(tmp_path)}, 400, "adapter_config.json"),
              ({"lora_name": BASE, "lora_path": paths["code"]}, 400, "cannot name"),
+             ({"lora_name": ALIAS, "lora_path": paths["code"]}, 400, "cannot name"),
              ({"lora_name": "x"}, 400, "lora_path")]
     for body, status, text in cases:
         r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=30)
