@@ -156,6 +156,8 @@ class Frontend:
         if len(body) > MAX_BODY_BYTES:
             raise _too_large()
         req = parse_body(body, schema)
+        if "request_id" in schema.model_fields and req.request_id is None:  # (Serve's proxy
+            req.request_id = request.headers.get("x-request-id", "")[:256] or None  # sets one)
         model = getattr(req, "model", None)
         # another name may be a LoRA adapter: the engine knows them, and answers 404 if not
         if model is not None and model not in self.cfg.model_names and \

@@ -36,6 +36,7 @@ class OpenAIRoutes:
         self.frontend = frontend
         self.metrics = frontend.metrics
         self.model_name = frontend.cfg.model_name
+        self.fingerprint = f"fp_{frontend.cfg.fingerprint()}"  # (OpenAI's: the engine's args)
 
     def routes(self) -> list[Route]:
         return [Route("/v1/completions", self.completions, methods=["POST"]),
@@ -97,15 +98,17 @@ class OpenAIRoutes:
     async def _generate(self, req, prompts, max_tokens, info: ModelInfo, chat: bool,
                         arrival: float, grammar: tuple[str, str] | None = None,
                         tool_parser: str | None = None):
-        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        prefix, unique = "chatcmpl-" if chat else "cmpl-", uuid.uuid4().hex
+        base_id = prefix + unique  # (its engine requests' ids: never shared)
         group, choices, timeout = await self.submit(base_id, req, prompts, max_tokens, info,
                                                     chat, arrival, grammar, tool_parser)
-        model = req.model or self.model_name
+        model, answer_id = req.model or self.model_name, prefix + (req.request_id or unique)
         if req.stream:
-            return self.stream_response(group, choices, SSEWriter(base_id, model, chat, req),
+            return self.stream_response(group, choices, SSEWriter(answer_id, model, chat, req),
                                         req, timeout)
         await self.collect(group, choices, req, timeout)
-        return JSONResponse(response_body(base_id, model, chat, choices, req.return_token_ids))
+        body = response_body(answer_id, model, chat, choices, req.return_token_ids)
+        return JSONResponse({**body, "system_fingerprint": self.fingerprint})
 
     async def submit(self, base_id: str, req, prompts, max_tokens, info: ModelInfo,
                      chat: bool, arrival: float, grammar: tuple[str, str] | None = None,

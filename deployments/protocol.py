@@ -215,6 +215,9 @@ class SamplingFields(SamplingOptions):
     # extension: end the request with HTTP 408 if it has not finished after this long
     timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
     user: str | None = None
+    # vLLM's: the answer's id is "cmpl-"/"chatcmpl-" and this (else the X-Request-Id header,
+    # which Serve's proxy sets when the client does not; engine requests have their own ids)
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # vLLM's: keep the ending stop string's (or token's) text; show special tokens; keep the
     # prompt's last n tokens (-1: all that fit); log-probabilities of prompt tokens (top n)
     include_stop_str_in_output: bool = False

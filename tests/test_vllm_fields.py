@@ -379,3 +379,26 @@ def test_cache_salt_keeps_a_prefix_cache_of_its_own(url):
     r = httpx.post(f"{url}/orca/v1/batches", timeout=30,
                    json={"requests": [{"prompt": "hi", "cache_salt": "s"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "requests.0.cache_salt"
+
+
+def test_request_id_names_the_answer_and_the_fingerprint_is_set(url):
+    """vLLM's: the answer's id comes from the body's request_id, or X-Request-Id; clients
+    that reuse one still get their own engine requests. system_fingerprint as OpenAI's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(route: str, headers=None, **body) -> dict:
+        r = httpx.post(f"{url}/v1/{route}", headers=headers or {}, timeout=60,
+                       json={"max_tokens": 4, "ignore_eos": True, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+    messages = [{"role": "user", "content": "hi"}]
+    chat = ask("chat/completions", {"X-Request-Id": "trace-1"}, messages=messages)
+    assert chat["id"] == "chatcmpl-trace-1" and chat["system_fingerprint"].startswith("fp_")
+    assert ask("completions", prompt="a", request_id="body-2")["id"] == "cmpl-body-2"
+    with ThreadPoolExecutor(4) as pool:  # one id, four requests at once: four answers
+        answers = list(pool.map(lambda p: ask("completions", {"X-Request-Id": "same"},
+                                              prompt=p), ["a", "b", "c", "d"]))
+    assert {a["id"] for a in answers} == {"cmpl-same"}
+    assert [a["usage"]["completion_tokens"] for a in answers] == [4] * 4
+    chunks = events(url, "completions", prompt="a", max_tokens=2, request_id="s-1")
+    assert {c["id"] for c in chunks} == {"cmpl-s-1"}
