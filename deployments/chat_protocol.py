@@ -173,6 +173,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # with the server's trust_request_chat_template only
     reasoning_effort: ReasoningEffort | None = None
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own around the template's text
+    # vLLM's: false leaves the reasoning out of the answer (with a reasoning parser; unlike
+    # vLLM, a grammar still applies after it)
+    include_reasoning: bool = True
 
     def logprob_fields(self) -> dict:
         if not self.logprobs and self.top_logprobs:

@@ -42,7 +42,8 @@ class Choice:
         self.call_ids: list[str] = []
         self.reasoning = reasoning  # deployments.reasoning.ReasoningStream, with a parser
         self.reasoning_text = ""
-        self.new_reasoning = ""  # added by the last update
+        self.new_reasoning = ""  # added by the last update (empty when not shown)
+        self.shows_reasoning = True  # vLLM's include_reasoning
         self._num_reasoning_tokens: int | None = None  # kept once the reasoning ended
         self.stop_token_ids = stop_token_ids  # stop tokens and EOS: their text is not output
         self.prompt_logprobs = None  # deployments.logprobs.PromptLogprobs, when asked
@@ -66,6 +67,8 @@ class Choice:
         if self.reasoning is not None:  # the answer, less the reasoning, goes on
             self.new_reasoning, delta = self.reasoning.add(
                 delta, is_final or self.text_stream.is_stopped)
+            if not self.shows_reasoning:
+                self.new_reasoning = ""
             self.reasoning_text += self.new_reasoning
         if self.tools is not None:  # what may be a tool call is held until it is parsed
             delta = self.tools.add(delta)
@@ -165,7 +168,8 @@ def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: E
     choice = Choice(index, index // req.n,
                     TextStream(tokenizer, req.stop_list(), include_stop, req.skip_special_tokens),
                     ids, _echo_text(tokenizer, req, text, ids, chat), timer,
-                    LogprobsWriter(tokenizer, chat, k) if k is not None else None, calls,
+                    LogprobsWriter(tokenizer, chat, k, req.return_tokens_as_token_ids)
+                    if k is not None else None, calls,
                     ReasoningStream(reasoning) if chat and reasoning else None,
                     () if include_stop else r.sampling.stop_token_ids + eos_token_ids,
                     r.sampling.stop_token_ids + other_eos)
@@ -173,6 +177,7 @@ def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: E
         choice.prompt_logprobs = PromptLogprobs(tokenizer, ids, req.prompt_logprobs)
     if chat:
         choice.role = req.response_role()
+        choice.shows_reasoning = req.include_reasoning
     return choice
 
 

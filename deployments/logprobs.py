@@ -4,7 +4,8 @@ Completions: {"tokens", "token_logprobs", "top_logprobs" ({token: logprob}: the 
 the chosen token, so up to k + 1), "text_offset"},
 the prompt's tokens first with `echo` (the first one has no log-probability: null).
 Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
-"bytes"}]}]}. Tokens are shown as their own decoded text; log-probabilities are of the
+"bytes"}]}]}. Tokens are shown as their own decoded text (or "token_id:{id}", vLLM's
+return_tokens_as_token_ids); log-probabilities are of the
 model's distribution (log-softmax of its logits, before temperature and penalties).
 vLLM's prompt_logprobs: [null, {"token id": {"logprob", "rank", "decoded_token"}}, ...], of
 each prompt token and its k likeliest alternatives (ranked 1 to k).
@@ -15,8 +16,9 @@ from engine_actors.messages import TokenLogprobs
 
 
 class LogprobsWriter:
-    def __init__(self, tokenizer, chat: bool, num_top: int = 0):
+    def __init__(self, tokenizer, chat: bool, num_top: int = 0, as_ids: bool = False):
         self.tokenizer, self.chat = tokenizer, chat
+        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: "token_id:{id}"
         self.num_top = num_top  # alternatives per token
         self.entries: list[tuple[int, TokenLogprobs | None]] = []  # (token id, its logprobs)
         self.num_taken = 0  # entries already streamed
@@ -44,7 +46,7 @@ class LogprobsWriter:
         return self._shape(self.entries)
 
     def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self.as_ids else self.tokenizer.decode([token_id])
 
     def _shape(self, entries) -> dict:
         if self.chat:

@@ -195,7 +195,10 @@ class SamplingFields(SamplingOptions):
     """Fields shared by completions and chat completions."""
     UNFOLLOWED: ClassVar[dict[str, object]] = {
         "logits_processors": None, "guided_decoding_backend": ("xgrammar", "auto"),
-        "guided_whitespace_pattern": None, "structural_tag": None}
+        "guided_whitespace_pattern": None, "structural_tag": None,
+        "thinking_token_budget": None, "repetition_detection": None, "vllm_xargs": None,
+        "logprob_token_ids": None, "spaces_between_special_tokens": True,
+        "return_prompt_text": (None, False), "watermarking": (None, False)}
 
     # structured output: OpenAI's response_format, vLLM's guided_* or structured_outputs
     response_format: ResponseFormat | None = None
@@ -226,6 +229,7 @@ class SamplingFields(SamplingOptions):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
     cache_salt: CacheSalt | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
     # vLLM's beam search (deployments/beam_search.py): the n likeliest outputs, not samples
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(ge=-10, le=10)] = 1.0  # logprob / len ** this

@@ -251,6 +251,14 @@ def test_the_greedy_output_is_reasoning_on_both_routes(url, tokenizer):
     message = answer.choices[0].message
     assert (message.reasoning, message.content) == (expected.lstrip("\n"), None)
     assert answer.usage.completion_tokens_details.reasoning_tokens == 12  # (vLLM's)
+    hidden = client.chat.completions.create(**{**kwargs, "extra_body": {
+        **NO_EOS, "include_reasoning": False}})  # vLLM's: the reasoning is left out
+    assert (hidden.choices[0].message.reasoning, hidden.choices[0].message.content) == \
+        (None, "")
+    assert hidden.usage.completion_tokens_details.reasoning_tokens == 12
+    quiet = list(client.chat.completions.create(stream=True, **{**kwargs, "extra_body": {
+        **NO_EOS, "include_reasoning": False}}))
+    assert not any(getattr(c.choices[0].delta, "reasoning", None) for c in quiet if c.choices)
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     streamed = "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks
                        if c.choices)

@@ -402,3 +402,25 @@ def test_request_id_names_the_answer_and_the_fingerprint_is_set(url):
     assert [a["usage"]["completion_tokens"] for a in answers] == [4] * 4
     chunks = events(url, "completions", prompt="a", max_tokens=2, request_id="s-1")
     assert {c["id"] for c in chunks} == {"cmpl-s-1"}
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(url):
+    res = completion(url, max_tokens=4, ignore_eos=True, logprobs=2,
+                     return_tokens_as_token_ids=True)
+    lp = res["logprobs"]
+    assert lp["tokens"] == [f"token_id:{i}" for i in res["token_ids"]]
+    assert all(all(t.startswith("token_id:") for t in top) for top in lp["top_logprobs"])
+    chat = post(url, "chat/completions", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=1,
+                return_token_ids=True, return_tokens_as_token_ids=True)["choices"][0]
+    assert [e["token"] for e in chat["logprobs"]["content"]] == \
+        [f"token_id:{i}" for i in chat["token_ids"]]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("thinking_token_budget", 16), ("spaces_between_special_tokens", False),
+    ("logprob_token_ids", [5]), ("vllm_xargs", {"a": 1}), ("repetition_detection", {})])
+def test_vllm_fields_this_server_cannot_follow_are_400(url, field, value):
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
