@@ -14,6 +14,7 @@ import torch
 
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
 from engine_actors.lora_files import target_shapes
+from engine_actors.model_checks import check_model
 from engine_actors.request import SamplingParams
 
 # Bump when the built-in model changes so stale copies are not reused.
@@ -151,7 +152,8 @@ def _build_once(dirname: str, build) -> str:
 # architectures[0] of config.json (engine_actors/models has the classes); configs without
 # one (our random-weight presets) are named by their model_type
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 
 
 def load_hf_config(path: str):
@@ -172,20 +174,6 @@ def architecture(hf_config) -> str:
     return names[0] if names else ARCHITECTURES.get(hf_config.model_type, hf_config.model_type)
 
 
-def check_attention_window(hf_config, max_model_len: int) -> None:
-    """Sliding-window attention is not implemented: refuse a window the context can exceed
-    (Mistral v0.1 has 4096; Qwen2 applies its window only with use_sliding_window)."""
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-        window = None
-    if layer_types and "sliding_attention" not in layer_types:
-        window = None
-    if window is not None and window < max_model_len:
-        raise ValueError(f"sliding-window attention (window {window} tokens) is not supported; "
-                         f"set max_model_len to at most {window} to serve this model")
-
-
 def load_tokenizer(path: str):
     """The checkpoint's tokenizer (a fast one: streaming decode runs in Rust), with a simple
     chat template when it has none."""
@@ -197,20 +185,6 @@ def load_tokenizer(path: str):
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def check_tensor_parallel(hf_config, tp_size: int) -> None:
-    """Refuse head counts that tensor parallelism cannot split: query heads must divide
-    evenly, and KV heads either divide evenly or are replicated, each rank holding one whole
-    KV head whose query heads all live on that rank (tp a multiple of the KV heads)."""
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    if heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                         f"{heads} attention heads")
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads: "
-                         "one must be a multiple of the other (each rank holds whole KV heads, "
-                         "or one replicated KV head)")
 
 
 def weight_files(path: str) -> list[str]:
@@ -259,17 +233,11 @@ class ModelInfo:
 def model_info(cfg: EngineConfig) -> ModelInfo:
     path = resolve_model_path(cfg.model)
     hf = load_hf_config(path)
-    check_tensor_parallel(hf, cfg.tensor_parallel_size)
-    if cfg.enable_finetuning and cfg.tensor_parallel_size > hf.num_key_value_heads:
-        raise ValueError(f"enable_finetuning with tensor_parallel_size "
-                         f"{cfg.tensor_parallel_size} above the model's "
-                         f"{hf.num_key_value_heads} KV heads (which then replicate) is not "
-                         "supported")
     limit = hf.max_position_embeddings
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
                          f"max_position_embeddings {limit}")
-    check_attention_window(hf, cfg.max_model_len or limit)
+    check_model(hf, cfg, architecture(hf))
     eos = _as_ids(hf.eos_token_id)
     defaults = {}
     generation_config = os.path.join(path, "generation_config.json")

@@ -1,5 +1,5 @@
-"""Checkpoints users have: Llama, Mistral, Qwen2 and Qwen3, in fp32, bf16 or fp16, whole or
-sharded, each with greedy outputs equal to transformers' (fp32 compute)."""
+"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3 and Phi-3, in fp32, bf16 or fp16,
+whole or sharded, each with greedy outputs equal to transformers' (fp32 compute)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,8 @@ CHECKPOINTS = {
     "qwen3-bias-head24": ("qwen3", dict(head_dim=24, attention_bias=True)),
     "llama-bf16-sharded": ("llama", dict(dtype=torch.bfloat16, max_shard_size="40KB")),
     "llama-fp16": ("llama", dict(dtype=torch.float16)),
+    "phi3": ("phi3", dict()),  # fused qkv_proj and gate_up_proj in the checkpoint
+    "phi3-gqa-sharded": ("phi3", dict(num_key_value_heads=1, max_shard_size="40KB")),
 }
 
 
@@ -48,7 +50,25 @@ def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_pa
     message = str(e.value)
     assert "LlamaForSequenceClassification" in message
     assert all(a in message for a in ["LlamaForCausalLM", "MistralForCausalLM",
-                                      "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+                                      "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                      "Phi3ForCausalLM"])
+
+
+@pytest.mark.parametrize("changes,args,match", [
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                           "partial_rotary_factor": 0.75}), {}, "partial_rotary_factor"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                           "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                           "original_max_position_embeddings": 2048}), {}, "longrope"),
+    ({}, {"enable_lora": True}, "LoRA adapters and fine-tuning are not supported"),
+])
+def test_phi3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes, args, match):
+    """Phi-4-mini's partial rotary, the 128k releases' LongRoPE, and LoRA on fused
+    projections: refused at start, saying what."""
+    save_random_checkpoint(str(tmp_path), "phi3")
+    write_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=match):
+        model_info(EngineConfig.from_args({"model": str(tmp_path), **args}))
 
 
 def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
@@ -60,7 +80,8 @@ def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type,head_dim", [("llama", 80), ("llama", 128), ("qwen3", 80)])
+@pytest.mark.parametrize("model_type,head_dim", [("llama", 80), ("llama", 128), ("qwen3", 80),
+                                                 ("phi3", 96)])
 def test_greedy_matches_transformers_on_gpu_fp32_for_head_sizes(model_type, head_dim, tmp_path):
     """Triton kernels at head sizes that are not (80) and are (128) powers of two."""
     save_random_checkpoint(str(tmp_path), model_type, seed=7, hidden_size=4 * head_dim,

@@ -209,6 +209,28 @@ def test_worker_death_fails_in_flight_requests_and_recovers(ray_cluster):
     stop_engine(actor)
 
 
+def test_phi3_fused_projections_are_sharded_part_by_part(tmp_path):
+    """Phi-3's checkpoint holds q, k and v in one tensor, gate and up in another: each rank
+    gets its heads of each part, as from Llama's separate tensors."""
+    from engine_actors.checkpoint import save_random_checkpoint
+    save_random_checkpoint(str(tmp_path), "phi3", seed=4)
+    full, cfg = hf_weights(str(tmp_path))
+    d, heads, kv, inter = 16, cfg.num_attention_heads, cfg.num_key_value_heads, \
+        cfg.intermediate_size
+    q, k, v = full["layers.1.self_attn.qkv_proj.weight"].split([heads * d, kv * d, kv * d])
+    gate, up = full["layers.1.mlp.gate_up_proj.weight"].chunk(2)
+    for r in range(2):
+        runner = ModelRunner(str(tmp_path), "cpu", torch.float32, 256, 16, 4, 0,
+                             parallel=ParallelGroup(r, 2, 0, 1))
+        got = dict(runner.model.named_parameters())
+        rows = lambda t, n: t[r * n // 2 * d:(r + 1) * n // 2 * d]  # noqa: E731
+        assert torch.equal(got["layers.1.self_attn.qkv_proj.weight"],
+                           torch.cat([rows(q, heads), rows(k, kv), rows(v, kv)]))
+        half = slice(r * inter // 2, (r + 1) * inter // 2)
+        assert torch.equal(got["layers.1.mlp.gate_up_proj.weight"],
+                           torch.cat([gate[half], up[half]]))
+
+
 def test_tp_with_more_ranks_than_kv_heads(ray_cluster, tmp_path):
     """One KV head, two ranks: each rank holds the replicated head; outputs equal one
     worker's."""

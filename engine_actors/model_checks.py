@@ -1,0 +1,66 @@
+"""What a checkpoint's config must satisfy for this engine to serve it (and to train
+adapters on it), checked at start so that a model it cannot run fails the start and says
+why."""
+from __future__ import annotations
+
+
+def check_model(hf_config, cfg, architecture: str) -> None:
+    """ValueError naming what is not supported (cfg: the EngineConfig)."""
+    check_tensor_parallel(hf_config, cfg.tensor_parallel_size)
+    if cfg.enable_finetuning and cfg.tensor_parallel_size > hf_config.num_key_value_heads:
+        raise ValueError(f"enable_finetuning with tensor_parallel_size "
+                         f"{cfg.tensor_parallel_size} above the model's "
+                         f"{hf_config.num_key_value_heads} KV heads (which then replicate) is "
+                         "not supported")
+    check_attention_window(hf_config, cfg.max_model_len or hf_config.max_position_embeddings)
+    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
+    if rope_type in ("dynamic", "longrope"):  # (as layers/rotary.py, before the workers)
+        raise ValueError(f"rope_type {rope_type!r} rescales with sequence length at run time "
+                         "and is not supported; supported: default, linear, llama3, yarn")
+    if architecture == "Phi3ForCausalLM":
+        check_phi3(hf_config, cfg)
+
+
+def check_attention_window(hf_config, max_model_len: int) -> None:
+    """Sliding-window attention is not implemented: refuse a window the context can exceed
+    (Mistral v0.1 has 4096; Qwen2 applies its window only with use_sliding_window)."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        window = None
+    if layer_types and "sliding_attention" not in layer_types:
+        window = None
+    if window is not None and window < max_model_len:
+        raise ValueError(f"sliding-window attention (window {window} tokens) is not supported; "
+                         f"set max_model_len to at most {window} to serve this model")
+
+
+def check_tensor_parallel(hf_config, tp_size: int) -> None:
+    """Refuse head counts that tensor parallelism cannot split: query heads must divide
+    evenly, and KV heads either divide evenly or are replicated, each rank holding one whole
+    KV head whose query heads all live on that rank (tp a multiple of the KV heads)."""
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
+                         f"{heads} attention heads")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads: "
+                         "one must be a multiple of the other (each rank holds whole KV heads, "
+                         "or one replicated KV head)")
+
+
+def check_phi3(hf_config, cfg) -> None:
+    """Rotary over the whole head and SiLU (Phi-4-mini rotates part of each head); no LoRA:
+    adapters of this engine target q/k/v and gate/up apart, and transformers' Phi-3 has
+    only its fused projections, so neither served adapters nor trained ones would match."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor",
+                      getattr(hf_config, "partial_rotary_factor", None))
+    if factor not in (None, 1.0):
+        raise ValueError(f"partial_rotary_factor {factor} (rotary over part of each head) is "
+                         "not supported")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (silu only)")
+    if cfg.lora_enabled:
+        raise ValueError("LoRA adapters and fine-tuning are not supported for "
+                         "Phi3ForCausalLM (its q/k/v and gate/up projections are fused)")

@@ -1,0 +1,42 @@
+"""Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM): Llama with its projections fused in the
+checkpoint. `qkv_proj` holds q, k and v one after another and `gate_up_proj` gate then up;
+they are split into the parts of our own stacked projections (whose names they already
+have), so tensor parallelism shards each part as for Llama. Rotary must cover the whole head
+and LongRoPE (the 128k releases) is refused, as are LoRA adapters and fine-tuning
+(engine_actors/model_checks.py says why).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine_actors.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        """A fused tensor is loaded part by part, under one key (see weight_keys)."""
+        module_path, _, param = name.rpartition(".")
+        fused = module_path.rpartition(".")[2]
+        if fused not in ("qkv_proj", "gate_up_proj"):
+            return super().load_weight(name, tensor)
+        if name.startswith("model."):
+            module_path = module_path[len("model."):]
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            return None  # another stage's layer
+        sizes = [heads * size for heads, size in module.parts]
+        for part, piece in enumerate(tensor.split(sizes, dim=0)):
+            module.load(param, piece, part)
+        return f"{module_path}.{param}[fused]"
+
+    def weight_keys(self) -> set[str]:
+        """As Llama's, with one key per fused tensor instead of one per part."""
+        keys = set()
+        for key in super().weight_keys():
+            path, _, rest = key.rpartition(".")
+            if path.rpartition(".")[2] in ("qkv_proj", "gate_up_proj"):
+                keys.add(f"{path}.{rest.split('[')[0]}[fused]")
+            else:
+                keys.add(key)
+        return keys
