@@ -6,18 +6,20 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from deployments.protocol import MAX_BATCH, SamplingOptions, _Base
+from deployments.protocol import MAX_BATCH, SamplingFields, SamplingOptions, _Base
 
 
 class BatchItem(SamplingOptions):
     """One request of a submitted batch. Fields of the completions route that it does not
     follow are refused, not ignored."""
     UNFOLLOWED: ClassVar[dict[str, object]] = {
-        **SamplingOptions.UNFOLLOWED, "n": 1, "best_of": (None, 1), "logprobs": None,
-        "echo": False, "stream": False, "suffix": None, "return_token_ids": False,
-        "response_format": None, "structured_outputs": None, "guided_json": None,
-        "guided_regex": None, "guided_choice": None, "guided_grammar": None, "tools": None,
-        "cache_salt": None}
+        **SamplingOptions.UNFOLLOWED, **SamplingFields.UNFOLLOWED, "n": 1,
+        "best_of": (None, 1), "logprobs": None, "echo": False, "stream": False, "suffix": None,
+        "return_token_ids": False, "response_format": None, "structured_outputs": None,
+        "guided_json": None, "guided_regex": None, "guided_choice": None,
+        "guided_grammar": None, "tools": None, "cache_salt": None, "add_special_tokens": True,
+        "return_tokens_as_token_ids": False, "request_id": None, "timeout_s": None,
+        "priority": None}  # (the batch's priority is the batch's field)
     prompt: str | list[int]
     max_tokens: Annotated[int, Field(ge=1)] = 16
 

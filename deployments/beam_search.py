@@ -86,9 +86,13 @@ class BeamSearch:
         """Submit every prompt's first step (RequestRefused or EngineUnavailable, with
         nothing left queued, if the engine refuses any of them), then search on in tasks.
         Later steps continue an admitted request: no queue limit or drain refuses them."""
-        firsts = await asyncio.gather(*(self._step(prefix, 0, ids, [Beam([])])
-                                        for prefix, ids, _ in self.prompts),
-                                      return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(self._step(prefix, 0, ids, [Beam([])])
+                                            for prefix, ids, _ in self.prompts),
+                                          return_exceptions=True)
+        except BaseException:  # cancelled (the client left): the route never closes it
+            self.close()
+            raise
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:
             self.close()

@@ -102,7 +102,8 @@ class OpenAIRoutes:
         base_id = prefix + unique  # (its engine requests' ids: never shared)
         group, choices, timeout = await self.submit(base_id, req, prompts, max_tokens, info,
                                                     chat, arrival, grammar, tool_parser)
-        model, answer_id = req.model or self.model_name, prefix + (req.request_id or unique)
+        model = req.model if self.frontend.adapter(req) else self.model_name  # (vLLM's)
+        answer_id = prefix + (req.request_id or unique)
         if req.stream:
             return self.stream_response(group, choices, SSEWriter(answer_id, model, chat, req),
                                         req, timeout)

@@ -42,7 +42,8 @@ class ResponsesAPI:
             ids, grammar, parser = await self.openai.chat_prompt(chat, info)
             defaults = info.sampling_defaults or {}
             cfg = self.frontend.cfg
-            response = ResponseObject(req, req.model or self.openai.model_name,
+            model = req.model if self.frontend.adapter(req) else self.openai.model_name
+            response = ResponseObject(req, model,
                                       _pick(req.temperature, defaults, "temperature"),
                                       _pick(req.top_p, defaults, "top_p"),
                                       cfg.block_size if cfg.enable_prefix_caching else None,

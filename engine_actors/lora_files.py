@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass, field
 
@@ -163,14 +164,26 @@ def read_adapter(name: str, path: str, max_rank: int, adapter_id: int) -> Adapte
                        tuple(t for t in TARGETS if t in targets), adapter_id)
 
 
+OWNER_FILE = ".orca-owner"  # "host pid" of the engine whose temp directory it is
+
+
 def temp_adapter_dir() -> tempfile.TemporaryDirectory:
-    """A temp directory for the adapters of finished jobs, named after this process. Those of
-    processes that are gone (a scheduler killed before its teardown) are removed first."""
-    for path in pathlib.Path(tempfile.gettempdir()).glob("orca-finetune-*-*"):
-        pid = path.name.split("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+    """A temp directory for the adapters of finished jobs, marked with this host and
+    process. Such directories of this user whose process is gone on this host (a scheduler
+    killed before its teardown) are removed first; nothing without the mark is touched."""
+    host = socket.gethostname()
+    for path in pathlib.Path(tempfile.gettempdir()).glob("orca-finetune-*"):
+        try:
+            if path.lstat().st_uid != os.getuid():
+                continue
+            owner_host, pid = (path / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if owner_host == host and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-    return tempfile.TemporaryDirectory(prefix=f"orca-finetune-{os.getpid()}-")
+    temp = tempfile.TemporaryDirectory(prefix="orca-finetune-")
+    (pathlib.Path(temp.name) / OWNER_FILE).write_text(f"{host} {os.getpid()}")
+    return temp
 
 
 def _alive(pid: int) -> bool:

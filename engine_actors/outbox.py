@@ -33,12 +33,17 @@ class Outbox:
         self.pending: dict[str, RequestUpdate] = {}
         self.request_ids: set[str] = set()  # unfinished requests of this caller
         self.searches: set[str] = set()  # its beam searches not ended (EngineRequest.search)
-        self.event = asyncio.Event()
+        self.ended = EarlyAborts()  # searches ended (an add Ray delivers late must not
+        self.event = asyncio.Event()  # register one again)
 
     def add(self, request_id: str, search: str | None = None) -> None:
         self.request_ids.add(request_id)
-        if search is not None:
+        if search is not None and search not in self.ended.ids:
             self.searches.add(search)
+
+    def end_search(self, search: str) -> None:
+        self.searches.discard(search)
+        self.ended.remember(search)
 
     def deliver(self, out: RequestOutput, error: str | None) -> None:
         update = RequestUpdate(out.new_token_ids, out.finish_reason, out.num_prompt_tokens,

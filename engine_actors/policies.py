@@ -200,8 +200,10 @@ class FCFS(Policy):
 
     stop_at_first_misfit = True
 
-    def key(self, req):
-        return (not req.is_admitted, -req.priority, req.arrival_time)
+    def key(self, req):  # (a request's priority counts only while it waits)
+        if req.is_admitted:
+            return (False, 0, req.arrival_time)
+        return (True, -req.priority, req.arrival_time)
 
     def reservation(self, req):
         return req.max_num_tokens if req.sampling.max_tokens_given else 0

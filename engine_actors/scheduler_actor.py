@@ -202,7 +202,7 @@ class SchedulerActor:
             out.sink.aborted(out)
 
     def end_search(self, client_id: str, search: str) -> None:  # a drain waits no more
-        self.outboxes.get(client_id, Outbox(client_id)).searches.discard(search)
+        self.outboxes.get(client_id, Outbox(client_id)).end_search(search)
 
     def _deliver(self, outputs: list[RequestOutput], error: str | None) -> None:
         self.metrics.count(outputs)

@@ -209,3 +209,37 @@ def test_a_search_out_of_time_is_a_408_and_submits_no_more_steps(url):
     time.sleep(1.0)
     assert prompt_tokens(url) == before
     wait_idle(url)
+
+
+def test_a_search_cancelled_while_starting_still_ends_and_a_late_step_does_not_reopen_it():
+    """A client that leaves during the first step's submission: the search is ended (a
+    drain must not wait for it), and a step Ray delivers after the end registers nothing."""
+    import asyncio
+
+    from deployments.beam_search import BeamSearch
+    from engine_actors.outbox import Outbox
+
+    class Client:  # its submissions never return
+        ended = None
+
+        async def submit(self, requests, wake_each_update):
+            await asyncio.sleep(60)
+
+        def end_search(self, search):
+            self.ended = search
+
+    async def cancelled() -> None:
+        beams = BeamSearch(client, [("c", [1, 2], 3)], 2, (9,), False, False, 1.0, 1, None)
+        task = asyncio.ensure_future(beams.start())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    client = Client()
+    asyncio.run(cancelled())
+    assert client.ended == "c-search"
+    outbox = Outbox("replica")
+    outbox.add("c-s0-0", "c-search")
+    outbox.end_search("c-search")
+    outbox.add("c-s1-0", "c-search")  # reordered after the end
+    assert not outbox.searches

@@ -371,22 +371,32 @@ def test_the_default_adapter_directory_goes_with_the_engine(tmp_path):
 
 def test_directories_of_killed_engines_are_removed_at_start(tmp_path, monkeypatch):
     """A scheduler killed before its teardown leaves its directory: the next engine on the
-    machine removes those whose process is gone, and keeps the others'."""
+    machine removes those marked by a process of this host that is gone, and nothing else
+    (live engines', unmarked or other hosts' directories, a user's finetune_dir)."""
+    import socket
     import subprocess
     import sys
     import tempfile
 
     from engine_actors.config import EngineConfig
     from engine_actors.finetune_jobs import FineTuning
+    from engine_actors.lora_files import OWNER_FILE
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = tmp_path / f"orca-finetune-{gone.pid}-abc"
-    live = tmp_path / f"orca-finetune-{os.getppid()}-def"  # pytest's parent: running
-    other = tmp_path / "orca-finetune-notapid-x"
-    for d in (dead, live, other):
-        (d / "adapter").mkdir(parents=True)
+    host = socket.gethostname()
+    marks = {"dead": f"{host} {gone.pid}", "live": f"{host} {os.getppid()}",
+             "elsewhere": f"another-host {gone.pid}", "unmarked": None}
+    for name, mark in marks.items():
+        (tmp_path / f"orca-finetune-{name}" / "adapter").mkdir(parents=True)
+        if mark is not None:
+            (tmp_path / f"orca-finetune-{name}" / OWNER_FILE).write_text(mark)
+    user_dir = tmp_path / "orca-finetune-2024-06"  # a finetune_dir, say
+    user_dir.mkdir()
     ft = FineTuning(EngineConfig(), adapters=None)
-    assert ft.dir.startswith(str(tmp_path / f"orca-finetune-{os.getpid()}-"))
-    assert not dead.exists() and live.exists() and other.exists()
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"orca-finetune-live", "orca-finetune-elsewhere", "orca-finetune-unmarked",
+                    "orca-finetune-2024-06", os.path.basename(ft.dir)}
+    assert (tmp_path / os.path.basename(ft.dir) / OWNER_FILE).read_text() == \
+        f"{host} {os.getpid()}"
     ft.close()

@@ -87,6 +87,22 @@ def test_fcfs_starts_a_waiting_interactive_request_before_waiting_batch_requests
     assert outs["chat"] == expected_output([4] * 3, 5)
 
 
+def test_fcfs_keeps_running_batch_requests_going_beside_an_interactive_prefill():
+    """Once started, priority no longer orders: a long interactive prompt is prefilled in
+    chunks beside the running batch requests' decodes, never instead of them."""
+    sched, runner, outs = make("fcfs", num_blocks=512, max_batch=8, max_tokens=16), \
+        FakeRunner(4), {}
+    for i in range(3):
+        sched.add(req(f"b{i}", 4, 200, t=i, token=2))
+    for _ in range(3):
+        step(sched, runner, outs)
+    sched.add(req("chat", 160, 4, t=10, priority=1, token=3))
+    for _ in range(6):
+        batch = step(sched, runner, outs)
+        assert {"b0", "b1", "b2"} <= set(ids(batch)), ids(batch)
+    assert "chat" in ids(batch)
+
+
 def test_priority_arrival_preempts_the_latest_low_priority_request_when_kv_is_full():
     # 12 blocks of 4 tokens; two low-priority requests grow until the pool is full
     sched, runner, outs = make("priority", num_blocks=12, max_batch=4), FakeRunner(4), {}

@@ -234,13 +234,14 @@ def test_the_batch_and_responses_routes_refuse_the_fields_they_do_not_take(url):
                          ("include_stop_str_in_output", True), ("prompt_logprobs", 1),
                          ("use_beam_search", True), ("length_penalty", 2.0), ("n", 2),
                          ("logprobs", 1), ("guided_regex", "a+"), ("echo", True),
-                         ("response_format", {"type": "json_object"})]:
+                         ("response_format", {"type": "json_object"}),
+                         ("thinking_token_budget", 8), ("add_special_tokens", False)]:
         r = httpx.post(f"{url}/orca/v1/batches", timeout=30, json={
             "requests": [{"prompt": "hi"}, {"prompt": "hi", field: value}]})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == f"requests.1.{field}", r.text
         if field in ("include_stop_str_in_output", "n", "logprobs", "guided_regex", "echo",
-                     "response_format"):
+                     "response_format", "add_special_tokens"):
             continue  # (the Responses API follows or has its own)
         r = httpx.post(f"{url}/v1/responses", json={"input": "hi", field: value}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
