@@ -12,7 +12,8 @@ def check_model(hf_config, cfg, architecture: str) -> None:
                          f"{cfg.tensor_parallel_size} above the model's "
                          f"{hf_config.num_key_value_heads} KV heads (which then replicate) is "
                          "not supported")
-    check_attention_window(hf_config, cfg.max_model_len or hf_config.max_position_embeddings)
+    check_attention_window(hf_config, cfg,
+                           cfg.max_model_len or hf_config.max_position_embeddings)
     rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
     if rope_type in ("dynamic", "longrope"):  # (as layers/rotary.py, before the workers)
         raise ValueError(f"rope_type {rope_type!r} rescales with sequence length at run time "
@@ -21,18 +22,26 @@ def check_model(hf_config, cfg, architecture: str) -> None:
         check_phi3(hf_config, cfg)
 
 
-def check_attention_window(hf_config, max_model_len: int) -> None:
-    """Sliding-window attention is not implemented: refuse a window the context can exceed
-    (Mistral v0.1 has 4096; Qwen2 applies its window only with use_sliding_window)."""
+def layer_window(hf_config, layer: int, max_model_len: int) -> int:
+    """The sliding window of a layer's attention in positions (0: none, or one that the
+    context never exceeds): the config's sliding_window, on the layers its layer_types
+    mark "sliding_attention" when it has them (Qwen2's use_sliding_window), else on all
+    (Mistral, Phi-3)."""
     window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+    types = getattr(hf_config, "layer_types", None)
+    if types and types[layer] != "sliding_attention":
         window = None
-    if layer_types and "sliding_attention" not in layer_types:
-        window = None
-    if window is not None and window < max_model_len:
-        raise ValueError(f"sliding-window attention (window {window} tokens) is not supported; "
-                         f"set max_model_len to at most {window} to serve this model")
+    return window if window is not None and window < max_model_len else 0
+
+
+def check_attention_window(hf_config, cfg, max_model_len: int) -> None:
+    """Fine-tuning's attention has no window: refuse it where a window applies."""
+    if cfg.enable_finetuning and any(layer_window(hf_config, i, max_model_len)
+                                     for i in range(hf_config.num_hidden_layers)):
+        raise ValueError(f"enable_finetuning with sliding-window attention (window "
+                         f"{hf_config.sliding_window} tokens, under max_model_len "
+                         f"{max_model_len}) is not supported; set max_model_len to at most "
+                         f"{hf_config.sliding_window}")
 
 
 def check_tensor_parallel(hf_config, tp_size: int) -> None:

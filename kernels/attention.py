@@ -9,8 +9,10 @@ Interface (shared by the reference and the Triton kernel):
   block_tables  [B, M] int32 block ids of request i, in position order
   max_query_len int          the longest q_len (host value: sizes the launch grid)
 A request's new tokens are the last ones of its sequence: query j of request i sits at
-position seq_lens[i] - q_len_i + j and attends causally to positions 0..that position.
-Prefill, chunked prefill and decode (q_len 1) are the same case. GQA: Hq % Hkv == 0.
+position seq_lens[i] - q_len_i + j and attends causally to positions 0..that position (with
+a sliding `window` W > 0, only to the last W of them, itself included, as transformers'
+sliding-window layers). Prefill, chunked prefill and decode (q_len 1) are the same case.
+GQA: Hq % Hkv == 0.
 
 The Triton kernel runs every request in one launch (ORCA fuses the per-request attention
 blocks into one kernel): program (i, j, h) takes query tile j of request i for KV head h,
@@ -31,7 +33,7 @@ import triton.language as tl
 
 def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                         block_size: int, scale: float, max_query_len: int = 0,
-                        work: torch.Tensor | None = None) -> torch.Tensor:
+                        work: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Per-request attention in plain torch (ORCA's split -> attention -> merge)."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -46,7 +48,10 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
         v = v_cache[slots].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * scale  # [Hq, q_len, L]
         q_pos = pos[seq_len - q_len:, None]  # [q_len, 1]
-        scores = scores.masked_fill(pos[None, :] > q_pos, float("-inf"))
+        hidden = pos[None, :] > q_pos
+        if window:
+            hidden |= pos[None, :] <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
@@ -59,7 +64,8 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WORK: tl.constexpr):
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WORK: tl.constexpr,
+        WINDOW: tl.constexpr):
     if WORK:  # program i takes the (request, tile) of work item i
         req = tl.load(work_ptr + 2 * tl.program_id(0))
         tile = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
@@ -90,9 +96,13 @@ def _paged_attention_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_P2], tl.float32)
-    # keys past the tile's last query position are masked for every row: skip them
+    # keys past the tile's last query position are masked for every row: skip them (and
+    # with a window, keys before its first query's window)
     kv_end = tl.minimum(seq_len, first_pos + (tile + 1) * BLOCK_M)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_begin = 0
+    if WINDOW > 0:
+        kv_begin = tl.maximum(first_pos + tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_begin, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
         block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
@@ -102,8 +112,12 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [R, N]
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if WINDOW > 0:  # a row may see no key of a block yet: no inf - inf
+            m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -144,7 +158,7 @@ def work_list(cu_seqlens_q: torch.Tensor, block_m: int, num_work: int) -> torch.
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                            block_size: int, scale: float, max_query_len: int,
-                           work: torch.Tensor | None = None) -> torch.Tensor:
+                           work: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """work: a work list made by work_list with the block_m of tile_shape(..., max_query_len)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -165,12 +179,13 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         out.stride(0), out.stride(1), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_M=block_m,
         ROWS=rows, BLOCK_N=64 if dim_p2 <= 128 else 32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WORK=work is not None)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WORK=work is not None,
+        WINDOW=window)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size,
-                    scale, max_query_len, work=None):
+                    scale, max_query_len, work=None, window: int = 0):
     fn = paged_attention_triton if q.is_cuda else paged_attention_ref
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size, scale,
-              max_query_len, work)
+              max_query_len, work, window)

@@ -15,6 +15,10 @@ from tests.test_parity import check_parity, ragged_workload
 CHECKPOINTS = {
     "mistral": ("mistral", dict(sliding_window=None)),
     "mistral-window-covers-context": ("mistral", dict(sliding_window=4096)),
+    "mistral-window-8": ("mistral", dict(sliding_window=8)),  # prompts up to 60 tokens
+    "qwen2-window-on-upper-layers": ("qwen2", dict(sliding_window=8, use_sliding_window=True,
+                                                   max_window_layers=2)),
+    "phi3-window-8": ("phi3", dict(sliding_window=8)),
     "qwen2": ("qwen2", dict()),
     "qwen2.5-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen3": ("qwen3", dict(head_dim=32)),
@@ -71,11 +75,14 @@ def test_phi3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes, 
         model_info(EngineConfig.from_args({"model": str(tmp_path), **args}))
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
+def test_fine_tuning_refuses_a_sliding_window_shorter_than_the_context(tmp_path):
+    """Serving follows the window; fine-tuning's attention has none."""
     save_random_checkpoint(str(tmp_path), "mistral", sliding_window=512)
+    assert model_info(EngineConfig.from_args({"model": str(tmp_path)})).max_model_len == 4096
     with pytest.raises(ValueError, match="sliding-window"):
-        model_info(EngineConfig.from_args({"model": str(tmp_path)}))
-    info = model_info(EngineConfig.from_args({"model": str(tmp_path), "max_model_len": 512}))
+        model_info(EngineConfig.from_args({"model": str(tmp_path), "enable_finetuning": True}))
+    info = model_info(EngineConfig.from_args({"model": str(tmp_path), "max_model_len": 512,
+                                              "enable_finetuning": True}))
     assert info.max_model_len == 512
 
 
@@ -89,6 +96,16 @@ def test_greedy_matches_transformers_on_gpu_fp32_for_head_sizes(model_type, head
     engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
                              max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
+    assert engine.worker.runner.num_graph_replays > 0
+
+
+@pytest.mark.gpu
+def test_a_sliding_window_matches_transformers_on_gpu_fp32(tmp_path):
+    """The Triton kernel's window, in prefill tiles, decodes and CUDA graphs."""
+    save_random_checkpoint(str(tmp_path), "mistral", seed=7, sliding_window=8)
+    engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
+                             max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
+    check_parity(str(tmp_path), engine, ragged_workload(seed=13), device="cuda")
     assert engine.worker.runner.num_graph_replays > 0
 
 

@@ -140,6 +140,26 @@ def test_paged_attention_kernel(device, dtype, heads, block_size, q_lens, s_lens
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("window", [1, 24, 70])
+def test_paged_attention_kernel_with_a_sliding_window(device, dtype, window):
+    """Mixed decodes and a chunked prompt over several tiles; windows of one token, of
+    less than a tile, and of more (the kernel starts at the first block a tile can see)."""
+    q_lens, s_lens = [1, 7, 130, 1], [90, 7, 200, 24]
+    q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, q_lens, 6, 2, 64, 4)
+    args = [t.to(device).to(dtype) for t in (q, k_cache, v_cache)]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    lens = torch.tensor(s_lens, dtype=torch.int32, device=device)
+    tables = tables.to(device)
+    out = paged_attention_triton(*args, cu_t, lens, tables, 4, 0.125, max(q_lens),
+                                 window=window)
+    ref = paged_attention_ref(*[a.float() for a in args], cu_t, lens, tables, 4, 0.125,
+                              window=window)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    full = paged_attention_ref(*[a.float() for a in args], cu_t, lens, tables, 4, 0.125)
+    assert not torch.allclose(ref, full)  # the window changed the answer
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("heads,q_lens,s_lens,pad_requests,pad_tokens,bucket", [
     ((8, 2), [1, 7, 5, 1, 50], [1, 7, 33, 16, 50], 3, 17, 128),  # decodes and prompts
     ((4, 4), [1, 1], [9, 40], 6, 30, 32),  # decode rows only, most of the graph empty

@@ -23,10 +23,12 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int = 0):
+        """window: a sliding window of this many positions (0: none)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.window = window
 
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -35,4 +37,4 @@ class Attention(nn.Module):
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                meta.block_tables, meta.block_size, self.scale, meta.max_query_len,
-                               meta.work)
+                               meta.work, self.window)

@@ -6,7 +6,8 @@ Reads like the architecture: embed -> layers (norm, qkv, rope, attention, out, n
 -> norm -> head. A stage holds a contiguous range of layers: only the first embeds, only
 the last has the final norm and the head, and only the tokens that sample reach the head.
 Tensor parallelism lives in the layers (ParallelGroup); this file stays plain. Mistral is
-this model; Qwen2 and Qwen3 differ only in their attention options (models/qwen.py).
+this model (with its sliding window); Qwen2 and Qwen3 differ only in their attention
+options (models/qwen.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from engine_actors.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from engine_actors.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine_actors.layers.norm import RMSNorm
 from engine_actors.layers.rotary import RotaryEmbedding
+from engine_actors.model_checks import layer_window
 from engine_actors.parallel import SINGLE, ParallelGroup, stage_layers
 from kernels.silu_mul import silu_mul
 
@@ -34,7 +36,7 @@ class AttentionOptions:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, parallel: ParallelGroup,
-                 opts: AttentionOptions):
+                 opts: AttentionOptions, window: int = 0):
         super().__init__()
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -49,7 +51,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.qk_norm = opts.qk_norm
         self.rotary = rotary  # shared by all layers
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, window)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
@@ -79,10 +81,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, parallel: ParallelGroup,
-                 opts: AttentionOptions):
+                 opts: AttentionOptions, window: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, parallel, opts)
+        self.self_attn = LlamaAttention(cfg, rotary, parallel, opts, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, parallel)
 
@@ -116,8 +118,10 @@ class LlamaForCausalLM(nn.Module):
         if parallel.is_first_stage or (tied and parallel.is_last_stage):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, self.rotary, parallel, opts)
-                                     for i in self.layer_ids})  # keyed by checkpoint index
+        self.layers = nn.ModuleDict({  # keyed by checkpoint index; sliding windows per layer
+            str(i): LlamaDecoderLayer(cfg, self.rotary, parallel, opts,
+                                      layer_window(cfg, i, max_positions))
+            for i in self.layer_ids})
         if parallel.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel)
