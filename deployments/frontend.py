@@ -179,6 +179,10 @@ class Frontend:
         model = getattr(req, "model", None)
         return model if model is not None and model not in self.cfg.model_names else None
 
+    def reported_model(self, req) -> str:
+        """The answer's `model`: the request's adapter, else the base's first name (vLLM)."""
+        return req.model if self.adapter(req) else self.cfg.model_name
+
     async def check_served(self, req) -> None:
         """APIError 404 unless `model` names the base model or a loaded adapter: for the
         routes that never reach the engine (which would refuse it)."""

@@ -35,7 +35,6 @@ class OpenAIRoutes:
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
         self.metrics = frontend.metrics
-        self.model_name = frontend.cfg.model_name
         self.fingerprint = f"fp_{frontend.cfg.fingerprint()}"  # (OpenAI's: the engine's args)
 
     def routes(self) -> list[Route]:
@@ -102,7 +101,7 @@ class OpenAIRoutes:
         base_id = prefix + unique  # (its engine requests' ids: never shared)
         group, choices, timeout = await self.submit(base_id, req, prompts, max_tokens, info,
                                                     chat, arrival, grammar, tool_parser)
-        model = req.model if self.frontend.adapter(req) else self.model_name  # (vLLM's)
+        model = self.frontend.reported_model(req)
         answer_id = prefix + (req.request_id or unique)
         if req.stream:
             return self.stream_response(group, choices, SSEWriter(answer_id, model, chat, req),

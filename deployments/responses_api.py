@@ -42,8 +42,7 @@ class ResponsesAPI:
             ids, grammar, parser = await self.openai.chat_prompt(chat, info)
             defaults = info.sampling_defaults or {}
             cfg = self.frontend.cfg
-            model = req.model if self.frontend.adapter(req) else self.openai.model_name
-            response = ResponseObject(req, model,
+            response = ResponseObject(req, self.frontend.reported_model(req),
                                       _pick(req.temperature, defaults, "temperature"),
                                       _pick(req.top_p, defaults, "top_p"),
                                       cfg.block_size if cfg.enable_prefix_caching else None,
