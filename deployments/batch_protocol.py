@@ -6,14 +6,14 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from deployments.protocol import MAX_BATCH, SamplingFields, SamplingOptions, _Base
+from deployments.protocol import CHAT_ONLY, MAX_BATCH, SamplingFields, SamplingOptions, _Base
 
 
 class BatchItem(SamplingOptions):
     """One request of a submitted batch. Fields of the completions route that it does not
     follow are refused, not ignored."""
     UNFOLLOWED: ClassVar[dict[str, object]] = {
-        **SamplingOptions.UNFOLLOWED, **SamplingFields.UNFOLLOWED, "n": 1,
+        **SamplingOptions.UNFOLLOWED, **SamplingFields.UNFOLLOWED, **CHAT_ONLY, "n": 1,
         "best_of": (None, 1), "logprobs": None, "echo": False, "stream": False, "suffix": None,
         "return_token_ids": False, "response_format": None, "structured_outputs": None,
         "guided_json": None, "guided_regex": None, "guided_choice": None,

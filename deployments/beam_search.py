@@ -32,7 +32,7 @@ MAX_WIDTH = MAX_LOGPROBS // 2  # each step asks for 2n log-probabilities
 UNFOLLOWED = {"stop": None, "stop_token_ids": None, "min_tokens": 0, "logit_bias": None,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "bad_words": None, "allowed_token_ids": None, "prompt_logprobs": None,
-              "deadline_ms": None}
+              "deadline_ms": None, "thinking_token_budget": None}
 
 
 def check(req, grammar) -> None:

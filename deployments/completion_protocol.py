@@ -6,12 +6,13 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from deployments.protocol import MAX_LOGPROBS, APIError, SamplingFields
+from deployments.protocol import CHAT_ONLY, MAX_LOGPROBS, APIError, SamplingFields
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
+    UNFOLLOWED: ClassVar[dict[str, object]] = {**SamplingFields.UNFOLLOWED, **CHAT_ONLY}
     prompt: Prompt
     NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # (as vLLM's)
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # null: as chat's unset max_tokens

@@ -1,6 +1,7 @@
 """The HTTP ingress: a Starlette app inside a Ray Serve deployment.
 
-Routes: the OpenAI ones (`openai_api.py`; the Responses API, `responses_api.py`), the models
+Routes: the OpenAI ones (`openai_api.py`; the Responses API, `responses_api.py`), Anthropic's
+Messages API (`messages_api.py`), the models
 and LoRA adapters (`models_api.py`), vLLM's /tokenize and /detokenize (`tokenize_api.py`),
 fine-tuning (`finetune_api.py`), GET /health, GET /metrics, and the background batch
 endpoints under /orca/v1/batches (`batch_api.py`). This file holds the deployment itself:
@@ -34,6 +35,7 @@ from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
 from deployments.serve_run_stop import stop_serve_run
+from deployments.messages_api import MessagesAPI
 from deployments.responses_api import ResponsesAPI
 from deployments.tokenize_api import TokenizeAPI
 from engine_actors.config import EngineConfig
@@ -68,6 +70,7 @@ class OpenAIIngress:
                   Route("/metrics", self.prometheus, methods=["GET"])]
         openai = OpenAIRoutes(self.frontend)
         routes += openai.routes() + ResponsesAPI(openai).routes()
+        routes += MessagesAPI(openai).routes()
         routes += BatchAPI(self.frontend).routes()
         routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
         routes += TokenizeAPI(self.frontend).routes()

@@ -23,7 +23,7 @@ from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, bad_word_ids, refusal_error, unavailable
 from deployments.http_metrics import RequestTimer
 from deployments.protocol import APIError
-from deployments.reasoning import think_token_ids
+from deployments.reasoning import think_token_ids, thinking_budget
 from deployments.responses import (SSEResponse, SSEWriter, StreamWriter, deadline_error,
                                    response_body, timeout_error)
 from deployments.structured import grammar_for, tool_grammar
@@ -121,6 +121,8 @@ class OpenAIRoutes:
         bad_words = await bad_word_ids(self.frontend, req.bad_words, info.vocab_size) \
             if req.bad_words else None
         priority = 1 if req.priority is None else req.priority  # interactive by default
+        thinking = thinking_budget(req, self.frontend.cfg.reasoning_parser,
+                                   self.frontend.tokenizer)
         subs = []  # (engine request, choice index, prompt text, prompt ids)
         searches = []  # with use_beam_search: (choice id prefix, prompt ids, max_tokens)
         for p_idx, (text, ids) in enumerate(prompts):
@@ -131,19 +133,17 @@ class OpenAIRoutes:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. "
                                     f"However, your prompt has {len(ids)} tokens.",
                                "messages" if chat else "prompt", "context_length_exceeded")
-            rest = limit - len(ids)  # unset max_tokens: the checkpoint's default, or all
-            n_new = max_tokens or min(rest, info.sampling_defaults.get("max_tokens", rest))
-            if len(ids) + n_new > limit:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
-                                    f"However, you requested {len(ids) + n_new} tokens "
-                                    f"({len(ids)} in the prompt, {n_new} for the completion).",
-                               "max_tokens", "context_length_exceeded")
+            # unset max_tokens: the checkpoint's default, or the rest of the context; one
+            # past the context is cut to its rest (vLLM's: Claude Code asks for 32,000)
+            rest = limit - len(ids)
+            n_new = min(max_tokens or info.sampling_defaults.get("max_tokens", rest), rest)
             if beams:
                 searches.append((f"{base_id}-{p_idx}", ids, n_new))
             for j in range(req.n):
                 sampling = req.sampling_params(n_new, j, info.sampling_defaults, info.vocab_size,
                                                max_tokens_given=max_tokens is not None,
                                                grammar=grammar, bad_words=bad_words,
+                                               thinking_budget=thinking,
                                                **req.logprob_fields())
                 engine_req = EngineRequest(f"{base_id}-{p_idx}-{j}", ids, sampling, priority,
                                            req.deadline_ms, self.frontend.adapter(req),

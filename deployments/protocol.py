@@ -70,6 +70,10 @@ class StreamOptions(_Base):
 CacheSalt = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$")]
 
 
+# vLLM's fields that only the chat route follows (the others refuse them)
+CHAT_ONLY = {"thinking_token_budget": None}
+
+
 class SamplingOptions(_Base):
     """How one request samples and stops: shared by the OpenAI routes and the batch API.
     Unset (or null) temperature, top_p, top_k, min_p and the penalties take the checkpoint's
@@ -90,6 +94,7 @@ class SamplingOptions(_Base):
             neutral = neutral if isinstance(neutral, tuple) else (neutral,)
             if data.get(name) not in (None, *neutral):  # (request_body names the field)
                 where = "by this server" if name in SamplingFields.UNFOLLOWED else \
+                    "on this route (chat completions take it)" if name in CHAT_ONLY else \
                     "on this route (completions and chat completions take it)"
                 raise PydanticCustomError("unsupported_parameter", f"not supported {where}",
                                           {"name": name})
@@ -196,7 +201,7 @@ class SamplingFields(SamplingOptions):
     UNFOLLOWED: ClassVar[dict[str, object]] = {
         "logits_processors": None, "guided_decoding_backend": ("xgrammar", "auto"),
         "guided_whitespace_pattern": None, "structural_tag": None,
-        "thinking_token_budget": None, "repetition_detection": None, "vllm_xargs": None,
+        "repetition_detection": None, "vllm_xargs": None,
         "logprob_token_ids": None, "spaces_between_special_tokens": True,
         "return_prompt_text": (None, False), "watermarking": (None, False)}
 

@@ -17,6 +17,8 @@ the engine masks nothing until the model writes that token, as vLLM does.
 """
 from __future__ import annotations
 
+from deployments.protocol import APIError
+
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
 
@@ -65,6 +67,21 @@ class ReasoningStream:
             text = text.lstrip("\n")
             self.is_skipping_newlines = not text
         return text
+
+
+def thinking_budget(req, parser: str | None, tokenizer) -> tuple[int, int, int] | None:
+    """The engine's thinking budget for a request's thinking_token_budget (None: none):
+    (<think>'s id, or -1 when the output starts in reasoning; </think>'s id; the budget)."""
+    budget = getattr(req, "thinking_token_budget", None)
+    if budget is None:
+        return None
+    start, end = think_token_ids(tokenizer) if parser else (None, None)
+    if end is None or (parser == "qwen3" and start is None):
+        raise APIError(400, "thinking_token_budget needs a reasoning model: the server's "
+                            "reasoning_parser, and </think> (with qwen3, <think> too) one "
+                            "token of the vocabulary", "thinking_token_budget",
+                       "unsupported_parameter")
+    return (start if parser == "qwen3" else -1), end, budget
 
 
 def think_token_ids(tokenizer) -> tuple[int | None, int | None]:

@@ -17,8 +17,9 @@ from pydantic import Field
 from deployments.chat_protocol import (ChatCompletionRequest, ChatMessage,
                                        FunctionDefinition, NamedFunction, NamedToolChoice,
                                        ReasoningEffort, Tool)
-from deployments.protocol import (APIError, CacheSalt, JSONSchemaSpec, ResponseFormat,
-                                  SamplingFields, SamplingOptions, StructuredOutputs, _Base)
+from deployments.protocol import (CHAT_ONLY, APIError, CacheSalt, JSONSchemaSpec,
+                                  ResponseFormat, SamplingFields, SamplingOptions,
+                                  StructuredOutputs, _Base)
 from deployments.responses_items import item_messages, need_object, validate
 
 # the chat request's params, as a Responses request names them (in error objects)
@@ -55,7 +56,8 @@ class ResponsesRequest(SamplingOptions):
     # vLLM's fields of the chat route that it takes too (the others are refused)
     FOLLOWED: ClassVar = ("include_stop_str_in_output", "skip_special_tokens")
     UNFOLLOWED: ClassVar[dict[str, object]] = {
-        k: v for k, v in {**SamplingOptions.UNFOLLOWED, **SamplingFields.UNFOLLOWED}.items()
+        k: v for k, v in {**SamplingOptions.UNFOLLOWED, **SamplingFields.UNFOLLOWED,
+                          **CHAT_ONLY}.items()
         if k not in ("include_stop_str_in_output", "skip_special_tokens")}
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -11,7 +11,7 @@ Order, as vLLM's: raw logits -> (log-probabilities taken here) -> repetition pen
 (transformers' definition, over prompt and generated tokens) -> presence and frequency
 penalties (OpenAI's, over generated tokens) -> logit bias -> min_tokens (EOS and stop
 tokens masked) -> allowed_token_ids (every other token masked) -> bad words (bad_words.py)
--> temperature, min-p, top-k, top-p (sampler.py).
+-> the thinking budget (thinking_budget.py) -> temperature, min-p, top-k, top-p (sampler.py).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine_actors.bad_words import BadWords
+from engine_actors.thinking_budget import ThinkingBudget
 from engine_actors.messages import ProcessorSettings, StepInput, StepResult, TokenLogprobs
 from engine_actors.transfer import Staging
 
@@ -46,6 +47,7 @@ class LogitsProcessors:
         self.counted: set[int] = set()  # rows whose tokens are counted
         self.restricted: set[int] = set()  # rows with allowed_token_ids
         self.bad_words = BadWords(n, device, staging)
+        self.thinking = ThinkingBudget(n, device, staging)
 
     def add(self, row: int, s: ProcessorSettings | None) -> None:
         """A request admitted at `row` (None: no processors)."""
@@ -61,6 +63,7 @@ class LogitsProcessors:
             self.restricted.discard(row)
             self.is_restricted[row] = False
         self.bad_words.add(row, s and s.bad_words, s.recent if s else ())
+        self.thinking.add(row, s and s.thinking_budget, s.generated if s else ())
         if s is None:
             return
         if s.allowed_ids is not None:
@@ -165,14 +168,17 @@ class LogitsProcessors:
                     self.allowed.shape[0], vocab - self.allowed.shape[1])], 1)
             allowed = self.allowed[rows, :vocab] | ~self.is_restricted[rows][:, None]
             logits = logits.masked_fill(~allowed, float("-inf"))
-        return self.bad_words.apply(logits, rows_host, rows)
+        logits = self.bad_words.apply(logits, rows_host, rows)
+        return self.thinking.apply(logits, rows_host, rows, self.generated)
 
     def sampled(self, rows_host: list[int], rows: torch.Tensor, ids: torch.Tensor) -> None:
         """The sampling rows produced one token each, `ids` (min_tokens counts them, bad
         words look back at them)."""
         if self.rows.intersection(rows_host):
-            self.generated[rows.long()] += 1
-            self.bad_words.sampled(rows_host, rows.long(), ids)
+            rows = rows.long()
+            self.thinking.sampled(rows_host, rows, ids, self.generated[rows])
+            self.generated[rows] += 1
+            self.bad_words.sampled(rows_host, rows, ids)
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,

@@ -31,6 +31,9 @@ class ProcessorSettings:
     allowed_ids: tuple[int, ...] | None = None  # None: any token may be sampled
     bad_words: tuple[tuple[int, ...], ...] | None = None  # token ids of each word
     recent: tuple[int, ...] = ()  # the last generated tokens, as far as bad words look back
+    # vLLM's thinking_token_budget: (<think> id or -1, </think> id, budget; thinking_budget.py)
+    thinking_budget: tuple[int, int, int] | None = None
+    generated: tuple[int, ...] = ()  # the tokens generated so far, with a thinking budget
 
 
 @dataclass(slots=True)

@@ -48,12 +48,16 @@ class SamplingParams:
     # structured output: (kind, spec) for engine_actors/grammar.py: "json_schema" (the
     # schema as JSON), "json_object", "regex", "structural_tag" (xgrammar's, as JSON)
     grammar: tuple[str, str] | None = None
+    # vLLM's thinking_token_budget: (the <think> token, or -1 when the prompt opens the
+    # thinking; the </think> token; the tokens the answer may have before </think>)
+    thinking_budget: tuple[int, int, int] | None = None
 
     @property
     def has_processors(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.min_tokens
-                    or self.allowed_token_ids is not None or bool(self.bad_words))
+                    or self.allowed_token_ids is not None or bool(self.bad_words)
+                    or self.thinking_budget is not None)
 
 
 class RequestStatus(enum.Enum):

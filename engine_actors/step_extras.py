@@ -46,7 +46,8 @@ def new_request(req: Request, eos_token_ids: set[int]) -> NewRequest:
             req.num_prompt_tokens, s.presence_penalty, s.frequency_penalty,
             s.repetition_penalty, s.logit_bias, s.min_tokens, req.num_output_tokens, stops,
             s.allowed_token_ids, s.bad_words,
-            tuple(generated[len(generated) - look_back:]) if look_back else ())
+            tuple(generated[len(generated) - look_back:]) if look_back else (),
+            s.thinking_budget, tuple(generated) if s.thinking_budget else ())
     return NewRequest(req.row, s.temperature, s.top_p, s.top_k, s.seed, s.min_p,
                       num_skip_draws=req.num_output_tokens, processors=processors,
                       logprobs=-1 if s.logprobs is None else s.logprobs, grammar=s.grammar,

@@ -150,7 +150,7 @@ def test_api_key_from_the_option_or_the_environment(tmp_path, monkeypatch):
         code, out, err = run_cli(monkeypatch, "--url", url, "batch", str(f), env=NO_KEY)
         assert code == 1 and out == "" and server.batches == {}
         assert err == (f"orca-serve: the batch from {f} was rejected: invalid or missing API "
-                       "key (Authorization: Bearer) [HTTP 401] (give the server's key with "
+                       "key (Authorization: Bearer, or x-api-key) [HTTP 401] (give the server's key with "
                        "--api-key or ORCA_SERVE_API_KEY)\n")
         # submit, the results stream and the status lookup all carry the key
         code, out, err = run_cli(monkeypatch, "--url", url, "batch", "--wait", str(f),

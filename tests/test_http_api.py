@@ -163,6 +163,22 @@ def test_many_concurrent_clients(url):
         assert r.json()["usage"]["completion_tokens"] == 8 + i % 5
 
 
+def test_max_tokens_past_the_context_is_cut_to_its_rest(url):
+    """As vLLM (Claude Code asks for 32,000): the output ends with "length" at the end of
+    the context of 4096 tokens."""
+    for path, body in [("/v1/completions", {"prompt": "x" * 4090}),
+                       ("/v1/chat/completions", {"messages": [
+                           {"role": "user", "content": "x" * 4060}],
+                           "max_completion_tokens": 10**6})]:
+        r = httpx.post(url + path, timeout=120,
+                       json={"model": MODEL, "max_tokens": 10**6, "ignore_eos": True, **body})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 4096
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert 0 < usage["completion_tokens"] < 40, usage
+
+
 BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": ', "invalid_json", None),
     ("/v1/completions", b'["not", "an", "object"]', "invalid_type", None),
