@@ -87,8 +87,9 @@ class ChatMessage(_Base):
         return v
 
     def text(self) -> str:
+        """The content; text parts one per line (as vLLM joins them)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
     def for_template(self) -> dict:

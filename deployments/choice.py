@@ -159,6 +159,8 @@ def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: E
     tool calls and reasoning, as the request `req` asks (its engine request: `r`, its prompt
     `text` and `ids`). `frontend`: the replica's (tokenizer, config)."""
     tokenizer, reasoning = frontend.tokenizer, frontend.cfg.reasoning_parser
+    if chat and req.continue_final_message:
+        reasoning = None  # the output goes on with the last message's answer
     include_stop = req.include_stop_str_in_output
     k = r.sampling.logprobs
     other_eos = tuple(set(eos_token_ids) - {tokenizer.eos_token_id})  # (vLLM's stop_reason)

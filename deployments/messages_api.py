@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.messages_output import MessageEvents, MessageObject, error_response
-from deployments.messages_protocol import CountTokensRequest, MessagesRequest
-from deployments.openai_api import OpenAIRoutes
+from deployments.messages_protocol import CountTokensRequest, MessagesRequest, system_first
+from deployments.openai_api import OpenAIRoutes, PromptTooLong
 from deployments.protocol import APIError
 
 # the chat request's params, as a Messages request names them (in error messages)
@@ -43,7 +43,7 @@ class MessagesAPI:
             if req.thinking is not None and self.frontend.cfg.reasoning_parser:
                 chat.thinking_token_budget = req.thinking.budget_tokens  # (else no thinking)
             info = await self.frontend.ready()
-            ids, grammar, parser = await self.openai.chat_prompt(chat, info)
+            ids, grammar, parser = await self.prompt(chat, info)
             cfg = self.frontend.cfg
             message = MessageObject(self.frontend.reported_model(req),
                                     cfg.block_size if cfg.enable_prefix_caching else None)
@@ -64,14 +64,31 @@ class MessagesAPI:
             req = await self.frontend.parse(request, CountTokensRequest)
             await self.frontend.check_served(req)
             info = await self.frontend.ready()
-            ids, _, _ = await self.openai.chat_prompt(req.to_chat(), info)
+            ids, _, _ = await self.prompt(req.to_chat(), info)
             return JSONResponse({"input_tokens": len(ids)})
         except APIError as e:
             return error_response(renamed(e))
 
+    async def prompt(self, chat, info):
+        """The chat prompt (ids, grammar, tool parser). A template that cannot render a
+        system message after the first (Claude Code sends them) gets them merged into one
+        at the start."""
+        try:
+            return await self.openai.chat_prompt(chat, info)
+        except APIError as e:
+            merged = system_first(chat.messages)
+            if e.param != "messages" or merged is None:
+                raise
+        chat.messages = merged
+        return await self.openai.chat_prompt(chat, info)
+
 
 def renamed(e: APIError) -> APIError:
-    """The chat machinery names the chat request's params (in its messages too)."""
+    """The chat machinery names the chat request's params (in its messages too); a prompt
+    over the context is worded as Anthropic's (Claude Code compacts the conversation when
+    it reads "prompt is too long")."""
+    if isinstance(e, PromptTooLong):
+        e.message = f"prompt is too long: {e.num_tokens} tokens > {e.limit} maximum"
     if e.param in MESSAGES_PARAMS:
         e.message = e.message.replace(e.param, MESSAGES_PARAMS[e.param])
         e.param = MESSAGES_PARAMS[e.param]

@@ -6,9 +6,13 @@ content blocks become chat messages (`tool_use` blocks an assistant's tool calls
 `tool_result` blocks tool messages, `thinking` blocks an assistant's reasoning), `tools`
 take their JSON schema from `input_schema`, `tool_choice` "any" is "required", and a last
 assistant message is a prefill that the answer continues. `thinking` and
-`output_config.effort` reach the chat template as vLLM passes them. Blocks are checked one
-at a time, so that an error names its place (`messages.2.content.0`). What this server
-cannot follow (images, documents, server tools, MCP servers, containers) is refused.
+`output_config.effort` reach the chat template as vLLM passes them; without `thinking`, as
+on Anthropic's API, thinking is off (the template's enable_thinking false). Blocks are
+checked one at a time, so that an error names its place (`messages.2.content.0`). What this
+server cannot follow (images, documents, server tools, MCP servers, containers) is refused,
+except an image in a tool's result, which becomes a line saying it was left out (a client
+such as Claude Code keeps it in every later request). Claude Code's billing header (a
+system block that changes with every request) is dropped, so that prefix caching works.
 """
 from __future__ import annotations
 
@@ -83,6 +87,11 @@ class OutputFormat(_Base):
     schema_: dict = Field(alias="schema")
 
 
+BILLING_HEADER = "x-anthropic-billing-header"  # (Claude Code's attribution, per request)
+# what an image in a tool's result becomes
+IMAGE_LEFT_OUT = {"type": "text", "text": "[image left out: this model reads text only]"}
+
+
 class OutputConfig(_Base):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
@@ -105,6 +114,7 @@ class CountTokensRequest(SamplingOptions):
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # (the structured-outputs beta's name)
     mcp_servers: list[Any] | None = None
     container: Any = None
     # extensions, as on the chat route
@@ -123,8 +133,8 @@ class CountTokensRequest(SamplingOptions):
     def to_chat(self, **answer) -> ChatCompletionRequest:
         """The equivalent chat completion request (`answer`: its fields for the answer);
         APIError(400) naming the offending Messages param."""
-        messages = [ChatMessage(role="system", content=_text(self.system, "system"))] \
-            if self.system else []
+        system = _text(self.system, "system", system=True) if self.system else ""
+        messages = [ChatMessage(role="system", content=system)] if system else []
         for i, m in enumerate(self.messages):
             need_object(m, f"messages.{i}")
             messages += _chat_messages(validate(MessageParam, m, f"messages.{i}"), i)
@@ -146,11 +156,12 @@ class CountTokensRequest(SamplingOptions):
         return chat
 
     def _template_kwargs(self) -> dict | None:
-        """Thinking on (enabled, adaptive, between tools) sets the template's
-        enable_thinking, unless chat_template_kwargs does; off is reasoning effort "none"."""
-        if self.thinking is None or self.thinking.type == "disabled":
+        """The template's enable_thinking, unless chat_template_kwargs sets it: true when
+        thinking is on (enabled, adaptive, between tools), false without `thinking`
+        (Anthropic's default); off is reasoning effort "none" (_effort)."""
+        if self.thinking is not None and self.thinking.type == "disabled":
             return self.chat_template_kwargs
-        return {"enable_thinking": True, **(self.chat_template_kwargs or {})}
+        return {"enable_thinking": self.thinking is not None, **(self.chat_template_kwargs or {})}
 
     def _effort(self) -> str | None:
         if self.thinking is not None and self.thinking.type == "disabled":
@@ -158,7 +169,7 @@ class CountTokensRequest(SamplingOptions):
         return self.output_config.effort if self.output_config else None
 
     def _response_format(self) -> ResponseFormat | None:
-        fmt = self.output_config.format if self.output_config else None
+        fmt = (self.output_config.format if self.output_config else None) or self.output_format
         if fmt is None:
             return None
         return ResponseFormat(type="json_schema",
@@ -182,10 +193,6 @@ class MessagesRequest(CountTokensRequest):
         if len(self.stops()) > MAX_STOP:
             raise APIError(400, f"at most {MAX_STOP} stop sequences (stop_sequences and "
                                 "stop together)", "stop_sequences", "invalid_value")
-        budget = self.thinking.budget_tokens if self.thinking else None
-        if budget is not None and budget >= self.max_tokens:
-            raise APIError(400, "thinking.budget_tokens must be less than max_tokens",
-                           "thinking.budget_tokens", "invalid_value")
 
     def chat(self) -> ChatCompletionRequest:
         """display "omitted" leaves the thinking out of the answer (vLLM's
@@ -202,12 +209,23 @@ class MessagesRequest(CountTokensRequest):
         return (self.stop_sequences or []) + self.stop_list()
 
 
+def system_first(messages: list[ChatMessage]) -> list[ChatMessage] | None:
+    """The messages with every system message merged into one at the start (for chat
+    templates that refuse a system message elsewhere, as vLLM merges them); None when
+    there is nothing to merge."""
+    systems = [m for m in messages if m.role == "system"]
+    if not any(m.role == "system" for m in messages[1:]):
+        return None
+    merged = ChatMessage(role="system", content="\n\n".join(m.text() for m in systems))
+    return [merged] + [m for m in messages if m.role != "system"]
+
+
 def _chat_messages(m: MessageParam, i: int) -> list[ChatMessage]:
     """One Messages message -> chat messages: a user's tool results are tool messages
     (before its text), an assistant's tool uses its tool calls and thinking its reasoning."""
     param = f"messages.{i}.content"
     if isinstance(m.content, str) or m.role == "system":
-        return [ChatMessage(role=m.role, content=_text(m.content, param))]
+        return [ChatMessage(role=m.role, content=_text(m.content, param, m.role == "system"))]
     out, texts, calls, thinking = [], [], [], []
     for j, block in enumerate(m.content):
         need_object(block, f"{param}.{j}")
@@ -216,8 +234,9 @@ def _chat_messages(m: MessageParam, i: int) -> list[ChatMessage]:
             texts.append(ContentPart(type="text", text=validate(TextBlock, block, where).text))
         elif kind == "tool_result" and m.role == "user":
             result = validate(ToolResultBlock, block, where)
+            text = _result_text(result.content, f"{where}.content")
             out.append(ChatMessage(role="tool", tool_call_id=result.tool_use_id,
-                                   content=_text(result.content, f"{where}.content")))
+                                   content=f"Error: {text}" if result.is_error else text))
         elif kind == "tool_use" and m.role == "assistant":
             use = validate(ToolUseBlock, block, where)
             calls.append(ToolCallMessage(id=use.id, function=FunctionCall(
@@ -237,10 +256,11 @@ def _chat_messages(m: MessageParam, i: int) -> list[ChatMessage]:
     return out + ([ChatMessage(role="user", content=texts)] if texts or not out else [])
 
 
-def _text(content: str | list, param: str) -> str:
-    """A string, or text blocks joined."""
+def _text(content: str | list, param: str, system: bool = False) -> str:
+    """A string, or text blocks joined (a system's as vLLM joins them, with nothing
+    between; without Claude Code's billing header)."""
     if isinstance(content, str):
-        return content
+        return _without_billing(content) if system else content
     texts = []
     for j, block in enumerate(content):
         need_object(block, f"{param}.{j}")
@@ -249,7 +269,23 @@ def _text(content: str | list, param: str) -> str:
                                 "supported here: only text", f"{param}.{j}.type",
                            "unsupported_content")
         texts.append(validate(TextBlock, block, f"{param}.{j}").text)
-    return "".join(texts)
+    return "".join(map(_without_billing, texts)) if system else "\n".join(texts)
+
+
+def _result_text(content: str | list, param: str) -> str:
+    """A tool result's text: its text blocks one per line, an image a line saying so."""
+    if isinstance(content, list):
+        content = [IMAGE_LEFT_OUT if isinstance(block, dict) and block.get("type") == "image"
+                   else block for block in content]
+    return _text(content, param)
+
+
+
+def _without_billing(text: str) -> str:
+    """A system text without Claude Code's billing header line (its first, when there)."""
+    if not text.startswith(BILLING_HEADER):
+        return text
+    return text.partition("\n")[2]
 
 
 def _tool(tool, i: int) -> Tool:

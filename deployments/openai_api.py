@@ -83,7 +83,8 @@ class OpenAIRoutes:
                                            continue_final_message=req.continue_final_message,
                                            documents=req.documents, template=self.frontend
                                            .request_template(req.chat_template))
-        reasoning = self.frontend.cfg.reasoning_parser
+        # (continuing the last message: the output is answer, not reasoning)
+        reasoning = None if req.continue_final_message else self.frontend.cfg.reasoning_parser
         think_ids = think_token_ids(self.frontend.tokenizer) if reasoning else (None, None)
         grammar = grammar_for(req, reasoning, think_ids)
         parser = self.frontend.tool_parser(info) if req.uses_tools else None
@@ -130,9 +131,7 @@ class OpenAIRoutes:
             if len(kept) < len(ids):
                 ids, text = kept, None  # echo shows the kept tokens
             if len(ids) >= limit:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens. "
-                                    f"However, your prompt has {len(ids)} tokens.",
-                               "messages" if chat else "prompt", "context_length_exceeded")
+                raise PromptTooLong(len(ids), limit, "messages" if chat else "prompt")
             # unset max_tokens: the checkpoint's default, or the rest of the context; one
             # past the context is cut to its rest (vLLM's: Claude Code asks for 32,000)
             rest = limit - len(ids)
@@ -239,6 +238,14 @@ class OpenAIRoutes:
             group.close()
         for event in sse.done():
             yield event
+
+
+class PromptTooLong(APIError):
+    def __init__(self, num_tokens: int, limit: int, param: str):
+        super().__init__(400, f"This model's maximum context length is {limit} tokens. "
+                              f"However, your prompt has {num_tokens} tokens.", param,
+                         "context_length_exceeded")
+        self.num_tokens, self.limit = num_tokens, limit
 
 
 async def within(group, timeout_s: float | None):

@@ -12,9 +12,10 @@ EOS ignored, every request sent at t=0):
                  http-r2 and http-r4)
   ...-proxy      through Serve's Python proxy instead of HAProxy (RAY_SERVE_ENABLE_HA_PROXY=0:
                  what a plain `serve run` gives), e.g. http-proxy, http-stream-proxy
-  ...-chat       POST /v1/chat/completions instead, and ...-responses POST /v1/responses
-                 (e.g. http-stream-chat, http-stream-responses): one user message whose text
-                 is the prompt's ids as letters (one letter per id), the same for both routes
+  ...-chat       POST /v1/chat/completions instead, ...-responses POST /v1/responses and
+                 ...-messages Anthropic's POST /v1/messages (e.g. http-stream-chat,
+                 http-stream-messages): one user message whose text is the prompt's ids as
+                 letters (one letter per id), the same for the three routes
 Each HTTP system checks every response's usage.completion_tokens against the trace and
 reports elapsed seconds and its ratio to `orca`. Systems that differ only in streaming share
 one server, one after the other; prefix caching is off for every system (a second run would
@@ -44,6 +45,7 @@ import yaml
 from load_tests.traces import TraceRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_NAME = "bench"  # the served model's name (the Messages API requires `model`)
 
 
 def write_config(engine_args: dict, replicas: int, port: int) -> str:
@@ -52,7 +54,7 @@ def write_config(engine_args: dict, replicas: int, port: int) -> str:
     cfg["http_options"]["port"] = port
     app = cfg["applications"][0]
     app["args"] = {k: v for k, v in app["args"].items() if k != "max_num_tokens"}
-    app["args"].update(engine_args)
+    app["args"].update(engine_args, served_model_name=MODEL_NAME)
     app["deployments"][0]["num_replicas"] = replicas
     fd, path = tempfile.mkstemp(suffix=".yaml")
     with os.fdopen(fd, "w") as f:
@@ -99,7 +101,7 @@ async def _wait_healthy(session, url: str, timeout_s: float = 600.0) -> None:
 def _body(r: TraceRequest, stream: bool, route: str) -> dict:
     """The request of `route` for one trace request (greedy, EOS ignored)."""
     common = {"temperature": 0, "ignore_eos": True, "stream": stream}
-    if stream and route != "responses":
+    if stream and route in ("completions", "chat"):
         common["stream_options"] = {"include_usage": True}
     if route == "completions":
         return {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, **common}
@@ -107,14 +109,17 @@ def _body(r: TraceRequest, stream: bool, route: str) -> dict:
     if route == "chat":
         return {"messages": [{"role": "user", "content": text}], "max_tokens": r.max_tokens,
                 **common}
+    if route == "messages":
+        return {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}],
+                "max_tokens": r.max_tokens, **common}
     return {"input": text, "max_output_tokens": r.max_tokens, **common}
 
 
 async def _one(session, url: str, r: TraceRequest, stream: bool, route: str) -> int:
-    """Completion tokens of one request (from usage; streamed: the last usage chunk, or the
-    Responses API's final event)."""
+    """Completion tokens of one request (from usage; streamed: the last usage chunk, the
+    Responses API's final event, or the Messages API's message_delta)."""
     path = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
-            "responses": "/v1/responses"}[route]
+            "responses": "/v1/responses", "messages": "/v1/messages"}[route]
     async with session.post(url + path, json=_body(r, stream, route)) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -126,7 +131,8 @@ async def _one(session, url: str, r: TraceRequest, stream: bool, route: str) -> 
             *events, buf = buf.split(b"\n\n")
             for event in events:
                 data = event[event.find(b"data: ") + 6:]
-                if data.startswith(b"{") and b'"usage": {' in data:
+                if data.startswith(b"{") and b'"usage": {' in data and \
+                        b'"message_start"' not in data:  # (its usage has no output yet)
                     body = json.loads(data)
                     usage = body["response"]["usage"] if "response" in body else body["usage"]
         return _output_tokens(usage)
@@ -136,7 +142,7 @@ def _output_tokens(usage: dict) -> int:
     return usage["completion_tokens"] if "completion_tokens" in usage else usage["output_tokens"]
 
 
-HTTP_SYSTEM = re.compile(r"http(?P<stream>-stream)?(?:-(?P<route>chat|responses))?"
+HTTP_SYSTEM = re.compile(r"http(?P<stream>-stream)?(?:-(?P<route>chat|responses|messages))?"
                          r"(?:-r(?P<replicas>\d+))?(?P<proxy>-proxy)?")
 PROCESSES = {"proxy": "ProxyActor", "replica": "ServeReplica", "scheduler": "SchedulerActor"}
 

@@ -45,7 +45,7 @@ ROUND_TRIP = [
     {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "call_1",
          "content": [{"type": "text", "text": "sunny, 12 C"}]},
-        {"type": "text", "text": "and "}, {"type": "text", "text": "tomorrow?"}]}]
+        {"type": "text", "text": "and tomorrow?"}]}]
 
 
 def parse(body: dict, schema=MessagesRequest):
@@ -73,15 +73,112 @@ def test_messages_become_chat_messages():
     assert (chat.max_tokens, chat.temperature, chat.top_p, chat.top_k, chat.stop, chat.user,
             chat.priority, chat.reasoning_effort) == (16, 0.5, 0.9, 5, ["x"], "u1", 2, "low")
     assert chat.add_generation_prompt and not chat.continue_final_message
-    # "any" is "required"; thinking reaches the template as vLLM passes it
+    # without `thinking`, no thinking (Anthropic's default); the beta's output_format
+    assert chat.template_variables() == {"enable_thinking": False, "reasoning_effort": "low"}
+    beta = parse({"messages": ROUND_TRIP, "output_format": {"type": "json_schema",
+                                                            "schema": SCHEMA}}).chat()
+    assert beta.response_format.json_schema.schema_ == SCHEMA    # "any" is "required"; thinking reaches the template as vLLM passes it
     assert parse({"messages": ROUND_TRIP, "tools": [TOOL],
                   "tool_choice": {"type": "any"}}).chat().tool_choice == "required"
     off = parse({"messages": ROUND_TRIP, "thinking": {"type": "disabled"}}).chat()
     assert off.template_variables() == {"enable_thinking": False, "reasoning_effort": "none"}
-    on = parse({"messages": ROUND_TRIP, "thinking": {"type": "adaptive", "display": "omitted"},
+    on = parse({"messages": ROUND_TRIP, "max_tokens": 1024,  # (a budget may pass max_tokens:
+                "thinking": {"type": "adaptive", "display": "omitted"},  # interleaved thinking)
                 "chat_template_kwargs": {"x": 1}}).chat()
     assert on.template_variables() == {"enable_thinking": True, "x": 1}
     assert not on.include_reasoning  # "omitted": the model thinks, the answer shows none
+
+
+def test_what_claude_code_sends_keeps_its_meaning_and_caches():
+    """Its per-request billing header is dropped (so that turns share their prefix), text
+    blocks go one per line, an image a tool returned becomes a line (the client sends it
+    again with every later turn), an error result says so, and system messages after the
+    first can be merged into it for templates that want them there."""
+    from deployments.messages_protocol import system_first
+    chat = parse({"system": [{"type": "text", "text": "x-anthropic-billing-header: cc=1; cch=9;"},
+                             {"type": "text", "text": "You are Claude Code.",
+                              "cache_control": {"type": "ephemeral"}}],
+                  "messages": [
+                      {"role": "user", "content": [
+                          {"type": "text", "text": "<system-reminder>r</system-reminder>"},
+                          {"type": "text", "text": "fix it"}]},
+                      {"role": "assistant", "content": [
+                          {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {}},
+                          {"type": "tool_use", "id": "toolu_2", "name": "Run", "input": {}}]},
+                      {"role": "user", "content": [
+                          {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                              {"type": "text", "text": "a.png:"},
+                              {"type": "image", "source": {"type": "base64", "data": "AA"}}]},
+                          {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                           "content": "timeout"}]},
+                      {"role": "system", "content": "Be careful."}]}).chat()
+    assert [m.for_template() for m in chat.messages] == [
+        {"role": "system", "content": "You are Claude Code."},
+        {"role": "user", "content": "<system-reminder>r</system-reminder>\nfix it"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "Read", "arguments": {}}},
+            {"id": "toolu_2", "type": "function", "function": {"name": "Run", "arguments": {}}}]},
+        {"role": "tool", "content": "a.png:\n[image left out: this model reads text only]",
+         "tool_call_id": "toolu_1"},
+        {"role": "tool", "content": "Error: timeout", "tool_call_id": "toolu_2"},
+        {"role": "system", "content": "Be careful."}]
+    merged = system_first(chat.messages)
+    assert [m.role for m in merged] == ["system", "user", "assistant", "tool", "tool"]
+    assert merged[0].text() == "You are Claude Code.\n\nBe careful."
+    assert system_first(merged) is None
+    header = parse({"system": "x-anthropic-billing-header: cch=1;\nYou are here.",
+                    "messages": [{"role": "user", "content": "hi"}]}).chat()
+    assert header.messages[0].text() == "You are here."
+
+
+def test_a_template_that_wants_the_system_message_first_gets_them_merged():
+    from types import SimpleNamespace
+
+    from deployments.messages_api import MessagesAPI
+
+    async def chat_prompt(chat, info):  # a template that refuses a late system message
+        if any(m.role == "system" for m in chat.messages[1:]):
+            raise APIError(400, "System message must be at the beginning", "messages")
+        return [len(chat.messages)], None, None
+
+    api = MessagesAPI(SimpleNamespace(frontend=None, chat_prompt=chat_prompt))
+    late = parse({"messages": [{"role": "user", "content": "a"},
+                               {"role": "system", "content": "b"}]}).chat()
+    assert asyncio.run(api.prompt(late, None))[0] == [2]
+    assert [m.role for m in late.messages] == ["system", "user"]
+    # a system message first renders as it is
+    first = parse({"messages": [{"role": "system", "content": "b"},
+                                {"role": "user", "content": "a"}]}).chat()
+    assert asyncio.run(api.prompt(first, None))[0] == [2]
+    api.openai.chat_prompt = _raises  # another failure is not retried
+    with pytest.raises(APIError, match="no"):
+        asyncio.run(api.prompt(late, None))
+
+
+async def _raises(chat, info):
+    raise APIError(400, "no", "messages")
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_prefill_is_continued_as_answer_not_reasoning(parser, tokenizer):
+    """With a reasoning parser, the output that continues a last assistant message is
+    answer text as it comes (no leading newlines dropped, nothing taken for thinking)."""
+    from types import SimpleNamespace
+
+    from deployments.choice import new_choice
+    from engine_actors.request import SamplingParams
+    frontend = SimpleNamespace(tokenizer=tokenizer,
+                               cfg=SimpleNamespace(reasoning_parser=parser))
+    engine_req = SimpleNamespace(sampling=SamplingParams(max_tokens=8))
+    prefill = parse({"messages": [{"role": "user", "content": "json"},
+                                  {"role": "assistant", "content": "{"}]}).chat()
+    choice = new_choice(frontend, prefill, 0, None, [1], engine_req, True, None, None)
+    ids = tokenizer.encode('\n "a": 1}', add_special_tokens=False)
+    assert choice.consume(RequestUpdate(ids, "stop")) == '\n "a": 1}'
+    assert choice.reasoning_text == ""
+    plain = parse({"messages": [{"role": "user", "content": "json"}]}).chat()
+    choice = new_choice(frontend, plain, 0, None, [1], engine_req, True, None, None)
+    assert choice.reasoning is not None
 
 
 def test_an_assistant_turn_keeps_its_thinking_and_a_last_one_is_a_prefill():
@@ -126,7 +223,6 @@ def test_an_assistant_turn_keeps_its_thinking_and_a_last_one_is_a_prefill():
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
     ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.budget_tokens"),
     ({"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]},
      "mcp_servers"),
     ({"container": "c1"}, "container"),
@@ -317,7 +413,7 @@ def test_errors_have_anthropics_shape(claude, url):
                         ({"max_tokens": 4, "messages": [{"role": "user", "content": [
                             {"type": "image", "source": {}}]}]}, "image"),
                         ({"max_tokens": 4, "messages": [{"role": "user", "content": "x" * 5000}]},
-                         "context length"),
+                         "prompt is too long: 50"),  # (Anthropic's words: Claude Code compacts)
                         ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
                           "output_config": {"format": {"type": "json_schema",
                                                        "schema": {"type": "objectx"}}}},
