@@ -178,8 +178,8 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM, a grammar still applies after it)
     include_reasoning: bool = True
     # vLLM's: at most this many tokens of thinking, then </think> (with a reasoning parser;
-    # engine_actors/thinking_budget.py)
-    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
+    # engine_actors/thinking_budget.py); -1: no limit
+    thinking_token_budget: Annotated[int, Field(ge=-1)] | None = None
 
     def logprob_fields(self) -> dict:
         if not self.logprobs and self.top_logprobs:

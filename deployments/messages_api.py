@@ -46,7 +46,8 @@ class MessagesAPI:
             ids, grammar, parser = await self.prompt(chat, info)
             cfg = self.frontend.cfg
             message = MessageObject(self.frontend.reported_model(req),
-                                    cfg.block_size if cfg.enable_prefix_caching else None)
+                                    cfg.block_size if cfg.enable_prefix_caching else None,
+                                    req.max_tokens)
             group, choices, timeout = await self.openai.submit(
                 message.id, chat, [(None, ids)], chat.max_tokens, info, chat=True,
                 arrival=arrival, grammar=grammar, tool_parser=parser)

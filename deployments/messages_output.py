@@ -3,7 +3,8 @@ events (the writer that openai_api's stream drives, as it drives SSEWriter), and
 objects.
 
 A message's `content` holds a `thinking` block (with a reasoning parser), a `text` block
-and `tool_use` blocks, in that order. Streamed: `message_start`, then each block opened,
+and `tool_use` blocks, in that order; at least one block (an empty text block, as vLLM's,
+for clients that read the first). Streamed: `message_start`, then each block opened,
 filled by deltas and closed (`content_block_start`, `_delta`, `_stop`), then
 `message_delta` (the stop reason and usage) and `message_stop`.
 """
@@ -37,10 +38,12 @@ class MessageObject:
     """One request's `message` object: its id, and its content, stop reason and usage
     built from the finished choice."""
 
-    def __init__(self, model: str, cache_block_size: int | None = None):
+    def __init__(self, model: str, cache_block_size: int | None = None,
+                 max_tokens: int | None = None):
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.cache_block_size = cache_block_size  # None: no prefix caching
+        self.max_tokens = max_tokens  # as asked (the engine's may be cut to the context)
 
     def body(self, content: list[dict], stop: tuple[str | None, str | None],
              usage: dict) -> dict:
@@ -52,7 +55,21 @@ class MessageObject:
         content = [thinking_block(choice.reasoning_text)] if choice.reasoning_text else []
         if choice.text:
             content.append(text_block(choice.text))
-        return self.body(content + tool_blocks(choice), stop_reason(choice), self.usage(choice))
+        content += tool_blocks(choice)
+        return self.body(content or [text_block("")], self.stop_reason(choice),
+                         self.usage(choice))
+
+    def stop_reason(self, choice: Choice) -> tuple[str | None, str | None]:
+        """(stop_reason, stop_sequence): None when the server cut the request short (while
+        draining), for which Anthropic's API has no reason."""
+        reason = choice.finish_reason
+        if reason == "stop" and isinstance(choice.stop_reason, str):
+            return "stop_sequence", choice.stop_reason
+        if reason == "length" and self.max_tokens and \
+                choice.num_output_tokens < self.max_tokens:  # (max_tokens cut to the context)
+            return "model_context_window_exceeded", None
+        return {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}.get(
+            reason), None
 
     def usage(self, choice: Choice | None, prompt_tokens: int = 0) -> dict:
         """Anthropic's split of the prompt: tokens read from the prefix cache, tokens
@@ -69,16 +86,6 @@ class MessageObject:
         return {"input_tokens": prompt - cached - written,
                 "output_tokens": choice.num_output_tokens,
                 "cache_creation_input_tokens": written, "cache_read_input_tokens": cached}
-
-
-def stop_reason(choice: Choice) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence): None when the server cut the request short (while
-    draining), for which Anthropic's API has no reason."""
-    reason = choice.finish_reason
-    if reason == "stop" and isinstance(choice.stop_reason, str):
-        return "stop_sequence", choice.stop_reason
-    return {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}.get(
-        reason), None
 
 
 def text_block(text: str) -> dict:
@@ -135,6 +142,8 @@ class MessageEvents:
             events.append(self._delta(type="input_json_delta",
                                       partial_json=json.dumps(block["input"])))
             events += self._close()
+        if self.num_blocks == 0:  # nothing came: one empty text block
+            events += self._open("text", text_block("")) + self._close()
         return events
 
     def _delta(self, **delta) -> dict:
@@ -158,7 +167,7 @@ class MessageEvents:
         if self.has_failed:
             return []
         choice = next(iter(choices.values()))
-        reason, sequence = stop_reason(choice)
+        reason, sequence = self.message.stop_reason(choice)
         return [self._event("message_delta",
                             delta={"stop_reason": reason, "stop_sequence": sequence},
                             usage=self.message.usage(choice)),

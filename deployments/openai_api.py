@@ -122,8 +122,8 @@ class OpenAIRoutes:
         bad_words = await bad_word_ids(self.frontend, req.bad_words, info.vocab_size) \
             if req.bad_words else None
         priority = 1 if req.priority is None else req.priority  # interactive by default
-        thinking = thinking_budget(req, self.frontend.cfg.reasoning_parser,
-                                   self.frontend.tokenizer)
+        thinking = None if getattr(req, "continue_final_message", False) else \
+            thinking_budget(req, self.frontend.cfg.reasoning_parser, self.frontend.tokenizer)
         subs = []  # (engine request, choice index, prompt text, prompt ids)
         searches = []  # with use_beam_search: (choice id prefix, prompt ids, max_tokens)
         for p_idx, (text, ids) in enumerate(prompts):
@@ -140,7 +140,10 @@ class OpenAIRoutes:
                 searches.append((f"{base_id}-{p_idx}", ids, n_new))
             for j in range(req.n):
                 sampling = req.sampling_params(n_new, j, info.sampling_defaults, info.vocab_size,
-                                               max_tokens_given=max_tokens is not None,
+                                               # (one cut to the context's rest is a
+                                               # cap, not an estimate: no KV reservation)
+                                               max_tokens_given=max_tokens is not None
+                                               and max_tokens <= rest,
                                                grammar=grammar, bad_words=bad_words,
                                                thinking_budget=thinking,
                                                **req.logprob_fields())

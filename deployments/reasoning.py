@@ -73,7 +73,7 @@ def thinking_budget(req, parser: str | None, tokenizer) -> tuple[int, int, int] 
     """The engine's thinking budget for a request's thinking_token_budget (None: none):
     (<think>'s id, or -1 when the output starts in reasoning; </think>'s id; the budget)."""
     budget = getattr(req, "thinking_token_budget", None)
-    if budget is None:
+    if budget is None or budget == -1:  # (-1: no limit, as vLLM)
         return None
     start, end = think_token_ids(tokenizer) if parser else (None, None)
     if end is None or (parser == "qwen3" and start is None):

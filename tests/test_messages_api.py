@@ -131,6 +131,42 @@ def test_what_claude_code_sends_keeps_its_meaning_and_caches():
     assert header.messages[0].text() == "You are here."
 
 
+def test_a_max_tokens_cut_to_the_context_reserves_no_kv(tokenizer):
+    """Claude Code's max_tokens of 32,000 is a cap: cut to the context's rest, the engine
+    request grows its KV as it goes (FCFS reserves prompt + max_tokens only for an
+    estimate the client gave); a prefill gets no thinking budget."""
+    from types import SimpleNamespace
+
+    from deployments.openai_api import OpenAIRoutes
+    submitted = []
+
+    async def submit(reqs, wake_each_update):
+        submitted.extend(reqs)
+        return SimpleNamespace(close=lambda: None)
+
+    cfg = SimpleNamespace(reasoning_parser="deepseek_r1", request_timeout_s=None,
+                          fingerprint=lambda: "0")
+    frontend = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, metrics=None,
+                               refuse_if_draining=lambda: None, adapter=lambda req: None,
+                               client=SimpleNamespace(submit=submit))
+    info = SimpleNamespace(max_model_len=64, sampling_defaults={}, vocab_size=260,
+                           eos_token_ids=(2,))
+    routes = OpenAIRoutes(frontend)
+    for max_tokens, given in [(32000, False), (40, True)]:
+        chat = parse({"max_tokens": max_tokens, "messages": [{"role": "user", "content": "a"}]}
+                     ).chat()
+        asyncio.run(routes.submit("m", chat, [(None, list(range(20)))], max_tokens, info, True,
+                                  0.0))
+        sampling = submitted[-1].sampling
+        assert (sampling.max_tokens, sampling.max_tokens_given) == (min(max_tokens, 44), given)
+    prefill = parse({"max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 1024},
+                     "messages": [{"role": "user", "content": "a"},
+                                  {"role": "assistant", "content": "b"}]}).chat()
+    prefill.thinking_token_budget = 1024  # (as the route sets it with a reasoning parser)
+    asyncio.run(routes.submit("m", prefill, [(None, [5, 6])], 8, info, True, 0.0))
+    assert submitted[-1].sampling.thinking_budget is None
+
+
 def test_a_template_that_wants_the_system_message_first_gets_them_merged():
     from types import SimpleNamespace
 
@@ -244,6 +280,27 @@ def test_a_message_the_server_cut_short_has_no_stop_reason(tokenizer):
     body = MessageObject(MODEL).final(choice)
     assert (body["stop_reason"], body["content"]) == (None, [{"type": "text", "text": "ab"}])
     assert anthropic.types.Message.model_validate(body).content[0].text == "ab"
+
+
+def test_a_message_cut_at_the_context_and_an_empty_one(tokenizer):
+    """A max_tokens cut to the context's rest ends with Anthropic's
+    model_context_window_exceeded; an answer with nothing has one empty text block (as
+    vLLM's), streamed too."""
+    choice = Choice(0, 0, TextStream(tokenizer), [1, 2], None)
+    choice.consume(RequestUpdate([65, 66], "length"))
+    assert MessageObject(MODEL, max_tokens=2).final(choice)["stop_reason"] == "max_tokens"
+    assert MessageObject(MODEL, max_tokens=9).final(choice)["stop_reason"] == \
+        "model_context_window_exceeded"
+    empty = Choice(0, 0, TextStream(tokenizer), [1, 2], None)
+    writer = MessageEvents(MessageObject(MODEL))
+    events = writer.start({"": empty})
+    events += writer.update(empty, empty.consume(RequestUpdate([], "stop")))
+    events += asyncio.run(writer.finish({"": empty}))
+    assert [e["event"] for e in events] == ["message_start", "content_block_start",
+                                            "content_block_stop", "message_delta",
+                                            "message_stop"]
+    body = writer.message.final(empty)
+    assert (body["content"], body["stop_reason"]) == ([{"type": "text", "text": ""}], "end_turn")
 
 
 def test_usage_splits_the_prompt_into_cache_reads_writes_and_the_rest(tokenizer):

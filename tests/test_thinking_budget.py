@@ -86,6 +86,10 @@ def test_the_fields_carry_the_budget_or_are_refused_without_a_reasoning_model(to
                                   "thinking_token_budget": 5}).encode(), ChatCompletionRequest)
     assert thinking_budget(chat, "deepseek_r1", tokenizer) == (-1, end, 5)
     assert thinking_budget(chat, "qwen3", tokenizer) == (start, end, 5)
+    unlimited = parse_body(json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                       "thinking_token_budget": -1}).encode(),
+                           ChatCompletionRequest)  # (vLLM's "no limit")
+    assert thinking_budget(unlimited, "qwen3", tokenizer) is None
     for parser in (None, "qwen3"):
         with pytest.raises(APIError) as e:
             thinking_budget(chat, parser, _byte_tokenizer() if parser else tokenizer)
