@@ -82,6 +82,9 @@ def save_random_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
     kwargs.update(config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs))
+    for name, param in model.named_parameters():  # Gemma's norms start at 0 (1 + weight):
+        if name.endswith("norm.weight") and not param.any():  # random, so that they count
+            param.data.normal_(0.0, 0.5)
     model.to(dtype).save_pretrained(path, **({"max_shard_size": max_shard_size}
                                              if max_shard_size else {}))
     save_byte_tokenizer(path)
@@ -153,7 +156,7 @@ def _build_once(dirname: str, build) -> str:
 # one (our random-weight presets) are named by their model_type
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def load_hf_config(path: str):

@@ -32,7 +32,7 @@ from engine_actors.layers.lora import MODULES
 from engine_actors.training_ops import (CopyToRanks, SumOverRanks, causal_attention,
                                         rms_norm, rotary_tables, rotate, row_parallel,
                                         varlen_attention, varlen_gqa)
-from kernels.silu_mul import silu_mul_ref
+from kernels.act_mul import act_mul_ref
 
 class Trainer:
     def __init__(self, model, rank: int, alpha: float, targets: list[str], lr: float,
@@ -189,7 +189,7 @@ class Trainer:
         norm = layer.post_attention_layernorm
         x, residual = rms_norm(hidden, norm.weight, norm.eps, residual)
         mlp = layer.mlp
-        return self._linear(layer_id, mlp.down_proj, silu_mul_ref(
+        return self._linear(layer_id, mlp.down_proj, act_mul_ref(
             self._linear(layer_id, mlp.gate_up_proj, x))), residual
 
     def _logits(self, hidden):

@@ -20,6 +20,8 @@ def check_model(hf_config, cfg, architecture: str) -> None:
                          "and is not supported; supported: default, linear, llama3, yarn")
     if architecture == "Phi3ForCausalLM":
         check_phi3(hf_config, cfg)
+    if architecture == "Gemma3ForCausalLM":
+        check_gemma3(hf_config, cfg)
 
 
 def layer_window(hf_config, layer: int, max_model_len: int) -> int:
@@ -56,6 +58,28 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads: "
                          "one must be a multiple of the other (each rank holds whole KV heads, "
                          "or one replicated KV head)")
+
+
+def check_gemma3(hf_config, cfg) -> None:
+    """No logit soft-capping (Gemma 2's; Gemma 3 has none), causal attention, GELU, and
+    default or linear rope per layer type; no LoRA: fine-tuning's forward pass is Llama's,
+    and served adapters are untested on this architecture."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf_config, name, None) is not None:
+            raise ValueError(f"{name} (logit soft-capping) is not supported")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention is not supported (causal attention only)")
+    act = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
+    for kind in set(hf_config.layer_types):
+        rope = hf_config.rope_parameters.get(kind, hf_config.rope_parameters)
+        if rope.get("rope_type", "default") not in ("default", "linear"):
+            raise ValueError(f"rope_type {rope['rope_type']!r} on the {kind} layers is not "
+                             "supported (default and linear only)")
+    if cfg.lora_enabled:
+        raise ValueError("LoRA adapters and fine-tuning are not supported for "
+                         "Gemma3ForCausalLM yet")
 
 
 def check_phi3(hf_config, cfg) -> None:

@@ -1,4 +1,4 @@
-"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3 and Phi-3, in fp32, bf16 or fp16,
+"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3, in fp32, bf16 or fp16,
 whole or sharded, each with greedy outputs equal to transformers' (fp32 compute)."""
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from engine_actors.config import EngineConfig
 from tests.engine_harness import InProcessEngine
 from tests.test_parity import check_parity, ragged_workload
 
+GEMMA3 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
 CHECKPOINTS = {
     "mistral": ("mistral", dict(sliding_window=None)),
     "mistral-window-covers-context": ("mistral", dict(sliding_window=4096)),
@@ -27,6 +31,14 @@ CHECKPOINTS = {
     "llama-fp16": ("llama", dict(dtype=torch.float16)),
     "phi3": ("phi3", dict()),  # fused qkv_proj and gate_up_proj in the checkpoint
     "phi3-gqa-sharded": ("phi3", dict(num_key_value_heads=1, max_shard_size="40KB")),
+    # sliding layers of 8 positions with a rotary of their own, beside full ones with linear
+    # rope scaling (as the 4B+ releases); tied embeddings (as all Gemma 3)
+    "gemma3": ("gemma3_text", dict(
+        GEMMA3, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                 "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                    "factor": 8.0}})),
+    "gemma3-bf16-one-type": ("gemma3_text", dict(GEMMA3, dtype=torch.bfloat16,
+                                                 layer_types=["full_attention"] * 4)),
 }
 
 
@@ -55,7 +67,7 @@ def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_pa
     assert "LlamaForSequenceClassification" in message
     assert all(a in message for a in ["LlamaForCausalLM", "MistralForCausalLM",
                                       "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                      "Phi3ForCausalLM"])
+                                      "Phi3ForCausalLM", "Gemma3ForCausalLM"])
 
 
 @pytest.mark.parametrize("changes,args,match", [
@@ -70,6 +82,21 @@ def test_phi3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes, 
     """Phi-4-mini's partial rotary, the 128k releases' LongRoPE, and LoRA on fused
     projections: refused at start, saying what."""
     save_random_checkpoint(str(tmp_path), "phi3")
+    write_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=match):
+        model_info(EngineConfig.from_args({"model": str(tmp_path), **args}))
+
+
+@pytest.mark.parametrize("changes,args,match", [
+    (dict(final_logit_softcapping=30.0), {}, "final_logit_softcapping"),
+    (dict(attn_logit_softcapping=50.0), {}, "attn_logit_softcapping"),
+    (dict(use_bidirectional_attention=True), {}, "use_bidirectional_attention"),
+    (dict(rope_parameters={kind: {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+                           for kind in ("sliding_attention", "full_attention")}), {}, "yarn"),
+    ({}, {"enable_lora": True}, "LoRA adapters and fine-tuning are not supported"),
+])
+def test_gemma3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes, args, match):
+    save_random_checkpoint(str(tmp_path), "gemma3_text", **GEMMA3)
     write_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=match):
         model_info(EngineConfig.from_args({"model": str(tmp_path), **args}))
@@ -93,6 +120,18 @@ def test_greedy_matches_transformers_on_gpu_fp32_for_head_sizes(model_type, head
     """Triton kernels at head sizes that are not (80) and are (128) powers of two."""
     save_random_checkpoint(str(tmp_path), model_type, seed=7, hidden_size=4 * head_dim,
                            head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2)
+    engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
+                             max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
+    check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
+    assert engine.worker.runner.num_graph_replays > 0
+
+
+@pytest.mark.gpu
+def test_gemma3_matches_transformers_on_gpu_fp32_at_its_head_size(tmp_path):
+    """Gemma 3's head size (256), its norms, GELU and per-type rotary in the Triton kernels
+    and CUDA graphs."""
+    save_random_checkpoint(str(tmp_path), "gemma3_text", seed=7,
+                           **dict(GEMMA3, head_dim=256, query_pre_attn_scalar=256))
     engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
                              max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")

@@ -9,7 +9,7 @@ from kernels.attention import paged_attention_ref
 from kernels.kv_write import kv_write_ref
 from kernels.rmsnorm import rmsnorm_ref
 from kernels.rotary import rotary_ref
-from kernels.silu_mul import silu_mul_ref
+from kernels.act_mul import act_mul_ref
 
 
 def random_paged_batch(seq_lens, query_lens, num_q_heads, num_kv_heads, head_dim, block_size,
@@ -85,6 +85,16 @@ def test_rmsnorm_ref_matches_transformers():
     torch.testing.assert_close(out, hf(x + r), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_ref_with_unit_offset_matches_gemma3s(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    x = torch.randn(9, 32).to(dtype)
+    hf = Gemma3RMSNorm(32, eps=1e-6).to(dtype)
+    hf.weight.data = torch.randn(32).to(dtype)
+    torch.testing.assert_close(rmsnorm_ref(x, hf.weight, 1e-6, unit_offset=True), hf(x),
+                               rtol=0, atol=0)
+
+
 def test_rotary_ref_matches_transformers():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     T, D = 11, 16
@@ -100,9 +110,12 @@ def test_rotary_ref_matches_transformers():
     torch.testing.assert_close(k_out, k_hf[0].transpose(0, 1))
 
 
-def test_silu_mul_ref():
+def test_act_mul_ref():
     x = torch.randn(5, 12)
-    torch.testing.assert_close(silu_mul_ref(x), F.silu(x[:, :6]) * x[:, 6:])
+    torch.testing.assert_close(act_mul_ref(x), F.silu(x[:, :6]) * x[:, 6:])
+    gelu = 0.5 * x[:, :6] * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (
+        x[:, :6] + 0.044715 * x[:, :6] ** 3)))  # (the tanh approximation's formula)
+    torch.testing.assert_close(act_mul_ref(x, "gelu_tanh"), gelu * x[:, 6:])
 
 
 # ---- Triton kernels against their references ------------------------------------------
@@ -111,7 +124,7 @@ from kernels.attention import paged_attention_triton  # noqa: E402
 from kernels.kv_write import kv_write_triton  # noqa: E402
 from kernels.rmsnorm import rmsnorm_triton  # noqa: E402
 from kernels.rotary import rotary_triton  # noqa: E402
-from kernels.silu_mul import silu_mul_triton  # noqa: E402
+from kernels.act_mul import act_mul_triton  # noqa: E402
 
 TARGETS = [pytest.param("cpu", torch.float32, id="interpreter-fp32"),
            pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu),
@@ -215,6 +228,8 @@ def test_rmsnorm_kernel(device, dtype, num_tokens, hidden):
     r = torch.randn(num_tokens, hidden, device=device).to(dtype)
     w = torch.randn(hidden, device=device).to(dtype)
     torch.testing.assert_close(rmsnorm_triton(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6), **TOL[dtype])
+    torch.testing.assert_close(rmsnorm_triton(x, w, 1e-6, unit_offset=True),
+                               rmsnorm_ref(x, w, 1e-6, unit_offset=True), **TOL[dtype])
     out, res = rmsnorm_triton(x, w, 1e-6, r)
     ref_out, ref_res = rmsnorm_ref(x, w, 1e-6, r)
     torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
@@ -223,9 +238,10 @@ def test_rmsnorm_kernel(device, dtype, num_tokens, hidden):
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("num_tokens,width", [(1, 32), (5, 344), (17, 2 * 1408)])
-def test_silu_mul_kernel(device, dtype, num_tokens, width):
-    x = torch.randn(num_tokens, width, device=device).to(dtype)
-    torch.testing.assert_close(silu_mul_triton(x), silu_mul_ref(x), **TOL[dtype])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_mul_kernel(device, dtype, num_tokens, width, act):
+    x = torch.randn(num_tokens, width, device=device).to(dtype) * 3
+    torch.testing.assert_close(act_mul_triton(x, act), act_mul_ref(x, act), **TOL[dtype])
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)

@@ -23,11 +23,13 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int = 0):
-        """window: a sliding window of this many positions (0: none)."""
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int = 0,
+                 scale: float | None = None):
+        """window: a sliding window of this many positions (0: none); scale: of the scores
+        (None: 1 / sqrt(head_dim))."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.window = window
 
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor],

@@ -7,7 +7,8 @@ Reads like the architecture: embed -> layers (norm, qkv, rope, attention, out, n
 the last has the final norm and the head, and only the tokens that sample reach the head.
 Tensor parallelism lives in the layers (ParallelGroup); this file stays plain. Mistral is
 this model (with its sliding window); Qwen2 and Qwen3 differ only in their attention
-options (models/qwen.py).
+options (models/qwen.py); Gemma 3 in its layers, norms, rotary and embedding
+(models/gemma3.py, through the hooks make_rotary, new_layer and embed).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from engine_actors.layers.norm import RMSNorm
 from engine_actors.layers.rotary import RotaryEmbedding
 from engine_actors.model_checks import layer_window
 from engine_actors.parallel import SINGLE, ParallelGroup, stage_layers
-from kernels.silu_mul import silu_mul
+from kernels.act_mul import act_mul
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm of each query and key head before rotary (Qwen3)
+    unit_offset: bool = False  # those norms are Gemma's (weight as 1 + weight)
+    scale: float | None = None  # of the attention scores (None: 1 / sqrt(head_dim))
 
 
 class LlamaAttention(nn.Module):
@@ -47,11 +50,11 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, opts.o_bias, parallel)
         if opts.qk_norm:
-            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, opts.unit_offset)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, opts.unit_offset)
         self.qk_norm = opts.qk_norm
         self.rotary = rotary  # shared by all layers
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, window, opts.scale)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
@@ -76,7 +79,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, parallel)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(act_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -100,6 +103,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    unit_offset = False  # Gemma's norms (weight as 1 + weight)
     # checkpoint projection name -> (merged module name, part index)
     merged_parts = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -117,16 +121,27 @@ class LlamaForCausalLM(nn.Module):
         tied = cfg.tie_word_embeddings
         if parallel.is_first_stage or (tied and parallel.is_last_stage):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
-        self.rotary = RotaryEmbedding(cfg, max_positions)
-        self.layers = nn.ModuleDict({  # keyed by checkpoint index; sliding windows per layer
-            str(i): LlamaDecoderLayer(cfg, self.rotary, parallel, opts,
-                                      layer_window(cfg, i, max_positions))
+        self.rotary = self.make_rotary(cfg, max_positions)
+        self.layers = nn.ModuleDict({  # keyed by checkpoint index
+            str(i): self.new_layer(cfg, i, parallel, opts, max_positions)
             for i in self.layer_ids})
         if parallel.is_last_stage:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.unit_offset)
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel)
             if tied:
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def make_rotary(self, cfg, max_positions: int) -> nn.Module:
+        return RotaryEmbedding(cfg, max_positions)  # shared by all layers
+
+    def new_layer(self, cfg, i: int, parallel: ParallelGroup, opts: AttentionOptions,
+                  max_positions: int) -> nn.Module:
+        """Layer i (its sliding window: the config's for that layer)."""
+        return LlamaDecoderLayer(cfg, self.rotary, parallel, opts,
+                                 layer_window(cfg, i, max_positions))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -136,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         Returns (hidden, residual) [T, H], or on the last stage fp32 logits [N, V] of the N
         tokens in logits_indices (head=False: their final hidden states [N, H])."""
         if self.parallel.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
+            hidden, residual = self.embed(input_ids), None  # [T, H]
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if not self.parallel.is_last_stage:

@@ -1,0 +1,81 @@
+"""Gemma 3's text model (Gemma3ForCausalLM: gemma-3-270m and gemma-3-1b; the larger releases
+are Gemma3ForConditionalGeneration, with a vision tower). Llama, with:
+- norms whose weight multiplies as 1 + weight, in fp32 (RMSNorm's unit_offset), on the
+  queries and keys of each head too (as Qwen3's);
+- four norms per layer: after attention and after the MLP, besides the two before them;
+- GELU (tanh approximation) in the MLP, embeddings scaled by sqrt(hidden_size), attention
+  scores by query_pre_attn_scalar ** -0.5;
+- sliding-window layers (the config's layer_types) with a rotary of their own (a lower
+  rope_theta), apart from the full-attention layers'.
+Logit soft-capping (Gemma 2's) is refused at start (engine_actors/model_checks.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_actors.layers.norm import RMSNorm
+from engine_actors.layers.rotary import RotaryEmbedding
+from engine_actors.model_checks import layer_window
+from engine_actors.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from kernels.act_mul import act_mul
+
+
+class Gemma3MLP(LlamaMLP):
+    def forward(self, x):
+        return self.down_proj(act_mul(self.gate_up_proj(x), "gelu_tanh"))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding, parallel, opts: AttentionOptions,
+                 window: int = 0):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, unit_offset=True)
+        self.self_attn = LlamaAttention(cfg, rotary, parallel, opts, window)
+        self.post_attention_layernorm = RMSNorm(h, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
+        self.mlp = Gemma3MLP(cfg, parallel)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        # The residual add of the previous sublayer is fused into the next pre-norm.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, meta))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    unit_offset = True
+
+    @staticmethod
+    def attention_options(cfg) -> AttentionOptions:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True, unit_offset=True,
+                                scale=cfg.query_pre_attn_scalar ** -0.5)
+
+    def make_rotary(self, cfg, max_positions: int) -> nn.Module:
+        """One rotary per layer type (its own rope parameters)."""
+        return nn.ModuleDict({kind: RotaryEmbedding(cfg, max_positions, rope_parameters(cfg, kind))
+                              for kind in sorted(set(cfg.layer_types))})
+
+    def new_layer(self, cfg, i: int, parallel, opts: AttentionOptions, max_positions: int):
+        return Gemma3DecoderLayer(cfg, self.rotary[cfg.layer_types[i]], parallel, opts,
+                                  layer_window(cfg, i, max_positions))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings times sqrt(hidden_size), that factor rounded to their dtype (as
+        transformers' Gemma 3)."""
+        hidden = self.embed_tokens(input_ids)
+        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype).item()
+        return hidden * scale
+
+
+def rope_parameters(cfg, layer_type: str) -> dict:
+    """A layer type's rope parameters (transformers 5 keys them by layer type)."""
+    rope = cfg.rope_parameters
+    return rope[layer_type] if layer_type in rope else rope
