@@ -159,16 +159,24 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
+# multimodal architectures whose text model is served (not their vision tower): its class
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 def load_hf_config(path: str):
-    """The checkpoint's transformers config; ValueError for an architecture we do not serve."""
+    """The checkpoint's transformers config (a multimodal one's text config, named as its
+    text model); ValueError for an architecture we do not serve."""
     from transformers import AutoConfig
     try:
         cfg = AutoConfig.from_pretrained(path)
     except ValueError as e:  # a model_type transformers does not know
         raise ValueError(f"cannot read {path}/config.json: {e}") from None
+    if architecture(cfg) in TEXT_MODELS:
+        cfg.text_config.architectures = [TEXT_MODELS[architecture(cfg)]]
+        cfg = cfg.text_config
     if architecture(cfg) not in ARCHITECTURES.values():
         raise ValueError(f"architecture {architecture(cfg)!r} is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES.values())}")
+                         f"{', '.join([*ARCHITECTURES.values(), *TEXT_MODELS])}")
     return cfg
 
 

@@ -155,3 +155,40 @@ def test_fine_tuning_refuses_tensor_parallelism_that_replicates_kv_heads(tmp_pat
     assert model_info(EngineConfig.from_args(args)).name  # serving alone starts
     with pytest.raises(ValueError, match="enable_finetuning with tensor_parallel_size 2"):
         model_info(EngineConfig.from_args({**args, "enable_finetuning": True}))
+
+
+@pytest.mark.parametrize("layout", ["released", "transformers"])
+def test_gemma3_multimodal_checkpoints_serve_their_text_model(tmp_path, layout):
+    """Gemma 3's 4B-27B releases (Gemma3ForConditionalGeneration): their text model, greedy
+    as transformers' multimodal model on text alone; the vision tower is not loaded. Its
+    weights may be named `language_model.model.*` (as released) or
+    `model.language_model.*`."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from engine_actors.checkpoint import save_byte_tokenizer
+    text = dict(GEMMA3, vocab_size=300, hidden_size=64, intermediate_size=176,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                hidden_activation="gelu_pytorch_tanh", initializer_range=0.2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    torch.manual_seed(3)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+        boi_token_index=297, eoi_token_index=298))
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):  # (zeros at init: 1 + weight)
+            param.data.normal_(0.0, 0.5)
+    model.save_pretrained(str(tmp_path))
+    save_byte_tokenizer(str(tmp_path))
+    if layout == "transformers":
+        weights = load_file(str(tmp_path / "model.safetensors"))
+        save_file({k.replace("language_model.model.", "model.language_model."): v
+                   for k, v in weights.items()}, str(tmp_path / "model.safetensors"),
+                  metadata={"format": "pt"})
+    info = model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+    assert info.architecture == "Gemma3ForCausalLM"
+    engine = InProcessEngine(model=str(tmp_path), max_batch_size=8, block_size=4,
+                             max_num_batched_tokens=24, max_num_tokens=4096)
+    check_parity(str(tmp_path), engine, ragged_workload(seed=3))

@@ -1,5 +1,6 @@
-"""Gemma 3's text model (Gemma3ForCausalLM: gemma-3-270m and gemma-3-1b; the larger releases
-are Gemma3ForConditionalGeneration, with a vision tower). Llama, with:
+"""Gemma 3's text model: Gemma3ForCausalLM (gemma-3-270m and gemma-3-1b), and the text model
+of Gemma3ForConditionalGeneration (the 4B, 12B and 27B releases; their vision tower is not
+loaded: text only). Llama, with:
 - norms whose weight multiplies as 1 + weight, in fp32 (RMSNorm's unit_offset), on the
   queries and keys of each head too (as Qwen3's);
 - four norms per layer: after attention and after the MLP, besides the two before them;
@@ -66,6 +67,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def new_layer(self, cfg, i: int, parallel, opts: AttentionOptions, max_positions: int):
         return Gemma3DecoderLayer(cfg, self.rotary[cfg.layer_types[i]], parallel, opts,
                                   layer_window(cfg, i, max_positions))
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        """A multimodal checkpoint's text model is under `language_model.` (as released)
+        or `model.language_model.` (as transformers 5 may write it); its vision tower and
+        projector are for no module here."""
+        for prefix in ("language_model.model.", "model.language_model."):
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix):]
+        return super().load_weight(name.removeprefix("language_model."), tensor)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings times sqrt(hidden_size), that factor rounded to their dtype (as
