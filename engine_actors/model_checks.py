@@ -62,8 +62,7 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
 
 def check_gemma3(hf_config, cfg) -> None:
     """No logit soft-capping (Gemma 2's; Gemma 3 has none), causal attention, GELU, and
-    default or linear rope per layer type; no LoRA: fine-tuning's forward pass is Llama's,
-    and served adapters are untested on this architecture."""
+    default or linear rope per layer type; no fine-tuning (its forward pass is Llama's)."""
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(hf_config, name, None) is not None:
             raise ValueError(f"{name} (logit soft-capping) is not supported")
@@ -77,9 +76,9 @@ def check_gemma3(hf_config, cfg) -> None:
         if rope.get("rope_type", "default") not in ("default", "linear"):
             raise ValueError(f"rope_type {rope['rope_type']!r} on the {kind} layers is not "
                              "supported (default and linear only)")
-    if cfg.lora_enabled:
-        raise ValueError("LoRA adapters and fine-tuning are not supported for "
-                         "Gemma3ForCausalLM yet")
+    if cfg.enable_finetuning:
+        raise ValueError("enable_finetuning is not supported for Gemma3ForCausalLM (LoRA "
+                         "adapters are served)")
 
 
 def check_phi3(hf_config, cfg) -> None:

@@ -93,7 +93,8 @@ def test_phi3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes, 
     (dict(use_bidirectional_attention=True), {}, "use_bidirectional_attention"),
     (dict(rope_parameters={kind: {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
                            for kind in ("sliding_attention", "full_attention")}), {}, "yarn"),
-    ({}, {"enable_lora": True}, "LoRA adapters and fine-tuning are not supported"),
+    (dict(layer_types=["full_attention"] * 4), {"enable_finetuning": True},
+     "enable_finetuning is not supported"),
 ])
 def test_gemma3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes, args, match):
     save_random_checkpoint(str(tmp_path), "gemma3_text", **GEMMA3)

@@ -132,6 +132,28 @@ def test_mixed_adapters_match_transformers_peft(models, device, overlap, tmp_pat
         assert engine.worker.runner.num_graph_replays > 0
 
 
+def test_an_adapter_on_gemma3_matches_transformers_peft(tmp_path):
+    """Gemma 3's layers (four norms, GELU) with every projection adapted."""
+    from engine_actors.checkpoint import save_random_checkpoint
+    from tests.test_architectures import GEMMA3
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "all")
+    save_random_checkpoint(base, "gemma3_text", seed=4, **GEMMA3)
+    save_adapter(base, adapter, 8, 16, ADAPTERS["chat"][2], seed=6)
+    engine = InProcessEngine(model=base, dtype="float32", lora_modules={"all": adapter},
+                             max_lora_rank=8, max_batch_size=8, block_size=4,
+                             max_num_batched_tokens=64, max_num_tokens=2048)
+    rng = random.Random(5)
+    arrivals, expected = {0: []}, {}
+    for i in range(8):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 30))]
+        name = "all" if i % 2 else None
+        sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        arrivals[0].append((f"r{i}", prompt, sampling, name))
+        expected[f"r{i}"] = peft_greedy(base, adapter if name else None, prompt, 8)
+    assert engine.run(arrivals) == expected
+    assert len({tuple(v) for v in expected.values()}) == 8  # (the adapter changes outputs)
+
+
 def model_of(base: str) -> tuple[dict, int]:
     from engine_actors.checkpoint import model_info
     from engine_actors.config import EngineConfig
