@@ -156,7 +156,8 @@ def _build_once(dirname: str, build) -> str:
 # one (our random-weight presets) are named by their model_type
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 
 
 # multimodal architectures whose text model is served (not their vision tower): its class

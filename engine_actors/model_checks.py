@@ -20,8 +20,8 @@ def check_model(hf_config, cfg, architecture: str) -> None:
                          "and is not supported; supported: default, linear, llama3, yarn")
     if architecture == "Phi3ForCausalLM":
         check_phi3(hf_config, cfg)
-    if architecture == "Gemma3ForCausalLM":
-        check_gemma3(hf_config, cfg)
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        check_gemma(hf_config, cfg, architecture)
 
 
 def layer_window(hf_config, layer: int, max_model_len: int) -> int:
@@ -60,24 +60,24 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
                          "or one replicated KV head)")
 
 
-def check_gemma3(hf_config, cfg) -> None:
-    """No logit soft-capping (Gemma 2's; Gemma 3 has none), causal attention, GELU, and
-    default or linear rope per layer type; no fine-tuning (its forward pass is Llama's)."""
+def check_gemma(hf_config, cfg, architecture: str) -> None:
+    """Logit soft-capping only on Gemma 2 (Gemma 3 has none), causal attention, GELU, and
+    default or linear rope (per layer type); no fine-tuning (its forward pass is Llama's)."""
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(hf_config, name, None) is not None:
-            raise ValueError(f"{name} (logit soft-capping) is not supported")
+        if architecture != "Gemma2ForCausalLM" and getattr(hf_config, name, None) is not None:
+            raise ValueError(f"{name} (logit soft-capping) is not supported on {architecture}")
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention is not supported (causal attention only)")
     act = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
     for kind in set(hf_config.layer_types):
-        rope = hf_config.rope_parameters.get(kind, hf_config.rope_parameters)
+        rope = hf_config.rope_parameters.get(kind) or hf_config.rope_parameters
         if rope.get("rope_type", "default") not in ("default", "linear"):
             raise ValueError(f"rope_type {rope['rope_type']!r} on the {kind} layers is not "
                              "supported (default and linear only)")
     if cfg.enable_finetuning:
-        raise ValueError("enable_finetuning is not supported for Gemma3ForCausalLM (LoRA "
+        raise ValueError(f"enable_finetuning is not supported for {architecture} (LoRA "
                          "adapters are served)")
 
 

@@ -12,7 +12,8 @@ A request's new tokens are the last ones of its sequence: query j of request i s
 position seq_lens[i] - q_len_i + j and attends causally to positions 0..that position (with
 a sliding `window` W > 0, only to the last W of them, itself included, as transformers'
 sliding-window layers). Prefill, chunked prefill and decode (q_len 1) are the same case.
-GQA: Hq % Hkv == 0.
+GQA: Hq % Hkv == 0. With a `softcap` c > 0 (Gemma 2's attention logit soft-capping), scores
+s become c * tanh(s / c) before the softmax.
 
 The Triton kernel runs every request in one launch (ORCA fuses the per-request attention
 blocks into one kernel): program (i, j, h) takes query tile j of request i for KV head h,
@@ -33,7 +34,8 @@ import triton.language as tl
 
 def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                         block_size: int, scale: float, max_query_len: int = 0,
-                        work: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                        work: torch.Tensor | None = None, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
     """Per-request attention in plain torch (ORCA's split -> attention -> merge)."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -47,6 +49,8 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
         k = k_cache[slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_cache[slots].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * scale  # [Hq, q_len, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = pos[seq_len - q_len:, None]  # [q_len, 1]
         hidden = pos[None, :] > q_pos
         if window:
@@ -60,12 +64,12 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        block_tables_ptr, work_ptr, scale_log2e,
+        block_tables_ptr, work_ptr, scale_log2e, cap_log2e,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WORK: tl.constexpr,
-        WINDOW: tl.constexpr):
+        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     if WORK:  # program i takes the (request, tile) of work item i
         req = tl.load(work_ptr + 2 * tl.program_id(0))
         tile = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
@@ -111,6 +115,8 @@ def _paged_attention_kernel(
         kv_ok = n_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [R, N]
+        if SOFTCAP:  # c log2(e) tanh(s / (c log2(e))), in the log2 domain; tanh(x) = 2 / (1
+            s = cap_log2e * (2.0 / (1.0 + tl.exp(-2.0 * s / cap_log2e)) - 1.0)  # + e^-2x) - 1
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if WINDOW > 0:
             visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
@@ -158,7 +164,8 @@ def work_list(cu_seqlens_q: torch.Tensor, block_m: int, num_work: int) -> torch.
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                            block_size: int, scale: float, max_query_len: int,
-                           work: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                           work: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """work: a work list made by work_list with the block_m of tile_shape(..., max_query_len)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -175,17 +182,18 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
         cu_seqlens_q if work is None else work, scale * 1.4426950408889634,
+        softcap * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_M=block_m,
         ROWS=rows, BLOCK_N=64 if dim_p2 <= 128 else 32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WORK=work is not None,
-        WINDOW=window)
+        WINDOW=window, SOFTCAP=softcap > 0)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size,
-                    scale, max_query_len, work=None, window: int = 0):
+                    scale, max_query_len, work=None, window: int = 0, softcap: float = 0.0):
     fn = paged_attention_triton if q.is_cuda else paged_attention_ref
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size, scale,
-              max_query_len, work, window)
+              max_query_len, work, window, softcap)

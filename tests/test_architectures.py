@@ -1,5 +1,6 @@
-"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3, in fp32, bf16 or fp16,
-whole or sharded, each with greedy outputs equal to transformers' (fp32 compute)."""
+"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3, in fp32,
+bf16 or fp16, whole or sharded, each with greedy outputs equal to transformers' (fp32
+compute)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,10 @@ GEMMA3 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, tie_word_
               layer_types=["sliding_attention", "full_attention"] * 2,
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+GEMMA2 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "full_attention"] * 2,
+              attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 CHECKPOINTS = {
     "mistral": ("mistral", dict(sliding_window=None)),
     "mistral-window-covers-context": ("mistral", dict(sliding_window=4096)),
@@ -39,6 +44,8 @@ CHECKPOINTS = {
                                                     "factor": 8.0}})),
     "gemma3-bf16-one-type": ("gemma3_text", dict(GEMMA3, dtype=torch.bfloat16,
                                                  layer_types=["full_attention"] * 4)),
+    # soft caps low enough that tanh bends the scores and logits these weights give
+    "gemma2": ("gemma2", GEMMA2),
 }
 
 
@@ -50,6 +57,26 @@ def test_greedy_matches_transformers(name, tmp_path):
                              max_num_batched_tokens=24, max_num_tokens=4096,
                              max_model_len=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=3))
+
+
+def test_gemma2s_soft_capped_logits_give_transformers_logprobs(tmp_path):
+    """The final soft-capping leaves greedy tokens as they are (tanh keeps the order): the
+    log-probabilities show it."""
+    from engine_actors.request import SamplingParams
+    from tests.engine_harness import hf_model
+    save_random_checkpoint(str(tmp_path), "gemma2", seed=5, **GEMMA2)
+    engine = InProcessEngine(model=str(tmp_path), max_batch_size=8, block_size=4,
+                             max_num_batched_tokens=24, max_num_tokens=4096)
+    prompt = list(range(60, 90))
+    out = engine.run({0: [("r", prompt, SamplingParams(max_tokens=4, temperature=0.0,
+                                                       ignore_eos=True, logprobs=3))]})["r"]
+    with torch.no_grad():
+        logits = hf_model(str(tmp_path))(torch.tensor([prompt + out])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]
+    assert (ref.exp().max(-1).values < 0.9).all()  # (the cap at 3 flattens them)
+    for t, (lp, ids, values, _) in enumerate(engine.logprobs["r"]):
+        assert lp == pytest.approx(ref[t, out[t]].item(), abs=1e-4)
+        assert values == pytest.approx(ref[t].topk(3).values.tolist(), abs=1e-4)
 
 
 def write_config(path, **changes):
@@ -67,7 +94,8 @@ def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_pa
     assert "LlamaForSequenceClassification" in message
     assert all(a in message for a in ["LlamaForCausalLM", "MistralForCausalLM",
                                       "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                      "Phi3ForCausalLM", "Gemma3ForCausalLM"])
+                                      "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                                      "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"])
 
 
 @pytest.mark.parametrize("changes,args,match", [
@@ -133,6 +161,17 @@ def test_gemma3_matches_transformers_on_gpu_fp32_at_its_head_size(tmp_path):
     and CUDA graphs."""
     save_random_checkpoint(str(tmp_path), "gemma3_text", seed=7,
                            **dict(GEMMA3, head_dim=256, query_pre_attn_scalar=256))
+    engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
+                             max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
+    check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
+    assert engine.worker.runner.num_graph_replays > 0
+
+
+@pytest.mark.gpu
+def test_gemma2_matches_transformers_on_gpu_fp32(tmp_path):
+    """Soft-capped scores in the Triton kernel (with its windows), CUDA graphs."""
+    save_random_checkpoint(str(tmp_path), "gemma2", seed=7,
+                           **dict(GEMMA2, head_dim=256, query_pre_attn_scalar=256))
     engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
                              max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")

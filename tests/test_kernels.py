@@ -173,6 +173,26 @@ def test_paged_attention_kernel_with_a_sliding_window(device, dtype, window):
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("window", [0, 24])
+def test_paged_attention_kernel_with_soft_capped_scores(device, dtype, window):
+    """Gemma 2's soft-capping of the scores (c tanh(s / c)), alone and with a window."""
+    q_lens, s_lens = [1, 7, 130, 1], [90, 7, 200, 24]
+    q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, q_lens, 6, 2, 64, 4)
+    args = [(t * 3).to(device).to(dtype) for t in (q, k_cache, v_cache)]  # (scores that cap)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    lens = torch.tensor(s_lens, dtype=torch.int32, device=device)
+    tables = tables.to(device)
+    out = paged_attention_triton(*args, cu_t, lens, tables, 4, 0.125, max(q_lens),
+                                 window=window, softcap=2.0)
+    ref = paged_attention_ref(*[a.float() for a in args], cu_t, lens, tables, 4, 0.125,
+                              window=window, softcap=2.0)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    plain = paged_attention_ref(*[a.float() for a in args], cu_t, lens, tables, 4, 0.125,
+                                window=window)
+    assert not torch.allclose(ref, plain, atol=1e-2)  # the cap changed the answer
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("heads,q_lens,s_lens,pad_requests,pad_tokens,bucket", [
     ((8, 2), [1, 7, 5, 1, 50], [1, 7, 33, 16, 50], 3, 17, 128),  # decodes and prompts
     ((4, 4), [1, 1], [9, 40], 6, 30, 32),  # decode rows only, most of the graph empty

@@ -24,13 +24,13 @@ class AttentionMetadata:
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int = 0,
-                 scale: float | None = None):
+                 scale: float | None = None, softcap: float = 0.0):
         """window: a sliding window of this many positions (0: none); scale: of the scores
-        (None: 1 / sqrt(head_dim))."""
+        (None: 1 / sqrt(head_dim)); softcap: their soft-capping (0: none; Gemma 2's)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
-        self.window = window
+        self.window, self.softcap = window, softcap
 
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -39,4 +39,4 @@ class Attention(nn.Module):
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                meta.block_tables, meta.block_size, self.scale, meta.max_query_len,
-                               meta.work, self.window)
+                               meta.work, self.window, self.softcap)

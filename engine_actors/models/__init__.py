@@ -1,14 +1,15 @@
 """The supported architectures: `architectures[0]` of a checkpoint's config.json -> model."""
 from __future__ import annotations
 
-from engine_actors.models.gemma3 import Gemma3ForCausalLM
+from engine_actors.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.models.phi3 import Phi3ForCausalLM
 from engine_actors.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
           "Qwen2ForCausalLM": Qwen2ForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
-          "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma3ForCausalLM": Gemma3ForCausalLM}
+          "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma2ForCausalLM": Gemma2ForCausalLM,
+          "Gemma3ForCausalLM": Gemma3ForCausalLM}
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:

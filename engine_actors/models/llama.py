@@ -7,8 +7,8 @@ Reads like the architecture: embed -> layers (norm, qkv, rope, attention, out, n
 the last has the final norm and the head, and only the tokens that sample reach the head.
 Tensor parallelism lives in the layers (ParallelGroup); this file stays plain. Mistral is
 this model (with its sliding window); Qwen2 and Qwen3 differ only in their attention
-options (models/qwen.py); Gemma 3 in its layers, norms, rotary and embedding
-(models/gemma3.py, through the hooks make_rotary, new_layer and embed).
+options (models/qwen.py); Gemma 2 and 3 in their layers, norms, rotary, embedding and
+logits (models/gemma.py, through the hooks make_rotary, new_layer, embed and logits).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class AttentionOptions:
     qk_norm: bool = False  # RMSNorm of each query and key head before rotary (Qwen3)
     unit_offset: bool = False  # those norms are Gemma's (weight as 1 + weight)
     scale: float | None = None  # of the attention scores (None: 1 / sqrt(head_dim))
+    softcap: float = 0.0  # the scores' soft-capping (Gemma 2's; 0: none)
 
 
 class LlamaAttention(nn.Module):
@@ -54,7 +55,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, opts.unit_offset)
         self.qk_norm = opts.qk_norm
         self.rotary = rotary  # shared by all layers
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, window, opts.scale)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, window, opts.scale,
+                              opts.softcap)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)

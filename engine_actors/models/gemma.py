@@ -1,14 +1,14 @@
-"""Gemma 3's text model: Gemma3ForCausalLM (gemma-3-270m and gemma-3-1b), and the text model
-of Gemma3ForConditionalGeneration (the 4B, 12B and 27B releases; their vision tower is not
-loaded: text only). Llama, with:
+"""Gemma 2 and Gemma 3. Gemma 3's text model: Gemma3ForCausalLM (gemma-3-270m and
+gemma-3-1b), and the text model of Gemma3ForConditionalGeneration (the 4B, 12B and 27B
+releases; their vision tower is not loaded: text only). Llama, with:
 - norms whose weight multiplies as 1 + weight, in fp32 (RMSNorm's unit_offset), on the
-  queries and keys of each head too (as Qwen3's);
+  queries and keys of each head too (Gemma 3, as Qwen3's);
 - four norms per layer: after attention and after the MLP, besides the two before them;
 - GELU (tanh approximation) in the MLP, embeddings scaled by sqrt(hidden_size), attention
   scores by query_pre_attn_scalar ** -0.5;
-- sliding-window layers (the config's layer_types) with a rotary of their own (a lower
-  rope_theta), apart from the full-attention layers'.
-Logit soft-capping (Gemma 2's) is refused at start (engine_actors/model_checks.py).
+- sliding-window layers (the config's layer_types), in Gemma 3 with a rotary of their own
+  (a lower rope_theta) apart from the full-attention layers';
+- Gemma 2: soft-capped attention scores (in the attention kernel) and final logits.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from engine_actors.models.llama import AttentionOptions, LlamaAttention, LlamaFo
 from kernels.act_mul import act_mul
 
 
-class Gemma3MLP(LlamaMLP):
+class GemmaMLP(LlamaMLP):
     def forward(self, x):
         return self.down_proj(act_mul(self.gate_up_proj(x), "gelu_tanh"))
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, parallel, opts: AttentionOptions,
                  window: int = 0):
         super().__init__()
@@ -36,7 +36,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, parallel, opts, window)
         self.post_attention_layernorm = RMSNorm(h, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
-        self.mlp = Gemma3MLP(cfg, parallel)
+        self.mlp = GemmaMLP(cfg, parallel)
         self.post_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
@@ -50,23 +50,30 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma2ForCausalLM(LlamaForCausalLM):
     unit_offset = True
 
     @staticmethod
     def attention_options(cfg) -> AttentionOptions:
         bias = bool(getattr(cfg, "attention_bias", False))
-        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True, unit_offset=True,
-                                scale=cfg.query_pre_attn_scalar ** -0.5)
+        return AttentionOptions(qkv_bias=bias, o_bias=bias,
+                                scale=cfg.query_pre_attn_scalar ** -0.5,
+                                softcap=cfg.attn_logit_softcapping or 0.0)
 
     def make_rotary(self, cfg, max_positions: int) -> nn.Module:
-        """One rotary per layer type (its own rope parameters)."""
-        return nn.ModuleDict({kind: RotaryEmbedding(cfg, max_positions, rope_parameters(cfg, kind))
-                              for kind in sorted(set(cfg.layer_types))})
+        """The rotary of each layer type: one for all (Gemma 2), or one per type with its
+        own rope parameters (Gemma 3; transformers 5 keys them by layer type)."""
+        kinds = sorted(set(cfg.layer_types))
+        if not any(kind in cfg.rope_parameters for kind in kinds):
+            shared = RotaryEmbedding(cfg, max_positions)
+            return nn.ModuleDict({kind: shared for kind in kinds})
+        return nn.ModuleDict({kind: RotaryEmbedding(cfg, max_positions,
+                                                    cfg.rope_parameters[kind])
+                              for kind in kinds})
 
     def new_layer(self, cfg, i: int, parallel, opts: AttentionOptions, max_positions: int):
-        return Gemma3DecoderLayer(cfg, self.rotary[cfg.layer_types[i]], parallel, opts,
-                                  layer_window(cfg, i, max_positions))
+        return GemmaDecoderLayer(cfg, self.rotary[cfg.layer_types[i]], parallel, opts,
+                                 layer_window(cfg, i, max_positions))
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
         """A multimodal checkpoint's text model is under `language_model.` (as released)
@@ -79,13 +86,23 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings times sqrt(hidden_size), that factor rounded to their dtype (as
-        transformers' Gemma 3)."""
+        transformers' Gemma)."""
         hidden = self.embed_tokens(input_ids)
         scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype).item()
         return hidden * scale
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final logits soft-capped (final_logit_softcapping: c tanh(x / c), in fp32)."""
+        logits = super().logits(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return cap * torch.tanh(logits / cap) if cap else logits
 
-def rope_parameters(cfg, layer_type: str) -> dict:
-    """A layer type's rope parameters (transformers 5 keys them by layer type)."""
-    rope = cfg.rope_parameters
-    return rope[layer_type] if layer_type in rope else rope
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    @staticmethod
+    def attention_options(cfg) -> AttentionOptions:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True, unit_offset=True,
+                                scale=cfg.query_pre_attn_scalar ** -0.5)
+
+
