@@ -98,6 +98,12 @@ RANDOM_MODELS = {
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's shape: 128 experts, 8 per token
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          tie_word_embeddings=False, vocab_size=151936),
 }
 RANDOM_MARKER = "orca_random_weights.json"
 
@@ -113,9 +119,16 @@ def random_weight(name: str, shape, device, dtype=torch.bfloat16) -> torch.Tenso
 
 
 def _save_random_model_dir(path: str, name: str) -> None:
-    cfg = tiny_llama_config(vocab_size=128256, max_position_embeddings=8192,
-                            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                            **RANDOM_MODELS[name])
+    from transformers import AutoConfig
+    shape = dict(RANDOM_MODELS[name])
+    model_type = shape.pop("model_type", "llama")
+    cfg = tiny_llama_config(**{"vocab_size": 128256, "max_position_embeddings": 8192,
+                               "rope_parameters": {"rope_type": "default",
+                                                   "rope_theta": 500000.0}, **shape})
+    if model_type != "llama":
+        kwargs = cfg.to_diff_dict()
+        kwargs.pop("model_type", None)
+        cfg = AutoConfig.for_model(model_type, **kwargs)
     cfg.save_pretrained(path)
     save_byte_tokenizer(path, cfg.vocab_size)
     Path(path, RANDOM_MARKER).write_text('{"std": 0.02}\n')
@@ -157,7 +170,8 @@ def _build_once(dirname: str, build) -> str:
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 # multimodal architectures whose text model is served (not their vision tower): its class

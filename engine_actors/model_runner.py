@@ -106,8 +106,10 @@ class ModelRunner:
                     self.hf_config, self.max_model_len, self.parallel)
         finally:
             torch.set_default_dtype(default_dtype)
-        loaded = {model.load_weight(name, tensor.to(self.dtype))
-                  for name, tensor in iter_checkpoint_tensors(path, self.device)}
+        loaded = set()
+        for name, tensor in iter_checkpoint_tensors(path, self.device):
+            keys = model.load_weight(name, tensor.to(self.dtype))
+            loaded.update(keys if isinstance(keys, list) else [keys])  # (a list: experts')
         missing = model.weight_keys() - loaded
         if missing:
             raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")

@@ -46,6 +46,16 @@ CHECKPOINTS = {
                                                  layer_types=["full_attention"] * 4)),
     # soft caps low enough that tanh bends the scores and logits these weights give
     "gemma2": ("gemma2", GEMMA2),
+    # mixtures of experts: every token's top 2 of 8 (4) experts; a dense layer among them
+    "qwen3-moe": ("qwen3_moe", dict(head_dim=16, moe_intermediate_size=32, num_experts=8,
+                                    num_experts_per_tok=2, norm_topk_prob=True,
+                                    mlp_only_layers=[2])),
+    "qwen3-moe-unnormed-bf16": ("qwen3_moe", dict(head_dim=16, moe_intermediate_size=32,
+                                                  num_experts=8, num_experts_per_tok=3,
+                                                  norm_topk_prob=False,
+                                                  dtype=torch.bfloat16)),
+    "mixtral": ("mixtral", dict(intermediate_size=48, num_local_experts=4,
+                                num_experts_per_tok=2)),
 }
 
 
@@ -179,6 +189,24 @@ def test_gemma2_matches_transformers_on_gpu_fp32(tmp_path):
 
 
 @pytest.mark.gpu
+def test_a_mixture_of_experts_on_gpu(tmp_path):
+    """fp32: transformers' greedy tokens (each expert on all rows: grouped matmuls have no
+    fp32 kernel). bf16: the grouped matmul, captured in CUDA graphs, gives the tokens of
+    the same steps run eagerly."""
+    save_random_checkpoint(str(tmp_path), "qwen3_moe", seed=7, **dict(
+        CHECKPOINTS["qwen3-moe"][1], hidden_size=128, moe_intermediate_size=64))
+    args = dict(device="cuda", model=str(tmp_path), max_batch_size=8,
+                max_num_batched_tokens=24, max_num_tokens=4096)
+    engine = InProcessEngine(dtype="float32", **args)
+    check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
+    assert engine.worker.runner.num_graph_replays > 0
+    graphs = InProcessEngine(dtype="bfloat16", **args)
+    eager = InProcessEngine(dtype="bfloat16", enforce_eager=True, **args)
+    assert graphs.run(ragged_workload(seed=12)) == eager.run(ragged_workload(seed=12))
+    assert graphs.worker.runner.num_graph_replays > 0
+
+
+@pytest.mark.gpu
 def test_a_sliding_window_matches_transformers_on_gpu_fp32(tmp_path):
     """The Triton kernel's window, in prefill tiles, decodes and CUDA graphs."""
     save_random_checkpoint(str(tmp_path), "mistral", seed=7, sliding_window=8)
@@ -232,3 +260,29 @@ def test_gemma3_multimodal_checkpoints_serve_their_text_model(tmp_path, layout):
     engine = InProcessEngine(model=str(tmp_path), max_batch_size=8, block_size=4,
                              max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=3))
+
+
+def test_experts_load_per_expert_or_stacked_and_shard_over_ranks():
+    """A checkpoint's per-expert tensors (as released and as transformers saves them) and
+    transformers 5's stacked ones (the random-weight benchmark models') fill the same
+    weights; each of two ranks holds its half of every expert's intermediate features."""
+    from engine_actors.layers.moe import SparseMoE
+    from engine_actors.parallel import ParallelGroup
+    gate_up, down = torch.randn(4, 2 * 6, 8), torch.randn(4, 8, 6)
+    stacked, split = SparseMoE(8, 6, 4, 2, True, True), SparseMoE(8, 6, 4, 2, True, True)
+    keys = stacked.load_checkpoint("gate_up_proj", gate_up) + \
+        stacked.load_checkpoint("down_proj", down)
+    for e in range(4):
+        for name, tensor in [("w1", gate_up[e, :6]), ("w3", gate_up[e, 6:]),
+                             ("down_proj", down[e])]:
+            split.load_checkpoint(f"{e}.{name}", tensor)
+    assert sorted(keys + ["gate"]) == sorted(split.checkpoint_keys())
+    assert torch.equal(stacked.w13, split.w13) and torch.equal(stacked.w2, split.w2)
+    for rank in range(2):
+        half = SparseMoE(8, 6, 4, 2, True, True, ParallelGroup(rank, 2, 0, 1))
+        half.load_checkpoint("gate_up_proj", gate_up)
+        half.load_checkpoint("down_proj", down)
+        cols = slice(3 * rank, 3 * rank + 3)
+        assert torch.equal(half.w13, torch.cat([gate_up[:, :6][:, cols],
+                                                gate_up[:, 6:][:, cols]], 1))
+        assert torch.equal(half.w2, down[:, :, cols])

@@ -231,6 +231,18 @@ def test_phi3_fused_projections_are_sharded_part_by_part(tmp_path):
                            torch.cat([gate[half], up[half]]))
 
 
+def test_a_mixture_of_experts_over_tp_and_pp_equals_one_worker(ray_cluster, tmp_path):
+    """Qwen3-MoE: each rank holds its share of every expert's intermediate features (the
+    router replicated), each stage its layers' experts."""
+    from engine_actors.checkpoint import save_random_checkpoint
+    save_random_checkpoint(str(tmp_path), "qwen3_moe", seed=4, head_dim=16,
+                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                           norm_topk_prob=True)
+    requests, results = compare_configs(str(tmp_path), [(2, 1), (1, 2)])
+    expected = single_worker(str(tmp_path), requests)
+    assert results[(2, 1)] == expected and results[(1, 2)] == expected
+
+
 def test_tp_with_more_ranks_than_kv_heads(ray_cluster, tmp_path):
     """One KV head, two ranks: each rank holds the replicated head; outputs equal one
     worker's."""

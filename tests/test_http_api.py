@@ -187,7 +187,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, None, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1e12}, None, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, None, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, None, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, None, "temperature"),
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', None, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, None, "top_p"),

@@ -173,6 +173,23 @@ def test_paged_attention_kernel_with_a_sliding_window(device, dtype, window):
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
+def test_grouped_matmul_of_experts(device, dtype):
+    """Rows grouped by expert (one expert with none) times each expert's weights: the grouped
+    kernel (bf16 on CUDA, and on CPU) or each expert on all rows (fp32 on CUDA), against a
+    loop over the groups."""
+    from engine_actors.layers.moe import grouped_mm
+    sizes = [3, 0, 17, 5]
+    expert = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes)).to(device)
+    a = torch.randn(sum(sizes), 64, device=device).to(dtype)
+    w = torch.randn(4, 48, 64, device=device).to(dtype)
+    ends = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    out = grouped_mm(a, w, ends, expert)
+    ref = torch.cat([a[expert == e].float() @ w[e].float().t() for e in range(4)])
+    torch.testing.assert_close(out.float(), ref, **{**TOL[dtype], "atol": 0.3}
+                               if dtype == torch.bfloat16 else TOL[dtype])
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("window", [0, 24])
 def test_paged_attention_kernel_with_soft_capped_scores(device, dtype, window):
     """Gemma 2's soft-capping of the scores (c tanh(s / c)), alone and with a window."""

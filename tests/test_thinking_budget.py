@@ -22,15 +22,30 @@ from tests.test_logits import ENGINES, ON_GPU
 from tests.test_reasoning_grammar import model_dir, tokenizer  # noqa: F401 (fixtures)
 
 
-def _budgeted(model_dir, prompt: list[int], budget: int, max_tokens: int, end: int):
+def _budgeted(model_dir, prompt: list[int], budget: int, max_tokens: int, end: int,
+              greedy=hf_greedy):
     """transformers' greedy tokens when the output starts in thinking (DeepSeek-R1's
     templates) and </think> is forced after `budget` tokens."""
-    thought = hf_greedy(model_dir, prompt, min(budget, max_tokens)) if budget else []
-    assert end not in thought  # (the random model never writes it: checked)
+    thought = greedy(model_dir, prompt, min(budget, max_tokens)) if budget else []
+    assert end not in thought  # (the random model does not write it: checked)
     if len(thought) == max_tokens:
         return thought
     rest = max_tokens - budget - 1
-    return thought + [end] + (hf_greedy(model_dir, prompt + thought + [end], rest) if rest else [])
+    return thought + [end] + (greedy(model_dir, prompt + thought + [end], rest) if rest else [])
+
+
+def _greedy_without(token: int):
+    """transformers' greedy tokens that never are `token` (as a logit bias of -100 does)."""
+    def greedy(model_dir, prompt, n):
+        from tests.engine_harness import hf_model
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf_model(model_dir).generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                bad_words_ids=[[token]])
+        return out[0, len(prompt):].tolist()
+    return greedy
 
 
 @pytest.mark.parametrize("engine_args", ENGINES + [ON_GPU])
@@ -105,3 +120,44 @@ def _byte_tokenizer():
     from engine_actors.checkpoint import load_tokenizer, resolve_model_path
     from engine_actors.config import DEFAULT_MODEL
     return load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+
+
+# ---- over HTTP: a server with the deepseek_r1 parser on the model with <think> tokens ------
+@pytest.fixture(scope="module")
+def url(model_dir):
+    from tests.serve_fixture import app_config, start_app, stop_app
+    yield start_app(app_config(model=model_dir, reasoning_parser="deepseek_r1",
+                               served_model_name="thinker"))
+    stop_app()
+
+
+@pytest.mark.own_server
+def test_the_budget_reaches_the_engine_from_both_routes(url, model_dir, tokenizer):
+    """Chat's thinking_token_budget and the Messages API's thinking.budget_tokens: the
+    reasoning stops at the budget, and the answer is transformers' greedy continuation
+    after a forced </think>. At the Messages API's least budget (1,024) a logit bias keeps
+    the random model from writing </think> itself; its answer is the chat route's."""
+    import httpx
+    end = think_token_ids(tokenizer)[1]
+    messages = [{"role": "user", "content": "Why?"}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
+    body = {"model": "thinker", "messages": messages, "temperature": 0, "ignore_eos": True}
+    expected = _budgeted(model_dir, prompt, 6, 12, end)
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        **body, "max_tokens": 12, "thinking_token_budget": 6})
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning"] == tokenizer.decode(expected[:6]).strip("\n"), r.text
+    assert message["content"] == tokenizer.decode(expected[7:]).lstrip("\n")
+    long = {**body, "max_tokens": 1030, "logit_bias": {str(end): -100}}
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        **long, "thinking_token_budget": 1024, "return_token_ids": True})
+    chat = r.json()["choices"][0]
+    assert chat["token_ids"] == _budgeted(model_dir, prompt, 1024, 1030, end,
+                                          _greedy_without(end)), r.text
+    r = httpx.post(f"{url}/v1/messages", timeout=120, json={
+        **long, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    content = r.json()["content"]
+    assert [b["type"] for b in content] == ["thinking", "text"], r.text
+    assert (content[0]["thinking"], content[1]["text"]) == \
+        (chat["message"]["reasoning"], chat["message"]["content"])

@@ -86,12 +86,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, parallel: ParallelGroup,
-                 opts: AttentionOptions, window: int = 0):
+                 opts: AttentionOptions, window: int = 0, mlp: nn.Module | None = None):
+        """mlp: another MLP than Llama's (a mixture of experts)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, rotary, parallel, opts, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, parallel)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, parallel)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         # The residual add of the previous sublayer is fused into the next norm.
@@ -169,6 +170,9 @@ class LlamaForCausalLM(nn.Module):
         """Every (module.param, part) that a complete checkpoint fills on this stage/rank."""
         keys = set()
         for path, module in self.named_modules():
+            if hasattr(module, "checkpoint_keys"):  # (a mixture of experts: load_weight
+                keys.update(f"{path}.{key}" for key in module.checkpoint_keys())  # returns
+                continue  # a list of these)
             tied = path == "lm_head" and self.config.tie_word_embeddings
             if tied or not hasattr(module, "load"):
                 continue
