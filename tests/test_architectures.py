@@ -289,3 +289,24 @@ def test_experts_load_per_expert_or_stacked_and_shard_over_ranks():
         assert torch.equal(half.w13, torch.cat([gate_up[:, :6][:, cols],
                                                 gate_up[:, 6:][:, cols]], 1))
         assert torch.equal(half.w2, down[:, :, cols])
+
+
+def test_gemma3_multimodal_top_level_fields_and_quantized_checkpoints(tmp_path):
+    """The text model of a multimodal checkpoint takes the top level's tie_word_embeddings
+    (transformers ties lm_head by it) and end-of-turn ids; a quantized checkpoint is refused
+    at start, saying so."""
+    from engine_actors.checkpoint import load_hf_config
+    save_random_checkpoint(str(tmp_path), "llama")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    text = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                "num_attention_heads", "num_key_value_heads", "vocab_size")}
+    write_config(tmp_path, architectures=["Gemma3ForConditionalGeneration"],
+                 model_type="gemma3", tie_word_embeddings=False, eos_token_id=[1, 106],
+                 text_config={**text, "model_type": "gemma3_text", "eos_token_id": 1},
+                 vision_config={"model_type": "siglip_vision_model"})
+    hf = load_hf_config(str(tmp_path))
+    assert (hf.architectures, hf.tie_word_embeddings, hf.eos_token_id) == \
+        (["Gemma3ForCausalLM"], False, [1, 106])
+    write_config(tmp_path, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ValueError, match="quantized checkpoints are not supported.*fp8"):
+        load_hf_config(str(tmp_path))

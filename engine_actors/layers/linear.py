@@ -17,7 +17,7 @@ from engine_actors.layers.lora import LoRAWeights, add_lora
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"shape mismatch: parameter slice {tuple(dst.shape)} vs checkpoint "
                          f"{tuple(src.shape)}")
@@ -60,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         part = shard or 0
         start, src = self.local_rows(tensor, part)
-        _copy(getattr(self, name).data.narrow(0, start, self.part_sizes[part]), src)
+        copy_checked(getattr(self, name).data.narrow(0, start, self.part_sizes[part]), src)
 
 
 class RowParallelLinear(nn.Module):
@@ -87,6 +87,6 @@ class RowParallelLinear(nn.Module):
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if name == "bias":
-            _copy(self.bias.data, tensor)
+            copy_checked(self.bias.data, tensor)
         else:
-            _copy(self.weight.data, self.local_columns(tensor))
+            copy_checked(self.weight.data, self.local_columns(tensor))

@@ -4,10 +4,12 @@ experts; each expert is a SwiGLU MLP of its own.
 All tokens of the iteration go through it at once, as through any other op: their (token,
 expert) pairs are sorted by expert, so that each expert's rows are contiguous, and every
 expert's matmul runs in one grouped matmul (torch._grouped_mm) over those row ranges; the
-outputs, weighted by the router's probabilities, are summed back per token. Nothing reads
-the device on the host, so a step with experts is captured in a CUDA graph like any other.
-Where the grouped matmul has no kernel (fp32 on CUDA: the GPU parity tests), every expert
-runs on all rows and keeps its own, the same arithmetic at E times the cost.
+outputs, weighted by the router's probabilities, are put back in token order and each
+token's k of them summed in fp32 (as transformers' grouped path: deterministic, unlike
+atomic adds, and rounded once). Nothing reads the device on the host, so a step with
+experts is captured in a CUDA graph like any other. Where the grouped matmul has no kernel
+(fp32 and fp16 on CUDA; fp32 is what the GPU parity tests use: serve experts in bf16),
+every expert runs on all rows and keeps its own, the same arithmetic at E times the cost.
 
 Tensor parallelism splits each expert's intermediate features over the ranks, as a
 column-then-row parallel MLP: the router is replicated, and the weighted sums are partial
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_actors.layers.linear import copy_checked
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from kernels.act_mul import act_mul
 
@@ -57,19 +60,22 @@ class SparseMoE(nn.Module):
             0, flat, torch.ones_like(flat))
         ends = counts.cumsum(0).to(torch.int32)
         hidden = act_mul(grouped_mm(x[tokens], self.w13, ends, flat[order]))
-        out = grouped_mm(hidden, self.w2, ends, flat[order])  # [T k, H]
-        out = (out * weights.flatten()[order, None]).to(x.dtype)
-        total = torch.zeros_like(x).index_add_(0, tokens, out)
-        return self.parallel.all_reduce(total)
+        out = grouped_mm(hidden, self.w2, ends, flat[order])  # [T k, H], by expert
+        out = out[torch.argsort(order)].view(x.shape[0], self.top_k, -1)  # by token
+        total = (out.float() * weights.float()[:, :, None]).sum(dim=1)
+        return self.parallel.all_reduce(total.to(x.dtype))
 
     def load_checkpoint(self, name: str, tensor: torch.Tensor) -> list[str]:
         """`name`: "gate" (the router), "<expert>.<projection>" of one expert, or
         "gate_up_proj" / "down_proj" of all experts stacked (transformers 5's own layout);
         returns the keys it filled (checkpoint_keys')."""
         if name == "gate":
-            self.gate.data.copy_(tensor)
+            copy_checked(self.gate.data, tensor)
             return [name]
         experts = range(self.gate.shape[0])
+        if tensor.shape[0] != len(experts) and name in ("gate_up_proj", "down_proj"):
+            raise ValueError(f"{name} holds {tensor.shape[0]} experts, the model "
+                             f"{len(experts)}")
         if name == "gate_up_proj":  # [E, 2I, H]: gate's rows, then up's
             inter = tensor.shape[1] // 2
             return [key for e in experts for key in (
@@ -80,12 +86,14 @@ class SparseMoE(nn.Module):
                     for key in self.load_checkpoint(f"{e}.down_proj", tensor[e])]
         expert, projection = name.split(".")
         projection, local = NAMES[projection], self.w2.shape[2]
+        if int(expert) >= self.gate.shape[0]:
+            raise ValueError(f"expert {expert} of a model with {self.gate.shape[0]}")
         if projection == "down_proj":  # [H, I]: this rank's input columns
-            self.w2.data[int(expert)].copy_(tensor.narrow(1, self.inter_start, local))
+            copy_checked(self.w2.data[int(expert)], tensor.narrow(1, self.inter_start, local))
         else:  # [I, H]: this rank's output rows, into gate's or up's half of w13
             part = 0 if projection == "gate_proj" else 1
-            self.w13.data[int(expert)].narrow(0, part * local, local).copy_(
-                tensor.narrow(0, self.inter_start, local))
+            copy_checked(self.w13.data[int(expert)].narrow(0, part * local, local),
+                  tensor.narrow(0, self.inter_start, local))
         return [f"{expert}.{projection}"]
 
     def checkpoint_keys(self) -> list[str]:
