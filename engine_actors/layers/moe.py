@@ -61,7 +61,9 @@ class SparseMoE(nn.Module):
         ends = counts.cumsum(0).to(torch.int32)
         hidden = act_mul(grouped_mm(x[tokens], self.w13, ends, flat[order]))
         out = grouped_mm(hidden, self.w2, ends, flat[order])  # [T k, H], by expert
-        out = out[torch.argsort(order)].view(x.shape[0], self.top_k, -1)  # by token
+        by_token = torch.empty_like(order)  # the inverse permutation (a scatter, no sort)
+        by_token[order] = torch.arange(order.shape[0], device=x.device)
+        out = out[by_token].view(x.shape[0], self.top_k, -1)
         total = (out.float() * weights.float()[:, :, None]).sum(dim=1)
         return self.parallel.all_reduce(total.to(x.dtype))
 
