@@ -22,6 +22,9 @@ def check_model(hf_config, cfg, architecture: str) -> None:
         check_phi3(hf_config, cfg)
     if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         check_gemma(hf_config, cfg, architecture)
+    if architecture == "GraniteForCausalLM" and cfg.enable_finetuning:
+        raise ValueError("enable_finetuning is not supported for GraniteForCausalLM (LoRA "
+                         "adapters are served)")
     if architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM") and cfg.lora_enabled:
         raise ValueError(f"LoRA adapters and fine-tuning are not supported for {architecture} "
                          "(a mixture of experts)")

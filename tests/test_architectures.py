@@ -1,6 +1,6 @@
-"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3, in fp32,
-bf16 or fp16, whole or sharded, each with greedy outputs equal to transformers' (fp32
-compute)."""
+"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, and
+the mixtures of experts Qwen3-MoE and Mixtral, in fp32, bf16 or fp16, whole or sharded,
+each with greedy outputs equal to transformers' (fp32 compute)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,8 @@ GEMMA2 = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8, tie_word_
               layer_types=["sliding_attention", "full_attention"] * 2,
               attn_logit_softcapping=2.0, final_logit_softcapping=10.0,
               rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05,
+               logits_scaling=8.0)  # (granite-3.x's, the score scale for 16-wide heads)
 CHECKPOINTS = {
     "mistral": ("mistral", dict(sliding_window=None)),
     "mistral-window-covers-context": ("mistral", dict(sliding_window=4096)),
@@ -56,6 +58,7 @@ CHECKPOINTS = {
                                                   dtype=torch.bfloat16)),
     "mixtral": ("mixtral", dict(intermediate_size=48, num_local_experts=4,
                                 num_experts_per_tok=2)),
+    "granite": ("granite", GRANITE),
 }
 
 
@@ -69,12 +72,14 @@ def test_greedy_matches_transformers(name, tmp_path):
     check_parity(str(tmp_path), engine, ragged_workload(seed=3))
 
 
-def test_gemma2s_soft_capped_logits_give_transformers_logprobs(tmp_path):
-    """The final soft-capping leaves greedy tokens as they are (tanh keeps the order): the
-    log-probabilities show it."""
+@pytest.mark.parametrize("model_type", ["gemma2", "granite"])
+def test_scaled_logits_give_transformers_logprobs(tmp_path, model_type):
+    """Gemma 2's final soft-capping and Granite's logits_scaling leave greedy tokens as they
+    are (they keep the order): the log-probabilities show them."""
     from engine_actors.request import SamplingParams
     from tests.engine_harness import hf_model
-    save_random_checkpoint(str(tmp_path), "gemma2", seed=5, **GEMMA2)
+    save_random_checkpoint(str(tmp_path), model_type, seed=5,
+                           **(GEMMA2 if model_type == "gemma2" else GRANITE))
     engine = InProcessEngine(model=str(tmp_path), max_batch_size=8, block_size=4,
                              max_num_batched_tokens=24, max_num_tokens=4096)
     prompt = list(range(60, 90))
@@ -83,7 +88,7 @@ def test_gemma2s_soft_capped_logits_give_transformers_logprobs(tmp_path):
     with torch.no_grad():
         logits = hf_model(str(tmp_path))(torch.tensor([prompt + out])).logits[0].float()
     ref = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]
-    assert (ref.exp().max(-1).values < 0.9).all()  # (the cap at 3 flattens them)
+    assert (ref.exp().max(-1).values < 0.9).all()  # (the cap or scaling flattens them)
     for t, (lp, ids, values, _) in enumerate(engine.logprobs["r"]):
         assert lp == pytest.approx(ref[t, out[t]].item(), abs=1e-4)
         assert values == pytest.approx(ref[t].topk(3).values.tolist(), abs=1e-4)

@@ -132,14 +132,15 @@ def test_mixed_adapters_match_transformers_peft(models, device, overlap, tmp_pat
         assert engine.worker.runner.num_graph_replays > 0
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
-def test_an_adapter_on_gemma_matches_transformers_peft(model_type, tmp_path):
-    """Gemma's layers (four norms, GELU; Gemma 2's soft caps) with every projection adapted."""
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "granite"])
+def test_an_adapter_on_other_layers_matches_transformers_peft(model_type, tmp_path):
+    """Gemma's layers (four norms, GELU; Gemma 2's soft caps) and Granite's (scaled
+    sublayers) with every projection adapted."""
     from engine_actors.checkpoint import save_random_checkpoint
-    from tests.test_architectures import GEMMA2, GEMMA3
+    from tests.test_architectures import GEMMA2, GEMMA3, GRANITE
     base, adapter = str(tmp_path / "base"), str(tmp_path / "all")
-    save_random_checkpoint(base, model_type, seed=4,
-                           **(GEMMA2 if model_type == "gemma2" else GEMMA3))
+    save_random_checkpoint(base, model_type, seed=4, **{
+        "gemma2": GEMMA2, "gemma3_text": GEMMA3, "granite": GRANITE}[model_type])
     save_adapter(base, adapter, 8, 16, ADAPTERS["chat"][2], seed=6)
     engine = InProcessEngine(model=base, dtype="float32", lora_modules={"all": adapter},
                              max_lora_rank=8, max_batch_size=8, block_size=4,

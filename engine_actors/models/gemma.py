@@ -92,10 +92,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return hidden * scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final logits soft-capped (final_logit_softcapping: c tanh(x / c), in fp32)."""
-        logits = super().logits(hidden)
+        """Final logits soft-capped (final_logit_softcapping: c tanh(x / c), in the model's
+        dtype, as transformers' Gemma 2), then fp32."""
+        logits = self.lm_head(hidden)
         cap = getattr(self.config, "final_logit_softcapping", None)
-        return cap * torch.tanh(logits / cap) if cap else logits
+        return (cap * torch.tanh(logits / cap) if cap else logits).float()
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
