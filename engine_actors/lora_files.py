@@ -67,10 +67,17 @@ def read_weights(info: AdapterInfo) -> bytes:
         raise LoRAError(f"LoRA adapter {info.name!r}: cannot read {WEIGHTS_FILE}: {e}") from None
 
 
+def of_vision_tower(key: str) -> bool:
+    """A tensor of a multimodal model's vision tower or projector (peft's default targets
+    adapt them too): the server runs text only, so it never applies them."""
+    return "vision_tower" in key or "multi_modal_projector" in key
+
+
 def check_tensors(info: AdapterInfo, data: bytes, shapes: dict[str, tuple[int, int]],
                   num_layers: int) -> None:
     """LoRAError unless every tensor in `data` (the weights file) is a finite float LoRA A
-    [r, in] or B [out, r] of one of the adapter's targets in one of the model's layers."""
+    [r, in] or B [out, r] of one of the adapter's targets in one of the model's layers, or
+    of a vision tower (left out)."""
     from safetensors.torch import load
 
     def refuse(why: str):
@@ -80,6 +87,8 @@ def check_tensors(info: AdapterInfo, data: bytes, shapes: dict[str, tuple[int, i
     except Exception as e:  # a truncated or corrupt file: safetensors' own error types
         refuse(f"cannot read {WEIGHTS_FILE}: {e}")
     for key, tensor in tensors.items():
+        if of_vision_tower(key):
+            continue
         names = key.split(".")
         kind = next((n for n in names if n in ("lora_A", "lora_B")), None)
         layer = names[names.index("layers") + 1] if "layers" in names[:-1] else ""

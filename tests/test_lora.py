@@ -262,6 +262,25 @@ def info(i: int) -> AdapterInfo:
     return AdapterInfo(f"a{i}", "/x", 4, 1.0, ("q_proj",), i)
 
 
+def test_a_multimodal_models_adapter_is_served_without_its_vision_tensors(models, tmp_path):
+    """peft's default targets adapt a multimodal model's vision tower too: its tensors
+    (of other shapes, in layers numbered as the text model's) are left out, since the
+    server runs text only; the adapter serves as the same adapter without them."""
+    base, paths = models
+    vision = "base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn." \
+             "q_proj.lora_{}.weight"
+    with_vision = altered_copy(paths["code"], tmp_path / "vis", lambda t: t.update({
+        vision.format("A"): torch.ones(4, 1152), vision.format("B"): torch.ones(1152, 4),
+        "base_model.model.model.multi_modal_projector.proj.lora_A.weight": torch.ones(4, 8)}))
+    engine = InProcessEngine(model=base, dtype="float32", max_lora_rank=8, max_batch_size=4,
+                             lora_modules={"code": paths["code"], "vis": with_vision},
+                             block_size=4, max_num_batched_tokens=64, max_num_tokens=1024)
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = list(range(30, 50))
+    out = engine.run({0: [("a", prompt, sampling, "code"), ("b", prompt, sampling, "vis")]})
+    assert out["a"] == out["b"] == peft_greedy(base, paths["code"], prompt, 8)
+
+
 def test_slots_evict_the_least_recently_used_unused_adapter():
     slots = LoRASlots(2)
     assert slots.acquire(info(1)) == (0, True)

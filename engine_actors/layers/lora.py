@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine_actors.lora_files import of_vision_tower
 from kernels.lora import lora_ref, lora_triton
 
 # a PEFT target -> (the module of a decoder layer that holds it, its part in that module)
@@ -84,6 +85,8 @@ def load_adapter(model, slot: int, weights, scale: float) -> None:
     if isinstance(weights, ray.ObjectRef):
         weights = ray.get(weights)
     for key, tensor in load(weights).items():
+        if of_vision_tower(key):
+            continue  # (text only: the vision tower is not loaded)
         names = key.split(".")
         kind = next(n for n in names if n in ("lora_A", "lora_B"))
         layer_id = names[names.index("layers") + 1]
