@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.messages_output import MessageEvents, MessageObject, error_response
-from deployments.messages_protocol import CountTokensRequest, MessagesRequest, system_first
+from deployments.messages_content import system_first
+from deployments.messages_protocol import CountTokensRequest, MessagesRequest
 from deployments.openai_api import OpenAIRoutes, PromptTooLong
 from deployments.protocol import APIError
 

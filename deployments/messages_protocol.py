@@ -7,59 +7,23 @@ content blocks become chat messages (`tool_use` blocks an assistant's tool calls
 take their JSON schema from `input_schema`, `tool_choice` "any" is "required", and a last
 assistant message is a prefill that the answer continues. `thinking` and
 `output_config.effort` reach the chat template as vLLM passes them; without `thinking`, as
-on Anthropic's API, thinking is off (the template's enable_thinking false). Blocks are
-checked one at a time, so that an error names its place (`messages.2.content.0`). What this
-server cannot follow (images, documents, server tools, MCP servers, containers) is refused,
-except an image in a tool's result, which becomes a line saying it was left out (a client
-such as Claude Code keeps it in every later request). Claude Code's billing header (a
-system block that changes with every request) is dropped, so that prefix caching works.
+on Anthropic's API, thinking is off (the template's enable_thinking false). The content
+blocks are converted by messages_content.py. What this server cannot follow (images,
+documents, server tools, MCP servers, containers) is refused.
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from deployments.chat_protocol import (ChatCompletionRequest, ChatMessage, ContentPart,
-                                       FunctionCall, FunctionDefinition, NamedFunction,
-                                       NamedToolChoice, Tool, ToolCallMessage)
+from deployments.chat_protocol import (ChatCompletionRequest, ChatMessage, FunctionDefinition,
+                                       NamedFunction, NamedToolChoice, Tool)
+from deployments.messages_content import MessageParam, chat_messages, text_of
 from deployments.protocol import (CHAT_ONLY, MAX_STOP, MAX_STOP_CHARS, APIError, CacheSalt,
                                   JSONSchemaSpec, ResponseFormat, SamplingFields,
                                   SamplingOptions, _Base)
 from deployments.responses_items import need_object, validate
-
-
-class MessageParam(_Base):
-    role: Literal["user", "assistant", "system"]
-    content: str | list[Any]  # blocks: checked one at a time
-
-
-class TextBlock(_Base):
-    type: Literal["text"]
-    text: str
-
-
-class ToolUseBlock(_Base):
-    """A call the model made earlier (an assistant's block, sent back)."""
-    type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict
-
-
-class ToolResultBlock(_Base):
-    """The result of a call, for the model to read."""
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[Any] = ""
-    is_error: bool = False
-
-
-class ThinkingBlock(_Base):
-    type: Literal["thinking"]
-    thinking: str
-    signature: str | None = None
 
 
 class ToolParam(_Base):
@@ -85,11 +49,6 @@ class ThinkingParam(_Base):
 class OutputFormat(_Base):
     type: Literal["json_schema"]
     schema_: dict = Field(alias="schema")
-
-
-BILLING_HEADER = "x-anthropic-billing-header"  # (Claude Code's attribution, per request)
-# what an image in a tool's result becomes
-IMAGE_LEFT_OUT = {"type": "text", "text": "[image left out: this model reads text only]"}
 
 
 class OutputConfig(_Base):
@@ -133,11 +92,11 @@ class CountTokensRequest(SamplingOptions):
     def to_chat(self, **answer) -> ChatCompletionRequest:
         """The equivalent chat completion request (`answer`: its fields for the answer);
         APIError(400) naming the offending Messages param."""
-        system = _text(self.system, "system", system=True) if self.system else ""
+        system = text_of(self.system, "system", system=True) if self.system else ""
         messages = [ChatMessage(role="system", content=system)] if system else []
         for i, m in enumerate(self.messages):
             need_object(m, f"messages.{i}")
-            messages += _chat_messages(validate(MessageParam, m, f"messages.{i}"), i)
+            messages += chat_messages(validate(MessageParam, m, f"messages.{i}"), i)
         prefill = self.messages[-1].get("role") == "assistant"  # the answer continues it
         if prefill and (messages[-1].tool_calls or messages[-1].role != "assistant"):
             raise APIError(400, "a last assistant message (a prefill) may hold only text",
@@ -207,85 +166,6 @@ class MessagesRequest(CountTokensRequest):
     def stops(self) -> list[str]:
         """stop_sequences, and vLLM's `stop` (which a chat route takes) after them."""
         return (self.stop_sequences or []) + self.stop_list()
-
-
-def system_first(messages: list[ChatMessage]) -> list[ChatMessage] | None:
-    """The messages with every system message merged into one at the start (for chat
-    templates that refuse a system message elsewhere, as vLLM merges them); None when
-    there is nothing to merge."""
-    systems = [m for m in messages if m.role == "system"]
-    if not any(m.role == "system" for m in messages[1:]):
-        return None
-    merged = ChatMessage(role="system", content="\n\n".join(m.text() for m in systems))
-    return [merged] + [m for m in messages if m.role != "system"]
-
-
-def _chat_messages(m: MessageParam, i: int) -> list[ChatMessage]:
-    """One Messages message -> chat messages: a user's tool results are tool messages
-    (before its text), an assistant's tool uses its tool calls and thinking its reasoning."""
-    param = f"messages.{i}.content"
-    if isinstance(m.content, str) or m.role == "system":
-        return [ChatMessage(role=m.role, content=_text(m.content, param, m.role == "system"))]
-    out, texts, calls, thinking = [], [], [], []
-    for j, block in enumerate(m.content):
-        need_object(block, f"{param}.{j}")
-        kind, where = block.get("type"), f"{param}.{j}"
-        if kind == "text":
-            texts.append(ContentPart(type="text", text=validate(TextBlock, block, where).text))
-        elif kind == "tool_result" and m.role == "user":
-            result = validate(ToolResultBlock, block, where)
-            text = _result_text(result.content, f"{where}.content")
-            out.append(ChatMessage(role="tool", tool_call_id=result.tool_use_id,
-                                   content=f"Error: {text}" if result.is_error else text))
-        elif kind == "tool_use" and m.role == "assistant":
-            use = validate(ToolUseBlock, block, where)
-            calls.append(ToolCallMessage(id=use.id, function=FunctionCall(
-                name=use.name, arguments=json.dumps(use.input, ensure_ascii=False))))
-        elif kind == "thinking" and m.role == "assistant":
-            thinking.append(validate(ThinkingBlock, block, where).thinking)
-        elif kind == "redacted_thinking" and m.role == "assistant":
-            continue  # (Anthropic's encrypted reasoning: nothing a template can show)
-        else:
-            raise APIError(400, f"content blocks of type {kind!r} are not supported in "
-                                f"{m.role} messages: this server serves text-only models "
-                                "and runs no server tools", f"{where}.type",
-                           "unsupported_content")
-    if m.role == "assistant":
-        return [ChatMessage(role="assistant", content=texts, tool_calls=calls or None,
-                            reasoning="".join(thinking) if thinking else None)]
-    return out + ([ChatMessage(role="user", content=texts)] if texts or not out else [])
-
-
-def _text(content: str | list, param: str, system: bool = False) -> str:
-    """A string, or text blocks joined (a system's as vLLM joins them, with nothing
-    between; without Claude Code's billing header)."""
-    if isinstance(content, str):
-        return _without_billing(content) if system else content
-    texts = []
-    for j, block in enumerate(content):
-        need_object(block, f"{param}.{j}")
-        if block.get("type") != "text":
-            raise APIError(400, f"content blocks of type {block.get('type')!r} are not "
-                                "supported here: only text", f"{param}.{j}.type",
-                           "unsupported_content")
-        texts.append(validate(TextBlock, block, f"{param}.{j}").text)
-    return "".join(map(_without_billing, texts)) if system else "\n".join(texts)
-
-
-def _result_text(content: str | list, param: str) -> str:
-    """A tool result's text: its text blocks one per line, an image a line saying so."""
-    if isinstance(content, list):
-        content = [IMAGE_LEFT_OUT if isinstance(block, dict) and block.get("type") == "image"
-                   else block for block in content]
-    return _text(content, param)
-
-
-
-def _without_billing(text: str) -> str:
-    """A system text without Claude Code's billing header line (its first, when there)."""
-    if not text.startswith(BILLING_HEADER):
-        return text
-    return text.partition("\n")[2]
 
 
 def _tool(tool, i: int) -> Tool:

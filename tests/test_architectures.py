@@ -171,25 +171,17 @@ def test_greedy_matches_transformers_on_gpu_fp32_for_head_sizes(model_type, head
 
 
 @pytest.mark.gpu
-def test_gemma3_matches_transformers_on_gpu_fp32_at_its_head_size(tmp_path):
-    """Gemma 3's head size (256), its norms, GELU and per-type rotary in the Triton kernels
-    and CUDA graphs."""
-    save_random_checkpoint(str(tmp_path), "gemma3_text", seed=7,
-                           **dict(GEMMA3, head_dim=256, query_pre_attn_scalar=256))
-    engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
-                             max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
-    check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
-    assert engine.worker.runner.num_graph_replays > 0
-
-
-@pytest.mark.gpu
-def test_gemma2_matches_transformers_on_gpu_fp32(tmp_path):
-    """Soft-capped scores in the Triton kernel (with its windows), CUDA graphs. The caps are
-    Gemma 2's own (50, 30): lower ones (as on CPU) flatten this random model's attention
-    until its top logits nearly tie, and fp32 rounding then decides its greedy tokens."""
-    save_random_checkpoint(str(tmp_path), "gemma2", seed=7, **dict(
-        GEMMA2, head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0))
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_gemma_matches_transformers_on_gpu_fp32_at_its_head_size(model_type, tmp_path):
+    """Gemma's head size (256), norms, GELU and rotaries (Gemma 3's per layer type), and
+    Gemma 2's soft-capped scores in the Triton kernel (with its windows), CUDA graphs.
+    Gemma 2's caps are its own (50, 30): lower ones (as on CPU) flatten this random model's
+    attention until its top logits nearly tie, and fp32 rounding then decides its tokens."""
+    config = dict(GEMMA3, head_dim=256, query_pre_attn_scalar=256) \
+        if model_type == "gemma3_text" else dict(
+            GEMMA2, head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0)
+    save_random_checkpoint(str(tmp_path), model_type, seed=7, **config)
     engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
                              max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")

@@ -94,7 +94,7 @@ def test_what_claude_code_sends_keeps_its_meaning_and_caches():
     blocks go one per line, an image a tool returned becomes a line (the client sends it
     again with every later turn), an error result says so, and system messages after the
     first can be merged into it for templates that want them there."""
-    from deployments.messages_protocol import system_first
+    from deployments.messages_content import system_first
     chat = parse({"system": [{"type": "text", "text": "x-anthropic-billing-header: cc=1; cch=9;"},
                              {"type": "text", "text": "You are Claude Code.",
                               "cache_control": {"type": "ephemeral"}}],
