@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 from deployments.logprobs import LogprobsWriter, PromptLogprobs
-from deployments.reasoning import ReasoningStream, reasoning_tokens
+from deployments.reasoning import ReasoningStream, output_parser, reasoning_tokens
 from deployments.tool_parsers import CALL_SEPARATORS, ToolCallStream, make_parser
 from engine_actors.detokenizer import TextStream
 from engine_actors.messages import EngineRequest, RequestUpdate
@@ -158,9 +158,8 @@ def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: E
     """What turns one choice's tokens into its text: stop strings, echo, log-probabilities,
     tool calls and reasoning, as the request `req` asks (its engine request: `r`, its prompt
     `text` and `ids`). `frontend`: the replica's (tokenizer, config)."""
-    tokenizer, reasoning = frontend.tokenizer, frontend.cfg.reasoning_parser
-    if chat and req.continue_final_message:
-        reasoning = None  # the output goes on with the last message's answer
+    tokenizer = frontend.tokenizer
+    reasoning = output_parser(req, frontend.cfg.reasoning_parser) if chat else None
     include_stop = req.include_stop_str_in_output
     k = r.sampling.logprobs
     other_eos = tuple(set(eos_token_ids) - {tokenizer.eos_token_id})  # (vLLM's stop_reason)
@@ -172,7 +171,7 @@ def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: E
                     ids, _echo_text(tokenizer, req, text, ids, chat), timer,
                     LogprobsWriter(tokenizer, chat, k, req.return_tokens_as_token_ids)
                     if k is not None else None, calls,
-                    ReasoningStream(reasoning) if chat and reasoning else None,
+                    ReasoningStream(reasoning) if reasoning else None,
                     () if include_stop else r.sampling.stop_token_ids + eos_token_ids,
                     r.sampling.stop_token_ids + other_eos)
     if req.prompt_logprobs is not None:

@@ -23,7 +23,7 @@ from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, bad_word_ids, refusal_error, unavailable
 from deployments.http_metrics import RequestTimer
 from deployments.protocol import APIError
-from deployments.reasoning import think_token_ids, thinking_budget
+from deployments.reasoning import output_parser, think_token_ids, thinking_budget
 from deployments.responses import (SSEResponse, SSEWriter, StreamWriter, deadline_error,
                                    response_body, timeout_error)
 from deployments.structured import grammar_for, tool_grammar
@@ -83,8 +83,7 @@ class OpenAIRoutes:
                                            continue_final_message=req.continue_final_message,
                                            documents=req.documents, template=self.frontend
                                            .request_template(req.chat_template))
-        # (continuing the last message: the output is answer, not reasoning)
-        reasoning = None if req.continue_final_message else self.frontend.cfg.reasoning_parser
+        reasoning = output_parser(req, self.frontend.cfg.reasoning_parser)
         think_ids = think_token_ids(self.frontend.tokenizer) if reasoning else (None, None)
         grammar = grammar_for(req, reasoning, think_ids)
         parser = self.frontend.tool_parser(info) if req.uses_tools else None
@@ -122,8 +121,8 @@ class OpenAIRoutes:
         bad_words = await bad_word_ids(self.frontend, req.bad_words, info.vocab_size) \
             if req.bad_words else None
         priority = 1 if req.priority is None else req.priority  # interactive by default
-        thinking = None if getattr(req, "continue_final_message", False) else \
-            thinking_budget(req, self.frontend.cfg.reasoning_parser, self.frontend.tokenizer)
+        thinking = thinking_budget(req, self.frontend.cfg.reasoning_parser,
+                                   self.frontend.tokenizer)
         subs = []  # (engine request, choice index, prompt text, prompt ids)
         searches = []  # with use_beam_search: (choice id prefix, prompt ids, max_tokens)
         for p_idx, (text, ids) in enumerate(prompts):

@@ -69,11 +69,23 @@ class ReasoningStream:
         return text
 
 
+def continues_answer(req) -> bool:
+    """A chat request whose output continues its last message (continue_final_message):
+    that output is answer, not reasoning."""
+    return getattr(req, "continue_final_message", False)
+
+
+def output_parser(req, parser: str | None) -> str | None:
+    """The reasoning parser of a chat request's output (none for a continued answer)."""
+    return None if continues_answer(req) else parser
+
+
 def thinking_budget(req, parser: str | None, tokenizer) -> tuple[int, int, int] | None:
-    """The engine's thinking budget for a request's thinking_token_budget (None: none):
+    """The engine's thinking budget for a request's thinking_token_budget (None: none, or
+    an output that continues the last message):
     (<think>'s id, or -1 when the output starts in reasoning; </think>'s id; the budget)."""
     budget = getattr(req, "thinking_token_budget", None)
-    if budget is None or budget == -1:  # (-1: no limit, as vLLM)
+    if budget is None or budget == -1 or continues_answer(req):  # (-1: no limit, as vLLM)
         return None
     start, end = think_token_ids(tokenizer) if parser else (None, None)
     if end is None or (parser == "qwen3" and start is None):
