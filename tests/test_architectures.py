@@ -190,9 +190,8 @@ def test_gemma_matches_transformers_on_gpu_fp32_at_its_head_size(model_type, tmp
 
 @pytest.mark.gpu
 def test_a_mixture_of_experts_on_gpu(tmp_path):
-    """fp32: transformers' greedy tokens (each expert on all rows: grouped matmuls have no
-    fp32 kernel). bf16: the grouped matmul, captured in CUDA graphs, gives the tokens of
-    the same steps run eagerly."""
+    """fp32: transformers' greedy tokens through the fused expert kernel. bf16: the kernel,
+    captured in CUDA graphs, gives the tokens of the same steps run eagerly."""
     save_random_checkpoint(str(tmp_path), "qwen3_moe", seed=7, **dict(
         CHECKPOINTS["qwen3-moe"][1], hidden_size=128, moe_intermediate_size=64))
     args = dict(device="cuda", model=str(tmp_path), max_batch_size=8,

@@ -173,20 +173,74 @@ def test_paged_attention_kernel_with_a_sliding_window(device, dtype, window):
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
-def test_grouped_matmul_of_experts(device, dtype):
-    """Rows grouped by expert (one expert with none) times each expert's weights: the grouped
-    kernel (bf16 on CUDA, and on CPU) or each expert on all rows (fp32 on CUDA), against a
-    loop over the groups."""
-    from engine_actors.layers.moe import grouped_mm
-    sizes = [3, 0, 17, 5]
-    expert = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes)).to(device)
-    a = torch.randn(sum(sizes), 64, device=device).to(dtype)
-    w = torch.randn(4, 48, 64, device=device).to(dtype)
-    ends = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-    out = grouped_mm(a, w, ends, expert)
-    ref = torch.cat([a[expert == e].float() @ w[e].float().t() for e in range(4)])
-    torch.testing.assert_close(out.float(), ref, **{**TOL[dtype], "atol": 0.3}
-                               if dtype == torch.bfloat16 else TOL[dtype])
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [
+    (5, 4, 2, 16),  # decode-sized: an expert with no pair, most blocks mostly padding
+    (70, 8, 2, 16),  # an expert with more than a block
+    (40, 6, 3, 64),  # prompt-sized blocks
+    (90, 2, 2, 128),  # the largest blocks
+])
+def test_expert_matmul_kernel(device, dtype, tokens, num_experts, top_k, block_m):
+    """Both of a mixture of experts' matmuls through the fused kernel (a token's row for
+    each of its k pairs, then each pair's own row), in pair order, against one pair at a
+    time; every pair's row written (the output starts uninitialised)."""
+    from kernels.moe import align_pairs, expert_matmul, expert_matmul_ref
+    g = torch.Generator().manual_seed(tokens)
+    experts = torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
+                           for _ in range(tokens)])
+    experts[:, 0] = torch.where(experts[:, 0] == 1, 0, experts[:, 0])  # (fewer on expert 1)
+    experts = experts.to(device)
+    x = torch.randn(tokens, 96, generator=g).to(device, dtype)
+    w13 = torch.randn(num_experts, 40, 96, generator=g).to(device, dtype)
+    w2 = torch.randn(num_experts, 96, 40, generator=g).to(device, dtype)
+    pair_ids, block_experts = align_pairs(experts, num_experts, block_m)
+    hidden = expert_matmul(x, w13, pair_ids, block_experts, tokens * top_k, top_k, block_m)
+    ref = expert_matmul_ref(x.float(), w13.float(), experts, top_k)
+    tol = {**TOL[dtype], "atol": 0.5} if dtype == torch.bfloat16 else TOL[dtype]
+    torch.testing.assert_close(hidden.float(), ref, **tol)
+    out = expert_matmul(hidden, w2, pair_ids, block_experts, tokens * top_k, 1, block_m)
+    torch.testing.assert_close(out.float(), expert_matmul_ref(hidden.float(), w2.float(),
+                                                              experts, 1), **tol)
+
+
+@pytest.mark.parametrize("one_launch", [False, True], ids=["torch", "triton"])
+def test_pairs_aligned_by_expert(one_launch):
+    """Each expert's pairs in a run of whole blocks, in pair order, padded with the pair
+    count; each block names its run's expert, and the blocks past the last name none."""
+    from kernels.moe import align_pairs, align_pairs_triton
+    experts = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5: experts 2 0 2 3 0 2
+    pair_ids, block_experts = align_pairs_triton(experts, 4, 2, 7) if one_launch \
+        else align_pairs(experts, 4, 2)
+    assert pair_ids.tolist() == [1, 4, 0, 2, 5, 6, 3, 6] + [6] * 6  # expert 0, 2 (two), 3
+    assert block_experts.tolist() == [0, 2, 2, 3, 4, 4, 4]
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [
+    (1, 128, 8, 16), (64, 128, 8, 16), (37, 6, 2, 16), (300, 12, 4, 64), (500, 8, 2, 128),
+    (700, 8, 2, 16)])
+def test_one_launch_alignment_against_torch(device, tokens, num_experts, top_k, block_m):
+    """The one-launch alignment (more pairs than one chunk, expert counts that are not
+    powers of two, experts with no pair) gives the torch ops' layout exactly."""
+    from kernels.moe import align_pairs, align_pairs_triton
+    g = torch.Generator().manual_seed(tokens)
+    experts = torch.rand(tokens, num_experts, generator=g).topk(top_k, dim=-1).indices
+    want = align_pairs(experts, num_experts, block_m)  # (CPU: the torch ops)
+    num_blocks = want[1].shape[0]
+    got = align_pairs_triton(experts.to(device), num_experts, block_m, num_blocks)
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+
+
+def test_experts_on_cpu_against_a_loop():
+    """The CPU path (torch._grouped_mm over pairs sorted by expert, put back in pair order)
+    against each pair's SwiGLU MLP."""
+    from engine_actors.layers.moe import grouped_experts
+    experts = torch.tensor([[1, 0], [1, 3], [0, 1], [3, 1]])
+    x, w13, w2 = torch.randn(4, 32), torch.randn(4, 24, 32), torch.randn(4, 32, 12)
+    out = grouped_experts(x, w13, w2, experts)
+    for p, e in enumerate(experts.flatten().tolist()):
+        gate, up = (w13[e] @ x[p // 2]).chunk(2)
+        torch.testing.assert_close(out[p], w2[e] @ (F.silu(gate) * up), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)

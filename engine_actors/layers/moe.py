@@ -1,15 +1,14 @@
 """A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k
 experts; each expert is a SwiGLU MLP of its own.
 
-All tokens of the iteration go through it at once, as through any other op: their (token,
-expert) pairs are sorted by expert, so that each expert's rows are contiguous, and every
-expert's matmul runs in one grouped matmul (torch._grouped_mm) over those row ranges; the
-outputs, weighted by the router's probabilities, are put back in token order and each
-token's k of them summed in fp32 (as transformers' grouped path: deterministic, unlike
-atomic adds, and rounded once). Nothing reads the device on the host, so a step with
-experts is captured in a CUDA graph like any other. Where the grouped matmul has no kernel
-(fp32 and fp16 on CUDA; fp32 is what the GPU parity tests use: serve experts in bf16),
-every expert runs on all rows and keeps its own, the same arithmetic at E times the cost.
+All tokens of the iteration go through it at once, as through any other op. On the GPU
+each of the two matmuls is one fused launch over all experts (kernels/moe.py: the (token,
+expert) pairs grouped by expert on the device, each expert's weights streamed once per
+tile, the outputs written in pair order); on CPU, torch._grouped_mm over the pairs sorted
+by expert. Each token's k outputs, weighted by the router's probabilities, are summed in
+fp32 (as transformers' grouped path: deterministic, unlike atomic adds, and rounded
+once). Nothing reads the device on the host, so a step with experts is captured in a CUDA
+graph like any other.
 
 Tensor parallelism splits each expert's intermediate features over the ranks, as a
 column-then-row parallel MLP: the router is replicated, and the weighted sums are partial
@@ -24,6 +23,7 @@ from torch import nn
 from engine_actors.layers.linear import copy_checked
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from kernels.act_mul import act_mul
+from kernels.moe import align_pairs, block_rows, expert_matmul
 
 # checkpoint names of an expert's projections (Qwen's; Mixtral's w1, w3, w2) -> Qwen's
 NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
@@ -53,17 +53,16 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.weights_in_dtype:
             weights = weights.to(x.dtype)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)  # the (token, expert) pairs by expert
-        tokens = order // self.top_k
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        ends = counts.cumsum(0).to(torch.int32)
-        hidden = act_mul(grouped_mm(x[tokens], self.w13, ends, flat[order]))
-        out = grouped_mm(hidden, self.w2, ends, flat[order])  # [T k, H], by expert
-        by_token = torch.empty_like(order)  # the inverse permutation (a scatter, no sort)
-        by_token[order] = torch.arange(order.shape[0], device=x.device)
-        out = out[by_token].view(x.shape[0], self.top_k, -1)
+        if x.is_cuda:  # one fused launch per matmul (kernels/moe.py), in pair order
+            num_pairs = experts.numel()
+            block_m = block_rows(num_pairs, num_experts)
+            pair_ids, block_experts = align_pairs(experts, num_experts, block_m)
+            hidden = act_mul(expert_matmul(x, self.w13, pair_ids, block_experts, num_pairs,
+                                           self.top_k, block_m))
+            out = expert_matmul(hidden, self.w2, pair_ids, block_experts, num_pairs, 1, block_m)
+        else:
+            out = grouped_experts(x, self.w13, self.w2, experts)
+        out = out.view(x.shape[0], self.top_k, -1)
         total = (out.float() * weights.float()[:, :, None]).sum(dim=1)
         return self.parallel.all_reduce(total.to(x.dtype))
 
@@ -104,13 +103,16 @@ class SparseMoE(nn.Module):
         return ["gate"] + [f"{e}.{p}" for e in range(self.gate.shape[0]) for p in projections]
 
 
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
-               expert_of_row: torch.Tensor) -> torch.Tensor:
-    """a [N, K] whose rows are grouped by expert (group e ends at ends[e]), w [E, M, K] ->
-    [N, M]: each row times its expert's w[e]^T."""
-    if not a.is_cuda or a.dtype == torch.bfloat16:
-        return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
-    out = a.new_zeros(a.shape[0], w.shape[1])
-    for e in range(w.shape[0]):  # (no grouped kernel: each expert on all rows, its kept)
-        out = torch.where((expert_of_row == e)[:, None], a @ w[e].t(), out)
-    return out
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+    """The experts on CPU: the (token, expert) pairs sorted by expert, one grouped matmul
+    (torch._grouped_mm) per projection over each expert's rows, put back in pair order:
+    x [T, H], experts [T, k] -> [T k, H]."""
+    top_k, flat = experts.shape[1], experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    ends = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    hidden = act_mul(torch._grouped_mm(x[order // top_k], w13.transpose(1, 2), offs=ends))
+    out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=ends)
+    by_pair = torch.empty_like(out)
+    by_pair[order] = out
+    return by_pair

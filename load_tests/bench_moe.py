@@ -1,0 +1,106 @@
+"""One mixture-of-experts layer's experts (both matmuls and the activation, routing given)
+at several token counts: the fused Triton kernel (kernels/moe.py) under each config, and
+torch._grouped_mm over pairs sorted by expert (what the layer ran before it), each in a CUDA
+graph, against the floor of reading the weights of the experts the routing touches.
+
+    python -m load_tests.bench_moe --shape qwen3-30b-a3b --tokens 1 16 64 256 2048
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kernels.act_mul import act_mul
+from kernels.moe import CONFIGS, align_pairs, block_rows, expert_matmul
+from load_tests.bench_rows import graph_ms
+from load_tests.gpu_ceilings import copy_bandwidth_gbs
+
+# hidden, intermediate, experts, top_k
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
+# block_m, then the kernel's (BLOCK_N, BLOCK_K, num_warps, num_stages)
+SWEEP = [(16, (64, 128, 4, 3)), (16, (32, 128, 4, 3)), (16, (64, 256, 4, 3)),
+         (16, (128, 128, 4, 3)), (16, (64, 128, 4, 5)),
+         (64, (128, 64, 4, 3)), (64, (64, 64, 4, 4)), (64, (128, 128, 4, 3)),
+         (64, (128, 64, 8, 4)),
+         (128, (128, 64, 8, 3)), (128, (128, 64, 8, 4)), (128, (256, 64, 8, 3)),
+         (128, (128, 128, 8, 3)), (128, (64, 64, 4, 4))]
+
+
+def fused(x, w13, w2, experts, block_m, config=None):
+    num_pairs, top_k = experts.numel(), experts.shape[1]
+    pair_ids, block_experts = align_pairs(experts, w13.shape[0], block_m)
+    hidden = act_mul(expert_matmul(x, w13, pair_ids, block_experts, num_pairs, top_k,
+                                   block_m, config))
+    return expert_matmul(hidden, w2, pair_ids, block_experts, num_pairs, 1, block_m, config)
+
+
+def grouped(x, w13, w2, experts):
+    top_k, flat = experts.shape[1], experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    ends = counts.cumsum(0).to(torch.int32)
+    hidden = act_mul(torch._grouped_mm(x[order // top_k], w13.transpose(1, 2), offs=ends))
+    out = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=ends)
+    by_pair = torch.empty_like(out)
+    by_pair[order] = out
+    return by_pair
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    hidden, inter, num_experts, top_k = SHAPES[args.shape]
+    torch.manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / 50
+    w2 = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / 50
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    bandwidth = copy_bandwidth_gbs()
+    rows = []
+    for tokens in args.tokens:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        experts = torch.rand(tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices
+        touched = experts.unique().numel()
+        floor = touched * expert_bytes / bandwidth / 1e6
+        ref = grouped(x, w13, w2, experts)
+        row = {"tokens": tokens, "experts_touched": touched, "floor_ms": floor,
+               "grouped_ms": graph_ms(lambda: grouped(x, w13, w2, experts))}
+        block_m = block_rows(experts.numel(), num_experts)
+        for bm, config in [(block_m, None)] + SWEEP:
+            out = fused(x, w13, w2, experts, bm, config)
+            err = (out.float() - ref.float()).abs().max().item()
+            ms = graph_ms(lambda: fused(x, w13, w2, experts, bm, config))
+            row.setdefault("fused_ms", {})[str((bm, config))] = ms
+            row.setdefault("max_abs_diff", {})[str((bm, config))] = err
+        # the default's parts: routing's alignment, then the two matmuls and the activation
+        pair_ids, block_experts = align_pairs(experts, num_experts, block_m)
+        gate_up = expert_matmul(x, w13, pair_ids, block_experts, experts.numel(), top_k, block_m)
+        act = act_mul(gate_up)
+        row["parts_ms"] = {
+            "align": graph_ms(lambda: align_pairs(experts, num_experts, block_m)),
+            "gate_up": graph_ms(lambda: expert_matmul(x, w13, pair_ids, block_experts,
+                                                      experts.numel(), top_k, block_m)),
+            "act": graph_ms(lambda: act_mul(gate_up)),
+            "down": graph_ms(lambda: expert_matmul(act, w2, pair_ids, block_experts,
+                                                   experts.numel(), 1, block_m))}
+        default = row["fused_ms"][str((block_m, None))]
+        best = min(row["fused_ms"].items(), key=lambda kv: kv[1])
+        print(f"tokens {tokens:5d} block_m {block_m} experts {touched:3d}: floor {floor:.3f} ms"
+              f" | grouped_mm {row['grouped_ms']:.3f} | fused {default:.3f} (default"
+              f" {CONFIGS[block_m]}) | best {best[1]:.3f} {best[0]}"
+              f" | max diff {max(row['max_abs_diff'].values()):.2e} | parts "
+              + " ".join(f"{k} {v:.3f}" for k, v in row["parts_ms"].items()), flush=True)
+        rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"shape": args.shape, "bandwidth_gbs": bandwidth, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
