@@ -3,6 +3,8 @@ adapters on it), checked at start so that a model it cannot run fails the start 
 why."""
 from __future__ import annotations
 
+MIXTURES_OF_EXPERTS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+
 
 def check_model(hf_config, cfg, architecture: str) -> None:
     """ValueError naming what is not supported (cfg: the EngineConfig)."""
@@ -25,7 +27,7 @@ def check_model(hf_config, cfg, architecture: str) -> None:
     if architecture == "GraniteForCausalLM" and cfg.enable_finetuning:
         raise ValueError("enable_finetuning is not supported for GraniteForCausalLM (LoRA "
                          "adapters are served)")
-    if architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM") and cfg.lora_enabled:
+    if architecture in MIXTURES_OF_EXPERTS and cfg.lora_enabled:
         raise ValueError(f"LoRA adapters and fine-tuning are not supported for {architecture} "
                          "(a mixture of experts)")
 

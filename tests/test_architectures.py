@@ -1,5 +1,5 @@
 """Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, and
-the mixtures of experts Qwen3-MoE and Mixtral, in fp32, bf16 or fp16, whole or sharded,
+the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, in fp32, bf16 or fp16, whole or sharded,
 each with greedy outputs equal to transformers' (fp32 compute)."""
 from __future__ import annotations
 
@@ -56,6 +56,10 @@ CHECKPOINTS = {
                                                   num_experts=8, num_experts_per_tok=3,
                                                   norm_topk_prob=False,
                                                   dtype=torch.bfloat16)),
+    # Qwen1.5-MoE's and Qwen2-57B's: a shared expert beside the routed ones, q/k/v biases
+    "qwen2-moe": ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                    mlp_only_layers=[1])),
     "mixtral": ("mixtral", dict(intermediate_size=48, num_local_experts=4,
                                 num_experts_per_tok=2)),
     "granite": ("granite", GRANITE),
@@ -189,11 +193,13 @@ def test_gemma_matches_transformers_on_gpu_fp32_at_its_head_size(model_type, tmp
 
 
 @pytest.mark.gpu
-def test_a_mixture_of_experts_on_gpu(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
+def test_a_mixture_of_experts_on_gpu(tmp_path, name):
     """fp32: transformers' greedy tokens through the fused expert kernel. bf16: the kernel,
     captured in CUDA graphs, gives the tokens of the same steps run eagerly."""
-    save_random_checkpoint(str(tmp_path), "qwen3_moe", seed=7, **dict(
-        CHECKPOINTS["qwen3-moe"][1], hidden_size=128, moe_intermediate_size=64))
+    model_type, overrides = CHECKPOINTS[name]
+    save_random_checkpoint(str(tmp_path), model_type, seed=7, **dict(
+        overrides, hidden_size=128, moe_intermediate_size=64))
     args = dict(device="cuda", model=str(tmp_path), max_batch_size=8,
                 max_num_batched_tokens=24, max_num_tokens=4096)
     engine = InProcessEngine(dtype="float32", **args)
@@ -259,6 +265,14 @@ def test_gemma3_multimodal_checkpoints_serve_their_text_model(tmp_path, layout):
     engine = InProcessEngine(model=str(tmp_path), max_batch_size=8, block_size=4,
                              max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=3))
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
+def test_lora_on_a_mixture_of_experts_is_refused_at_start(tmp_path, name):
+    model_type, overrides = CHECKPOINTS[name]
+    save_random_checkpoint(str(tmp_path), model_type, **overrides)
+    with pytest.raises(ValueError, match=r"not supported for \w+ \(a mixture of experts\)"):
+        model_info(EngineConfig.from_args({"model": str(tmp_path), "enable_lora": True}))
 
 
 def test_experts_load_per_expert_or_stacked_and_shard_over_ranks():

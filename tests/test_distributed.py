@@ -231,16 +231,20 @@ def test_phi3_fused_projections_are_sharded_part_by_part(tmp_path):
                            torch.cat([gate[half], up[half]]))
 
 
-def test_a_mixture_of_experts_over_tp_and_pp_equals_one_worker(ray_cluster, tmp_path):
-    """Qwen3-MoE: each rank holds its share of every expert's intermediate features (the
-    router replicated), each stage its layers' experts."""
+@pytest.mark.parametrize("model_type,shape,configs", [
+    ("qwen3_moe", dict(head_dim=16, norm_topk_prob=True), [(2, 1), (1, 2)]),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=48), [(2, 1)])])
+def test_a_mixture_of_experts_over_tp_and_pp_equals_one_worker(ray_cluster, tmp_path,
+                                                               model_type, shape, configs):
+    """Qwen3-MoE and Qwen2-MoE: each rank holds its share of every expert's intermediate
+    features (the router replicated; Qwen2-MoE's shared expert sharded as a dense MLP, its
+    gate replicated), each stage its layers' experts."""
     from engine_actors.checkpoint import save_random_checkpoint
-    save_random_checkpoint(str(tmp_path), "qwen3_moe", seed=4, head_dim=16,
-                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                           norm_topk_prob=True)
-    requests, results = compare_configs(str(tmp_path), [(2, 1), (1, 2)])
+    save_random_checkpoint(str(tmp_path), model_type, seed=4, moe_intermediate_size=32,
+                           num_experts=8, num_experts_per_tok=2, **shape)
+    requests, results = compare_configs(str(tmp_path), configs)
     expected = single_worker(str(tmp_path), requests)
-    assert results[(2, 1)] == expected and results[(1, 2)] == expected
+    assert all(results[c] == expected for c in configs)
 
 
 def test_tp_with_more_ranks_than_kv_heads(ray_cluster, tmp_path):

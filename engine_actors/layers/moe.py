@@ -46,6 +46,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
+        return self.parallel.all_reduce(self.routed(x).to(x.dtype))
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the experts' weighted sum [T, H] in fp32 (this rank's partial sum)."""
         num_experts = self.gate.shape[0]
         probs = torch.softmax(F.linear(x, self.gate).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
@@ -63,8 +67,7 @@ class SparseMoE(nn.Module):
         else:
             out = grouped_experts(x, self.w13, self.w2, experts)
         out = out.view(x.shape[0], self.top_k, -1)
-        total = (out.float() * weights.float()[:, :, None]).sum(dim=1)
-        return self.parallel.all_reduce(total.to(x.dtype))
+        return (out.float() * weights.float()[:, :, None]).sum(dim=1)
 
     def load_checkpoint(self, name: str, tensor: torch.Tensor) -> list[str]:
         """`name`: "gate" (the router), "<expert>.<projection>" of one expert, or

@@ -4,7 +4,8 @@ from __future__ import annotations
 from engine_actors.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine_actors.models.granite import GraniteForCausalLM
 from engine_actors.models.llama import LlamaForCausalLM
-from engine_actors.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from engine_actors.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
+                                      Qwen3MoeForCausalLM)
 from engine_actors.models.phi3 import Phi3ForCausalLM
 from engine_actors.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -12,7 +13,8 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCa
           "Qwen2ForCausalLM": Qwen2ForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
           "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma2ForCausalLM": Gemma2ForCausalLM,
           "Gemma3ForCausalLM": Gemma3ForCausalLM, "MixtralForCausalLM": MixtralForCausalLM,
-          "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "GraniteForCausalLM": GraniteForCausalLM}
+          "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+          "GraniteForCausalLM": GraniteForCausalLM}
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:

@@ -72,10 +72,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, parallel: ParallelGroup):
+    def __init__(self, cfg, parallel: ParallelGroup, inter: int | None = None):
+        """inter: the intermediate size, if not the config's (Qwen2-MoE's shared expert)."""
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        inter = cfg.intermediate_size
+        inter = inter or cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, 1), (inter, 1)],
                                                  bias, parallel)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, parallel)

@@ -1,25 +1,33 @@
-"""Mixture-of-experts models: Qwen3-MoE (Qwen3MoeForCausalLM: Qwen3-30B-A3B, Qwen3-235B-A22B)
-and Mixtral (MixtralForCausalLM). Their attention is Qwen3's and Llama's (Mistral's); their
-MLPs are sparse mixtures of experts (layers/moe.py): Qwen3-MoE on the layers its
-decoder_sparse_step and mlp_only_layers make sparse (its other layers are dense), Mixtral on
-all. Expert weights load from the checkpoint's per-expert tensors. LoRA adapters and
-fine-tuning are refused at start (engine_actors/model_checks.py).
+"""Mixture-of-experts models: Qwen3-MoE (Qwen3MoeForCausalLM: Qwen3-30B-A3B, Qwen3-235B-A22B),
+Qwen2-MoE (Qwen2MoeForCausalLM: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) and Mixtral
+(MixtralForCausalLM). Their attention is Qwen3's, Qwen2's and Llama's (Mistral's); their
+MLPs are sparse mixtures of experts (layers/moe.py): the Qwens' on the layers their
+decoder_sparse_step and mlp_only_layers make sparse (their other layers are dense),
+Mixtral's on all. Qwen2-MoE adds a shared expert that every token goes through, its output
+scaled by a sigmoid gate of the token. Expert weights load from the checkpoint's per-expert
+tensors. LoRA adapters and fine-tuning are refused at start (engine_actors/model_checks.py).
 """
 from __future__ import annotations
 
 import re
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from engine_actors.layers.linear import copy_checked
 from engine_actors.layers.moe import SparseMoE
 from engine_actors.model_checks import layer_window
-from engine_actors.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM
-from engine_actors.models.qwen import Qwen3ForCausalLM
+from engine_actors.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM,
+                                        LlamaMLP)
+from engine_actors.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kernels.act_mul import act_mul
 
-# model.layers.<i>.<mlp | block_sparse_moe>.<gate | experts.<e>.<projection>>.weight, or
+# model.layers.<i>.<mlp | block_sparse_moe>.<gate | shared_expert_gate |
+# experts.<e>.<projection>>.weight, or
 # model.layers.<i>.mlp.experts.<gate_up_proj | down_proj> (all experts stacked)
 EXPERT_WEIGHT = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
-                           r"(?:(gate)\.weight|experts\.(\d+)\.(\w+)\.weight|"
+                           r"(?:(gate|shared_expert_gate)\.weight|experts\.(\d+)\.(\w+)\.weight|"
                            r"experts\.(gate_up_proj|down_proj))")
 
 
@@ -37,13 +45,57 @@ class MoEWeights:
         return [f"layers.{m[1]}.mlp.{key}" for key in layer.mlp.load_checkpoint(name, tensor)]
 
 
+def qwen_sparse_layer(cfg, i: int) -> bool:
+    """Whether the Qwens' layer i is a mixture of experts (else a dense MLP)."""
+    return cfg.num_experts > 0 and i not in (cfg.mlp_only_layers or []) \
+        and (i + 1) % cfg.decoder_sparse_step == 0
+
+
 class Qwen3MoeForCausalLM(MoEWeights, Qwen3ForCausalLM):
     def new_layer(self, cfg, i: int, parallel, opts: AttentionOptions, max_positions: int):
-        sparse = cfg.num_experts > 0 and i not in (cfg.mlp_only_layers or []) \
-            and (i + 1) % cfg.decoder_sparse_step == 0
         mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                         cfg.num_experts_per_tok, cfg.norm_topk_prob, True, parallel) \
-            if sparse else None
+            if qwen_sparse_layer(cfg, i) else None
+        return LlamaDecoderLayer(cfg, self.rotary, parallel, opts,
+                                 layer_window(cfg, i, max_positions), mlp)
+
+
+class SharedExpertMoE(SparseMoE):
+    """Qwen2-MoE's: the routed experts plus a shared expert (a SwiGLU MLP) scaled by
+    sigmoid(shared_expert_gate(x)) per token. Under tensor parallelism the shared expert's
+    partial sum joins the experts' before the one all-reduce."""
+
+    def __init__(self, cfg, parallel):
+        super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                         cfg.num_experts_per_tok, cfg.norm_topk_prob, True, parallel)
+        self.shared_expert = LlamaMLP(cfg, parallel, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Parameter(torch.empty(1, cfg.hidden_size),
+                                               requires_grad=False)  # (on every rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = F.linear(act_mul(self.shared_expert.gate_up_proj(x)),
+                          self.shared_expert.down_proj.weight)
+        gate = torch.sigmoid(F.linear(x, self.shared_expert_gate))
+        total = self.routed(x) + (gate * shared).float()
+        return self.parallel.all_reduce(total.to(x.dtype))
+
+    def load_checkpoint(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if name != "shared_expert_gate":
+            return super().load_checkpoint(name, tensor)
+        copy_checked(self.shared_expert_gate.data, tensor)
+        return [name]
+
+    def checkpoint_keys(self) -> list[str]:
+        return super().checkpoint_keys() + ["shared_expert_gate"]
+
+
+class Qwen2MoeForCausalLM(MoEWeights, Qwen2ForCausalLM):
+    @staticmethod
+    def attention_options(cfg) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=getattr(cfg, "qkv_bias", True), o_bias=False)
+
+    def new_layer(self, cfg, i: int, parallel, opts: AttentionOptions, max_positions: int):
+        mlp = SharedExpertMoE(cfg, parallel) if qwen_sparse_layer(cfg, i) else None
         return LlamaDecoderLayer(cfg, self.rotary, parallel, opts,
                                  layer_window(cfg, i, max_positions), mlp)
 
