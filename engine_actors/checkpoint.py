@@ -14,7 +14,7 @@ import torch
 
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
 from engine_actors.lora_files import target_shapes
-from engine_actors.model_checks import check_model
+from engine_actors.model_checks import check_model, moe_layers
 from engine_actors.request import SamplingParams
 
 # Bump when the built-in model changes so stale copies are not reused.
@@ -261,6 +261,7 @@ class ModelInfo:
     sampling_defaults: dict = field(default_factory=dict)
     num_layers: int = 0
     lora_shapes: dict = field(default_factory=dict)  # LoRA target -> (in, out) features
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP (experts) takes no LoRA adapter
 
 
 def model_info(cfg: EngineConfig) -> ModelInfo:
@@ -287,7 +288,7 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
             raise ValueError(f"{generation_config}: unusable sampling defaults: {e}") from None
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
                      hf.vocab_size, architecture(hf), defaults, hf.num_hidden_layers,
-                     target_shapes(hf))
+                     target_shapes(hf), moe_layers(hf, architecture(hf)))
 
 
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -295,6 +296,4 @@ SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 
 
 def _as_ids(value) -> set[int]:
-    if value is None:
-        return set()
-    return {value} if isinstance(value, int) else set(value)
+    return set() if value is None else {value} if isinstance(value, int) else set(value)

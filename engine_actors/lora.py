@@ -24,8 +24,9 @@ from engine_actors.messages import Refusal
 
 
 class LoRARegistry:
-    """The adapters requests may name. `model`: the model's target_shapes and layer count,
-    which every adapter's tensors are checked against (set once the engine has started)."""
+    """The adapters requests may name. `model`: the model's target_shapes, layer count and
+    layers of experts, which every adapter's tensors are checked against (set once the
+    engine has started)."""
 
     def __init__(self, max_rank: int, model: tuple[dict, int] | None = None):
         self.max_rank = max_rank
@@ -177,7 +178,8 @@ class Adapters:
         """The engine started: its slots, its model to check adapters against, and the
         configured adapters (LoRAError if one does not fit)."""
         self.slots = engine.scheduler.loras
-        self.registry.model = (engine.info.lora_shapes, engine.info.num_layers)
+        self.registry.model = (engine.info.lora_shapes, engine.info.num_layers,
+                               engine.info.moe_layers)
         for name, path in self.cfg.lora_modules.items():
             self.registry.insert(await asyncio.to_thread(self.registry.read, name, path))
 

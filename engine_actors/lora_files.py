@@ -22,6 +22,7 @@ import torch
 
 # the projections an adapter may target (q/k/v/o and the MLP's gate/up/down)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = TARGETS[4:]
 WEIGHTS_FILE = "adapter_model.safetensors"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -67,6 +68,10 @@ def read_weights(info: AdapterInfo) -> bytes:
         raise LoRAError(f"LoRA adapter {info.name!r}: cannot read {WEIGHTS_FILE}: {e}") from None
 
 
+# module names of a mixture of experts' MLP (Qwen-MoE's and Mixtral's, per expert or shared)
+EXPERT_MODULES = {"experts", "shared_expert", "shared_expert_gate", "block_sparse_moe"}
+
+
 def of_vision_tower(key: str) -> bool:
     """A tensor of a multimodal model's vision tower or projector (peft's default targets
     adapt them too): the server runs text only, so it never applies them."""
@@ -74,10 +79,10 @@ def of_vision_tower(key: str) -> bool:
 
 
 def check_tensors(info: AdapterInfo, data: bytes, shapes: dict[str, tuple[int, int]],
-                  num_layers: int) -> None:
+                  num_layers: int, moe_layers: tuple[int, ...] = ()) -> None:
     """LoRAError unless every tensor in `data` (the weights file) is a finite float LoRA A
-    [r, in] or B [out, r] of one of the adapter's targets in one of the model's layers, or
-    of a vision tower (left out)."""
+    [r, in] or B [out, r] of one of the adapter's targets in one of the model's layers (an
+    MLP target not in a layer of experts), or of a vision tower (left out)."""
     from safetensors.torch import load
 
     def refuse(why: str):
@@ -90,6 +95,9 @@ def check_tensors(info: AdapterInfo, data: bytes, shapes: dict[str, tuple[int, i
         if of_vision_tower(key):
             continue
         names = key.split(".")
+        if EXPERT_MODULES & set(names):
+            refuse(f"tensor {key} adapts a mixture of experts' experts, which LoRA is not "
+                   "supported on (adapters of its attention and dense MLP layers are)")
         kind = next((n for n in names if n in ("lora_A", "lora_B")), None)
         layer = names[names.index("layers") + 1] if "layers" in names[:-1] else ""
         target = names[names.index(kind) - 1] if kind else ""
@@ -97,6 +105,9 @@ def check_tensors(info: AdapterInfo, data: bytes, shapes: dict[str, tuple[int, i
                 or target not in info.targets:
             refuse(f"tensor {key} is not a LoRA weight of its target modules in the model's "
                    f"{num_layers} layers; was it trained for this model?")
+        if target in MLP_TARGETS and int(layer) in moe_layers:
+            refuse(f"tensor {key} adapts the MLP of layer {layer}, a mixture of experts, "
+                   "which LoRA is not supported on")
         if tensor.dtype not in FLOAT_DTYPES:
             refuse(f"tensor {key} has dtype {tensor.dtype}, not a float")
         d_in, d_out = shapes[target]
@@ -143,6 +154,10 @@ def read_adapter(name: str, path: str, max_rank: int, adapter_id: int) -> Adapte
     if rank > max_rank:
         raise LoRAError(f"LoRA adapter {name!r} has rank {rank}, over max_lora_rank "
                         f"{max_rank}; restart with a larger max_lora_rank")
+    if cfg.get("target_parameters"):  # (peft's LoRA on parameters: a mixture's experts)
+        raise LoRAError(f"LoRA adapter {name!r}: target_parameters "
+                        f"{cfg['target_parameters']} (a mixture of experts' experts) not "
+                        "supported; adapters of its attention and dense MLP layers are")
     unsupported = [k for k, bad in [("use_dora", True), ("fan_in_fan_out", True)]
                    if cfg.get(k) is bad]
     if cfg.get("modules_to_save"):

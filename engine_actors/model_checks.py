@@ -27,9 +27,25 @@ def check_model(hf_config, cfg, architecture: str) -> None:
     if architecture == "GraniteForCausalLM" and cfg.enable_finetuning:
         raise ValueError("enable_finetuning is not supported for GraniteForCausalLM (LoRA "
                          "adapters are served)")
-    if architecture in MIXTURES_OF_EXPERTS and cfg.lora_enabled:
-        raise ValueError(f"LoRA adapters and fine-tuning are not supported for {architecture} "
-                         "(a mixture of experts)")
+    if architecture in MIXTURES_OF_EXPERTS and cfg.enable_finetuning:
+        raise ValueError(f"enable_finetuning is not supported for {architecture} (a mixture "
+                         "of experts; LoRA adapters of its attention are served)")
+
+
+def qwen_sparse_layer(hf_config, i: int) -> bool:
+    """Whether the Qwens' layer i is a mixture of experts (else a dense MLP)."""
+    return hf_config.num_experts > 0 and i not in (hf_config.mlp_only_layers or []) \
+        and (i + 1) % hf_config.decoder_sparse_step == 0
+
+
+def moe_layers(hf_config, architecture: str) -> tuple[int, ...]:
+    """The layers whose MLP is a mixture of experts (LoRA adapters leave it alone)."""
+    layers = range(hf_config.num_hidden_layers)
+    if architecture == "MixtralForCausalLM":
+        return tuple(layers)
+    if architecture in MIXTURES_OF_EXPERTS:
+        return tuple(i for i in layers if qwen_sparse_layer(hf_config, i))
+    return ()
 
 
 def layer_window(hf_config, layer: int, max_model_len: int) -> int:

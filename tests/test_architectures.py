@@ -268,11 +268,12 @@ def test_gemma3_multimodal_checkpoints_serve_their_text_model(tmp_path, layout):
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
-def test_lora_on_a_mixture_of_experts_is_refused_at_start(tmp_path, name):
+def test_finetuning_a_mixture_of_experts_is_refused_at_start(tmp_path, name):
     model_type, overrides = CHECKPOINTS[name]
     save_random_checkpoint(str(tmp_path), model_type, **overrides)
-    with pytest.raises(ValueError, match=r"not supported for \w+ \(a mixture of experts\)"):
-        model_info(EngineConfig.from_args({"model": str(tmp_path), "enable_lora": True}))
+    with pytest.raises(ValueError, match=r"enable_finetuning is not supported for \w+ \(a "
+                                         r"mixture of experts; LoRA adapters of its attention"):
+        model_info(EngineConfig.from_args({"model": str(tmp_path), "enable_finetuning": True}))
 
 
 def test_experts_load_per_expert_or_stacked_and_shard_over_ranks():

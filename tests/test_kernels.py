@@ -218,7 +218,7 @@ def test_pairs_aligned_by_expert(one_launch):
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [
     (1, 128, 8, 16), (64, 128, 8, 16), (37, 6, 2, 16), (300, 12, 4, 64), (500, 8, 2, 128),
-    (700, 8, 2, 16)])
+    (700, 8, 2, 16), (1, 1, 1, 16), (0, 4, 2, 16), (5, 2, 1, 16)])
 def test_one_launch_alignment_against_torch(device, tokens, num_experts, top_k, block_m):
     """The one-launch alignment (more pairs than one chunk, expert counts that are not
     powers of two, experts with no pair) gives the torch ops' layout exactly."""

@@ -142,6 +142,27 @@ def test_an_adapter_on_other_layers_matches_transformers_peft(model_type, tmp_pa
     save_random_checkpoint(base, model_type, seed=4, **{
         "gemma2": GEMMA2, "gemma3_text": GEMMA3, "granite": GRANITE}[model_type])
     save_adapter(base, adapter, 8, 16, ADAPTERS["chat"][2], seed=6)
+    check_against_peft(base, adapter)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
+def test_an_adapter_of_a_mixture_of_experts_attention_matches_transformers_peft(name, tmp_path):
+    """The attention projections adapted on every layer, sparse and dense (Qwen3-MoE's
+    mlp_only_layers); an adapter of the MLPs is refused when added: peft adapts the experts'
+    weights (target_parameters) and Qwen2-MoE's shared expert, which this engine does not."""
+    from engine_actors.checkpoint import save_random_checkpoint
+    from tests.test_architectures import CHECKPOINTS
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "attention")
+    save_random_checkpoint(base, CHECKPOINTS[name][0], seed=4, **CHECKPOINTS[name][1])
+    save_adapter(base, adapter, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=6)
+    check_against_peft(base, adapter)
+    save_adapter(base, str(tmp_path / "mlp"), 8, 16, ADAPTERS["chat"][2], seed=6)
+    with pytest.raises(LoRAError, match="a mixture of experts' experts"):
+        LoRARegistry(max_rank=8, model=model_of(base)).read("mlp", str(tmp_path / "mlp"))
+
+
+def check_against_peft(base: str, adapter: str) -> None:
+    """Eight requests, every other one with the adapter: transformers + peft's tokens."""
     engine = InProcessEngine(model=base, dtype="float32", lora_modules={"all": adapter},
                              max_lora_rank=8, max_batch_size=8, block_size=4,
                              max_num_batched_tokens=64, max_num_tokens=2048)
@@ -157,11 +178,11 @@ def test_an_adapter_on_other_layers_matches_transformers_peft(model_type, tmp_pa
     assert len({tuple(v) for v in expected.values()}) == 8  # (the adapter changes outputs)
 
 
-def model_of(base: str) -> tuple[dict, int]:
+def model_of(base: str) -> tuple[dict, int, tuple[int, ...]]:
     from engine_actors.checkpoint import model_info
     from engine_actors.config import EngineConfig
     info = model_info(EngineConfig(model=base))
-    return info.lora_shapes, info.num_layers
+    return info.lora_shapes, info.num_layers, info.moe_layers
 
 
 def test_adapter_over_max_rank_and_unsupported_ones_are_refused(models, tmp_path):
@@ -236,7 +257,7 @@ def test_adapters_whose_tensors_do_not_fit_the_model_are_refused(models, tmp_pat
            "cut": (copy("cut", lambda t: None), "cannot read")}
     cut = tmp_path / "cut" / "adapter_model.safetensors"
     cut.write_bytes(cut.read_bytes()[:200])
-    shapes, num_layers = model_of(base)
+    shapes, num_layers, _ = model_of(base)
     assert num_layers == 4 and shapes["o_proj"] == (64, 64) and shapes["k_proj"] == (64, 32)
     registry = LoRARegistry(max_rank=8, model=(shapes, num_layers))
     for name, (path, message) in bad.items():
@@ -252,10 +273,15 @@ def test_adapters_whose_tensors_do_not_fit_the_model_are_refused(models, tmp_pat
         "code": paths["code"], "other": bad["other"][0]}))
     adapters.load_configured()  # (its config is fine)
     engine = types.SimpleNamespace(
-        info=types.SimpleNamespace(lora_shapes=shapes, num_layers=num_layers),
+        info=types.SimpleNamespace(lora_shapes=shapes, num_layers=num_layers, moe_layers=()),
         scheduler=types.SimpleNamespace(loras=None))
     with pytest.raises(LoRAError, match="'other'"):
         asyncio.run(adapters.know_engine(engine))
+    # the same model with experts in layers 1 and 3: an adapter of every MLP does not fit
+    experts = LoRARegistry(max_rank=8, model=(shapes, num_layers, (1, 3)))
+    experts.add("sql", paths["sql"])  # (attention only)
+    with pytest.raises(LoRAError, match="adapts the MLP of layer [13], a mixture of experts"):
+        experts.add("chat", paths["chat"])
 
 
 def info(i: int) -> AdapterInfo:

@@ -59,11 +59,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
     return lora_ref(y, x, w.a, w.b, batch.token_slots)
 
 
+def projections(layer) -> list:
+    """A layer's LoRA-capable projections: attention's, and its MLP's where it has them (a
+    mixture of experts has none: its experts take no adapter)."""
+    return [layer.get_submodule(path) for path in dict.fromkeys(m for m, _ in MODULES.values())
+            if not path.startswith("mlp.") or hasattr(layer.mlp, "gate_up_proj")]
+
+
 def attach(model, num_slots: int, rank: int) -> None:
     """Give every LoRA-capable projection of this stage's layers its slots."""
     for layer in model.layers.values():
-        for path in {m for m, _ in MODULES.values()}:
-            module = layer.get_submodule(path)
+        for module in projections(layer):
             out_features, in_features = module.weight.shape
             module.lora = LoRAWeights(num_slots, rank, len(getattr(module, "parts", [0])),
                                       in_features, out_features, module.weight.dtype,
@@ -78,10 +84,9 @@ def load_adapter(model, slot: int, weights, scale: float) -> None:
     from safetensors.torch import load
     layers = list(model.layers.values())
     for layer in layers:
-        for module_path, _ in MODULES.values():
-            lora = layer.get_submodule(module_path).lora
-            lora.a[slot].zero_()
-            lora.b[slot].zero_()
+        for module in projections(layer):
+            module.lora.a[slot].zero_()
+            module.lora.b[slot].zero_()
     if isinstance(weights, ray.ObjectRef):
         weights = ray.get(weights)
     for key, tensor in load(weights).items():

@@ -5,7 +5,8 @@ MLPs are sparse mixtures of experts (layers/moe.py): the Qwens' on the layers th
 decoder_sparse_step and mlp_only_layers make sparse (their other layers are dense),
 Mixtral's on all. Qwen2-MoE adds a shared expert that every token goes through, its output
 scaled by a sigmoid gate of the token. Expert weights load from the checkpoint's per-expert
-tensors. LoRA adapters and fine-tuning are refused at start (engine_actors/model_checks.py).
+tensors. LoRA adapters apply to the attention and the dense MLP layers, never to experts;
+fine-tuning is refused at start (engine_actors/model_checks.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from engine_actors.layers.linear import copy_checked
 from engine_actors.layers.moe import SparseMoE
-from engine_actors.model_checks import layer_window
+from engine_actors.model_checks import layer_window, qwen_sparse_layer
 from engine_actors.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM,
                                         LlamaMLP)
 from engine_actors.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -43,12 +44,6 @@ class MoEWeights:
             return None  # another stage's layer
         name = m[2] or m[5] or f"{m[3]}.{m[4]}"
         return [f"layers.{m[1]}.mlp.{key}" for key in layer.mlp.load_checkpoint(name, tensor)]
-
-
-def qwen_sparse_layer(cfg, i: int) -> bool:
-    """Whether the Qwens' layer i is a mixture of experts (else a dense MLP)."""
-    return cfg.num_experts > 0 and i not in (cfg.mlp_only_layers or []) \
-        and (i + 1) % cfg.decoder_sparse_step == 0
 
 
 class Qwen3MoeForCausalLM(MoEWeights, Qwen3ForCausalLM):
