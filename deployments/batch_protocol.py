@@ -26,6 +26,7 @@ class BatchItem(SamplingOptions):
 
 class BatchSubmit(_Base):
     """A background batch (native endpoint): scheduled per request, at low priority."""
+    RUNNER: ClassVar[str | None] = "generate"
     model: str | None = None
     requests: Annotated[list[BatchItem], Field(min_length=1, max_length=MAX_BATCH)]
     priority: Annotated[int, Field(ge=-100, le=100)] = 0

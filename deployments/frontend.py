@@ -11,12 +11,11 @@ import logging
 import threading
 
 import jinja2
-
 from starlette.requests import Request
 
 from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
 from deployments.http_metrics import HTTPMetrics
-from deployments.protocol import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, APIError
+from deployments.protocol import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, APIError, check_runner
 from deployments.request_body import parse_body
 from deployments.structured import default_tool_parser
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
@@ -155,6 +154,7 @@ class Frontend:
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             raise _too_large()
+        check_runner(schema, self.cfg.runner)
         req = parse_body(body, schema)
         if "request_id" in schema.model_fields and req.request_id is None:  # (Serve's proxy
             req.request_id = request.headers.get("x-request-id", "")[:256] or None  # sets one)

@@ -28,15 +28,16 @@ from starlette.routing import Route
 
 from deployments.auth import APIKeyMiddleware
 from deployments.batch_api import BatchAPI
+from deployments.embeddings_api import EmbeddingsAPI
+from deployments.finetune_api import FineTuningAPI
 from deployments.frontend import Frontend
 from deployments.http_metrics import render_summed
-from deployments.finetune_api import FineTuningAPI
+from deployments.messages_api import MessagesAPI
 from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
-from deployments.serve_run_stop import stop_serve_run
-from deployments.messages_api import MessagesAPI
 from deployments.responses_api import ResponsesAPI
+from deployments.serve_run_stop import stop_serve_run
 from deployments.tokenize_api import TokenizeAPI
 from engine_actors.config import EngineConfig
 
@@ -73,7 +74,7 @@ class OpenAIIngress:
         routes += MessagesAPI(openai).routes()
         routes += BatchAPI(self.frontend).routes()
         routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
-        routes += TokenizeAPI(self.frontend).routes()
+        routes += TokenizeAPI(self.frontend).routes() + EmbeddingsAPI(self.frontend).routes()
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
         # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
         handlers = {HTTPException: self._http_error, Exception: self._internal_error,

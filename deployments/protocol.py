@@ -47,6 +47,7 @@ class APIError(Exception):
 class _Base(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     NULL_KEPT: ClassVar[frozenset[str]] = frozenset()  # fields whose null is None, not unset
+    RUNNER: ClassVar[str | None] = None  # the engine runner the route needs (None: either)
 
     @model_validator(mode="before")
     @classmethod
@@ -58,6 +59,14 @@ class _Base(BaseModel):
             return {k: v for k, v in data.items() if v is not None or k not in fields
                     or fields[k].is_required() or k in cls.NULL_KEPT}
         return data
+
+
+def check_runner(schema: type[_Base], runner: str) -> None:
+    """APIError 400 when the route's schema needs the other runner (text generation on a
+    pooling server, embeddings on a generating one), as vLLM refuses them."""
+    if schema.RUNNER not in (None, runner):
+        raise APIError(400, f"this route needs runner {schema.RUNNER}; this server was "
+                            f"started with runner {runner}", None, "unsupported_runner")
 
 
 class StreamOptions(_Base):
@@ -75,6 +84,7 @@ CHAT_ONLY = {"thinking_token_budget": None}
 
 
 class SamplingOptions(_Base):
+    RUNNER: ClassVar[str | None] = "generate"
     """How one request samples and stops: shared by the OpenAI routes and the batch API.
     Unset (or null) temperature, top_p, top_k, min_p and the penalties take the checkpoint's
     generation_config values, else OpenAI's defaults (1, 1, off, off, none), as vLLM does."""

@@ -59,6 +59,9 @@ class EngineConfig:
     # continues from the worker's own last sampled token). Off: one step in flight per stage.
     async_scheduling: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs (decode and mixed steps run eagerly)
+    # vLLM's: "generate" serves text; "pooling" serves embeddings (POST /v1/embeddings) of
+    # the same decoder models: each prompt's last-token hidden state (engine_actors/pooling.py)
+    runner: Literal["generate", "pooling"] = "generate"
 
     # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.
     max_num_tokens: PositiveInt | None = None  # default: 16384 on CPU, sized from free GPU memory
@@ -130,6 +133,9 @@ class EngineConfig:
     api_key: str | None = None
 
     def __post_init__(self):
+        if self.runner == "pooling" and self.lora_enabled:
+            raise ValueError("runner pooling with LoRA adapters or fine-tuning is not "
+                             "supported")
         if self.enable_finetuning and self.pipeline_parallel_size > 1:
             raise ValueError("enable_finetuning needs pipeline_parallel_size 1 (training "
                              "through pipeline stages is not supported)")
@@ -164,6 +170,10 @@ class EngineConfig:
     def max_num_seqs(self) -> int:
         """Rows of the workers' tables: an admitted request holds one until it finishes."""
         return self.max_batch_size * self.max_steps_in_flight
+
+    @property
+    def uses_cuda_graphs(self) -> bool:  # (a pooling step's output is not the graphs' logits)
+        return not self.enforce_eager and self.runner == "generate"
 
     @property
     def lora_enabled(self) -> bool:

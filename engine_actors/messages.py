@@ -96,6 +96,8 @@ class StepResult:
     # per StepInput.prompt_logprobs entry: one TokenLogprobs per prompt position of the
     # chunk that has a next prompt token (the logprob of that next token)
     prompt_logprobs: list[list[TokenLogprobs]] | None = None
+    # runner "pooling": each sampling row's embedding (float32 bytes) instead of a token
+    embeddings: list[bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -145,6 +147,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # of the next prompt positions
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the cache
+    embedding: bytes | None = None  # runner "pooling": the prompt's (float32), when it ends
 
 
 @dataclass(slots=True)
@@ -158,6 +161,7 @@ class RequestUpdate:
     logprobs: list[TokenLogprobs] | None = None  # of each new token, when asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # of the next prompt positions
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    embedding: bytes | None = None  # runner "pooling": the prompt's (float32), at its end
     # the engine is unreachable (set by the reader of the stream, never by the engine)
     unavailable: bool = False
 
@@ -167,7 +171,7 @@ class RequestUpdate:
     def to_wire(self) -> list:
         return [self.token_ids, self.finish_reason, self.num_prompt_tokens,
                 self.num_output_tokens, self.error, self.logprobs, self.prompt_logprobs,
-                self.num_cached_tokens]
+                self.num_cached_tokens, self.embedding]
 
     @staticmethod
     def from_wire(item: list) -> RequestUpdate:
@@ -184,6 +188,7 @@ class RequestUpdate:
         self.num_cached_tokens = later.num_cached_tokens
         if later.finish_reason is not None:
             self.finish_reason, self.error = later.finish_reason, later.error
+            self.embedding = later.embedding
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from engine_actors.messages import StepInput, StepResult
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
+from engine_actors.pooling import embed, embeddings_result, read_pooling
 from engine_actors.sampler import Sampler
 from engine_actors.sampling_head import SamplingHead
 from engine_actors.stage_link import StageLink, TokenLink
@@ -49,8 +50,10 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: torch.dtype, max_model_len: int,
                  block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True,
-                 parallel: ParallelGroup = SINGLE, lora: tuple[int, int] | None = None):
-        """lora: (slots, max rank) to serve LoRA adapters; None: the base model only."""
+                 parallel: ParallelGroup = SINGLE, lora: tuple[int, int] | None = None,
+                 pooling: bool = False):
+        """lora: (slots, max rank) to serve LoRA adapters; None: the base model only.
+        pooling: each sampling row's embedding instead of a token (runner "pooling")."""
         self.device = torch.device(device)
         self.parallel = parallel
         self.dtype = dtype
@@ -78,7 +81,8 @@ class ModelRunner:
         self.staging = Staging(self.device)
         self.head = SamplingHead(Sampler(max_num_seqs, self.device, seed, self.staging),
                                  Grammars(model_path, self.hf_config.vocab_size), self.staging)
-        self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self.pooling = read_pooling(model_path) if pooling else None
+        self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda" and not pooling
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
         self.num_graph_replays = self.num_mixed_replays = 0
@@ -142,11 +146,13 @@ class ModelRunner:
             self.timeline.begin()
         logits, inputs = self.forward(step)
         out, parse = None, None
-        if logits is not None:
+        if logits is not None and self.pooling is not None:  # (final hidden states)
+            out, parse = embed(logits, self.pooling), embeddings_result
+        elif logits is not None:
             out, parse = self.head.sample(logits, inputs, step, self.last_sampled)
             if self.tokens is not None and inputs.sample_rows_host:
                 self.tokens.send(self.last_sampled[inputs.sample_rows])
-        pending = self.staging.to_host(out, parse or ids_only)
+        pending = self.staging.to_host(out, parse or ids_only, raw=parse is embeddings_result)
         self.head.launched(pending)
         if self.timeline is not None:
             self.timeline.end()
@@ -210,7 +216,8 @@ class ModelRunner:
                 lora_layers.set_batch(lora_layers.LoRABatch(
                     inputs.lora_order, inputs.lora_tiles, inputs.lora_token_slots))
             out = self.model(input_ids, inputs.positions, self.kv_caches, meta,
-                             inputs.logits_indices, hidden, residual)
+                             inputs.logits_indices, hidden, residual,
+                             head=self.pooling is None)
         if not self.parallel.is_first_stage:
             self.link.release_recv(step.step_id)
         if not self.parallel.is_last_stage:

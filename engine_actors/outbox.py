@@ -48,7 +48,8 @@ class Outbox:
     def deliver(self, out: RequestOutput, error: str | None) -> None:
         update = RequestUpdate(out.new_token_ids, out.finish_reason, out.num_prompt_tokens,
                                out.num_output_tokens, error if out.finish_reason else None,
-                               out.logprobs, out.prompt_logprobs, out.num_cached_tokens)
+                               out.logprobs, out.prompt_logprobs, out.num_cached_tokens,
+                               out.embedding)
         earlier = self.pending.get(out.request_id)
         if earlier is None:
             self.pending[out.request_id] = update

@@ -217,14 +217,14 @@ class Scheduler:
         if not isinstance(result, StepResult):
             result = StepResult(result)
         outputs = []
-        tokens = iter(result.token_ids)
-        logprobs = iter(result.logprobs or ())
-        prompt = new_prompt_logprobs(batch, result)
+        tokens, prompt = iter(result.token_ids), new_prompt_logprobs(batch, result)
+        logprobs, embeddings = iter(result.logprobs or ()), iter(result.embeddings or ())
         for index, (item, epoch, do_sample) in enumerate(zip(batch.scheduled, batch.epochs,
                                                              batch.step.sample)):
             req = item.request
             token = next(tokens) if do_sample else None
             token_logprobs = next(logprobs, None) if do_sample else None
+            embedding = next(embeddings, None) if do_sample else None
             if req.is_finished or req.num_preemptions != epoch:
                 continue  # finished, aborted or preempted while this step was in flight
             req.num_inflight_steps -= 1
@@ -240,7 +240,8 @@ class Scheduler:
                 if new_prompt:
                     outputs.append(self._output(req, [], prompt_logprobs=new_prompt))
                 continue
-            new = [] if token == NO_TOKEN else [token]  # NO_TOKEN: its masks left none
+            # NO_TOKEN: its masks left none; an embedding (runner "pooling") ends with none
+            new = [] if token == NO_TOKEN or embedding is not None else [token]
             req.token_ids += new
             lps = None
             if new and req.sampling.logprobs is not None and token_logprobs is not None:
@@ -248,7 +249,7 @@ class Scheduler:
             reason = self._stop_reason(req, token) if new else FinishReason.STOP
             out = self._finish(req, reason, new) if reason is not None else \
                 self._output(req, new)
-            out.logprobs, out.prompt_logprobs = lps, new_prompt
+            out.logprobs, out.prompt_logprobs, out.embedding = lps, new_prompt, embedding
             outputs.append(out)
         return outputs
 

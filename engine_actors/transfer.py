@@ -80,12 +80,14 @@ class Staging:
         self._mark(i)
         return out
 
-    def to_host(self, tensor: torch.Tensor | None, parse: Callable = list) -> PendingStep:
+    def to_host(self, tensor: torch.Tensor | None, parse: Callable = list,
+                raw: bool = False) -> PendingStep:
         """The values of `tensor` once the device gets there (None: just the moment),
-        turned into a result by `parse(values as lists)`."""
+        turned into a result by `parse(values as lists)` (raw: `parse(the host tensor)`,
+        which must copy what it keeps: the buffer is reused once read)."""
         if not self.is_cuda:
             empty = torch.empty(0, dtype=torch.long)
-            return PendingStep(tensor if tensor is not None else empty, parse=parse)
+            return PendingStep(tensor if tensor is not None else empty, parse=parse, raw=raw)
         if tensor is None:
             pending = PendingStep(torch.empty(0, dtype=torch.long), parse=parse)
         else:
@@ -94,7 +96,7 @@ class Staging:
             host = self._host_view(i, nbytes, tensor)
             host.copy_(tensor, non_blocking=True)
             self._mark(i)
-            pending = PendingStep(host, lambda: self.ring.release(i), parse)
+            pending = PendingStep(host, lambda: self.ring.release(i), parse, raw)
         pending.event = torch.cuda.Event()
         pending.event.record()
         return pending
@@ -105,8 +107,8 @@ class PendingStep:
     sample: then it only marks the end of the step's device work)."""
 
     def __init__(self, host: torch.Tensor, release: Callable[[], None] | None = None,
-                 parse: Callable = list):
-        self.host = host
+                 parse: Callable = list, raw: bool = False):
+        self.host, self.raw = host, raw
         self.event: torch.cuda.Event | None = None
         self._release = release
         self._parse = parse
@@ -127,7 +129,7 @@ class PendingStep:
                     self.before.result()
                     self.before = None
                 self.wait()
-                self._values = self._parse(self.host.tolist())
+                self._values = self._parse(self.host if self.raw else self.host.tolist())
             if self._release is not None:  # read: its buffer may be reused
                 self._release()
                 self._release = None

@@ -72,9 +72,9 @@ class Worker:
         self.runner = ModelRunner(resolve_model_path(cfg.model), self.device,
                                   resolve_dtype(cfg.dtype, self.device), self.max_model_len,
                                   cfg.block_size, cfg.max_num_seqs, cfg.seed,
-                                  use_cuda_graphs=not cfg.enforce_eager, parallel=parallel,
+                                  use_cuda_graphs=cfg.uses_cuda_graphs, parallel=parallel,
                                   lora=(cfg.max_loras, cfg.max_lora_rank)
-                                  if cfg.lora_enabled else None)
+                                  if cfg.lora_enabled else None, pooling=cfg.runner == "pooling")
         self.runner.allocate_stage_buffers(max(cfg.max_num_batched_tokens, cfg.max_batch_size),
                                            cfg.max_steps_in_flight, cfg.async_scheduling)
 
@@ -86,7 +86,7 @@ class Worker:
             return cdiv(cfg.max_num_tokens, cfg.block_size)
         if self.device == "cpu":
             return cdiv(CPU_KV_TOKENS, cfg.block_size)
-        graph_batch = 0 if cfg.enforce_eager else min(cfg.max_batch_size, cfg.max_num_seqs, 512)
+        graph_batch = min(cfg.max_batch_size, cfg.max_num_seqs, 512) if cfg.uses_cuda_graphs else 0
         return profile_kv_blocks(self.runner, cfg.gpu_memory_utilization,
                                  cfg.max_num_batched_tokens, graph_batch, cfg.max_batch_size)
 

@@ -33,6 +33,7 @@ class InProcessEngine:
         self.logprobs: dict[str, list] = {}  # request id -> per generated token, when asked
         self.prompt_logprobs: dict[str, list] = {}
         self.finish_reasons: dict[str, str] = {}
+        self.embeddings: dict[str, bytes] = {}  # runner "pooling": float32
 
     def run(self, arrivals: dict[int, list[tuple]]):
         """arrivals: loop round -> requests (id, prompt, SamplingParams[, LoRA adapter name])
@@ -62,6 +63,8 @@ class InProcessEngine:
                         out.prompt_logprobs or [])
                     if out.finish_reason is not None:
                         self.finish_reasons[out.request_id] = out.finish_reason
+                    if out.embedding is not None:
+                        self.embeddings[out.request_id] = out.embedding
         return outputs
 
 

@@ -1,0 +1,145 @@
+"""OpenAI's embeddings route, served as vLLM serves it with its pooling runner (the server
+started with `runner: pooling`; engine_actors/pooling.py): POST /v1/embeddings.
+
+Request: `input` (a string, a list of strings, token ids, or a list of token-id lists),
+`model`, `encoding_format` (`float`, or `base64`: the little-endian float32 bytes, which
+the `openai` client asks for by default), `dimensions` (the first n values, normalized
+again, as OpenAI's text-embedding-3 shortens them), `user`; and vLLM's
+`add_special_tokens` (default true), `truncate_prompt_tokens` and `priority`. Answer:
+{"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
+"usage": {"prompt_tokens", "total_tokens"}}.
+"""
+from __future__ import annotations
+
+import base64
+import uuid
+from typing import Annotated, ClassVar, Literal
+
+import numpy as np
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from deployments.completion_protocol import Prompt
+from deployments.engine_client import EngineUnavailable, RequestRefused
+from deployments.frontend import Frontend, refusal_error, unavailable
+from deployments.openai_api import PromptTooLong, within
+from deployments.protocol import APIError, _Base
+from deployments.responses import timeout_error
+from engine_actors.messages import EngineRequest
+from engine_actors.request import SamplingParams
+
+
+class EmbeddingRequest(_Base):
+    RUNNER: ClassVar[str] = "pooling"
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: Annotated[int, Field(ge=-100, le=100)] | None = None
+
+    def check_supported(self) -> None:
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be -1 or positive",
+                           "truncate_prompt_tokens", "invalid_value")
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            return [self.input]
+        if not self.input:
+            raise APIError(400, "input must not be empty", "input", "invalid_value")
+        return list(self.input)
+
+
+class EmbeddingsAPI:
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/embeddings", self.create, methods=["POST"])]
+
+    async def create(self, request: Request):
+        try:
+            return JSONResponse(await self._create(request))
+        except APIError as e:
+            return e.response()
+
+    async def _create(self, request: Request) -> dict:
+        frontend = self.frontend
+        frontend.refuse_if_draining()
+        req = await frontend.parse(request, EmbeddingRequest)
+        req.check_supported()
+        info = await frontend.ready()
+        prompts = req.prompts()
+        frontend.refuse_over_queue(len(prompts), f"{len(prompts)} inputs", "input")
+        params = ["input"] if len(prompts) == 1 else [f"input.{i}" for i in range(len(prompts))]
+        ids = await frontend.prompt_ids(prompts, info, params, req.add_special_tokens)
+        limit = info.max_model_len
+        if req.truncate_prompt_tokens is not None:
+            if req.truncate_prompt_tokens > limit:
+                raise APIError(400, f"truncate_prompt_tokens ({req.truncate_prompt_tokens}) "
+                               f"exceeds the model's maximum context length ({limit})",
+                               "truncate_prompt_tokens", "invalid_value")
+            keep = limit - 1 if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+            ids = [p[-keep:] for p in ids]
+        for p, param in zip(ids, params):
+            if len(p) >= limit:
+                raise PromptTooLong(len(p), limit, param)
+        base = f"embd-{uuid.uuid4().hex}"
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        requests = [EngineRequest(f"{base}-{i}", p, sampling, 1 if req.priority is None
+                                  else req.priority, lora_name=frontend.adapter(req))
+                    for i, p in enumerate(ids)]
+        vectors = await self._run(requests)
+        size = len(vectors[0]) // 4
+        if req.dimensions is not None and req.dimensions > size:
+            raise APIError(400, f"dimensions ({req.dimensions}) exceeds the model's {size}",
+                           "dimensions", "invalid_value")
+        return {"object": "list", "model": frontend.reported_model(req),
+                "data": [{"object": "embedding", "index": i,
+                          "embedding": encode(v, req.dimensions, req.encoding_format)}
+                         for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": sum(map(len, ids)),
+                          "total_tokens": sum(map(len, ids))}}
+
+    async def _run(self, requests: list[EngineRequest]) -> list[bytes]:
+        """The embedding of each request, in order; APIError when one could not be made."""
+        timeout = self.frontend.cfg.request_timeout_s
+        try:
+            group = await self.frontend.client.submit(requests, wake_each_update=False)
+        except RequestRefused as e:
+            raise refusal_error(e.code, str(e), "input") from None
+        except EngineUnavailable as e:
+            raise unavailable(str(e)) from None
+        out: dict[str, bytes] = {}
+        try:
+            async for rid, update in within(group, timeout):
+                if update.finish_reason is not None:
+                    if update.embedding is None:  # aborted, failed or drained
+                        raise unavailable(f"request failed: {update.error or 'no embedding'}")
+                    out[rid] = update.embedding
+        except TimeoutError:
+            raise timeout_error(timeout) from None
+        except EngineUnavailable as e:
+            raise unavailable(f"request failed: {e}") from None
+        finally:
+            group.close()
+        return [out[r.request_id] for r in requests]
+
+
+def encode(vector: bytes, dimensions: int | None, encoding_format: str):
+    """One embedding (float32 bytes, the engine's) as the answer carries it: shortened to
+    `dimensions` (and normalized again), as floats or base64 little-endian float32."""
+    values = np.frombuffer(vector, dtype="<f4")
+    if dimensions is not None and dimensions < values.shape[0]:
+        values = values[:dimensions]
+        values = values / max(float(np.linalg.norm(values)), 1e-12)
+        vector = values.astype("<f4").tobytes()
+    if encoding_format == "base64":
+        return base64.b64encode(vector).decode()
+    return values.tolist()
+
