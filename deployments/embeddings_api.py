@@ -27,7 +27,9 @@ from deployments.frontend import Frontend, refusal_error, unavailable
 from deployments.openai_api import PromptTooLong, within
 from deployments.protocol import APIError, _Base
 from deployments.responses import timeout_error
+from engine_actors.checkpoint import resolve_model_path
 from engine_actors.messages import EngineRequest
+from engine_actors.pooling import read_pooling
 from engine_actors.request import SamplingParams
 
 
@@ -58,6 +60,7 @@ class EmbeddingRequest(_Base):
 class EmbeddingsAPI:
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
+        self.normalize: bool | None = None  # whether the model's embeddings are normalized
 
     def routes(self) -> list[Route]:
         return [Route("/v1/embeddings", self.create, methods=["POST"])]
@@ -84,7 +87,8 @@ class EmbeddingsAPI:
                 raise APIError(400, f"truncate_prompt_tokens ({req.truncate_prompt_tokens}) "
                                f"exceeds the model's maximum context length ({limit})",
                                "truncate_prompt_tokens", "invalid_value")
-            keep = limit - 1 if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+            keep = limit - 1 if req.truncate_prompt_tokens == -1 \
+                else min(req.truncate_prompt_tokens, limit - 1)  # (room for the one step)
             ids = [p[-keep:] for p in ids]
         for p, param in zip(ids, params):
             if len(p) >= limit:
@@ -95,13 +99,16 @@ class EmbeddingsAPI:
                                   else req.priority, lora_name=frontend.adapter(req))
                     for i, p in enumerate(ids)]
         vectors = await self._run(requests)
+        if self.normalize is None:  # (the checkpoint's, as the workers read it)
+            self.normalize = read_pooling(resolve_model_path(frontend.cfg.model)).normalize
         size = len(vectors[0]) // 4
         if req.dimensions is not None and req.dimensions > size:
             raise APIError(400, f"dimensions ({req.dimensions}) exceeds the model's {size}",
                            "dimensions", "invalid_value")
         return {"object": "list", "model": frontend.reported_model(req),
                 "data": [{"object": "embedding", "index": i,
-                          "embedding": encode(v, req.dimensions, req.encoding_format)}
+                          "embedding": encode(v, req.dimensions, req.encoding_format,
+                                              self.normalize)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": sum(map(len, ids)),
                           "total_tokens": sum(map(len, ids))}}
@@ -131,13 +138,15 @@ class EmbeddingsAPI:
         return [out[r.request_id] for r in requests]
 
 
-def encode(vector: bytes, dimensions: int | None, encoding_format: str):
+def encode(vector: bytes, dimensions: int | None, encoding_format: str, normalize: bool):
     """One embedding (float32 bytes, the engine's) as the answer carries it: shortened to
-    `dimensions` (and normalized again), as floats or base64 little-endian float32."""
+    `dimensions` (and normalized again if the model's are), as floats or base64
+    little-endian float32."""
     values = np.frombuffer(vector, dtype="<f4")
     if dimensions is not None and dimensions < values.shape[0]:
         values = values[:dimensions]
-        values = values / max(float(np.linalg.norm(values)), 1e-12)
+        if normalize:
+            values = values / max(float(np.linalg.norm(values)), 1e-12)
         vector = values.astype("<f4").tobytes()
     if encoding_format == "base64":
         return base64.b64encode(vector).decode()

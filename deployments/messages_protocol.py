@@ -63,6 +63,7 @@ class Metadata(_Base):
 class CountTokensRequest(SamplingOptions):
     """The fields that make the prompt (count_tokens takes these); MessagesRequest adds
     the answer's."""
+    RUNNER: ClassVar[str | None] = None  # (counting tokens needs no text generation)
     # as the Responses API: vLLM's fields of the chat route are refused here
     UNFOLLOWED: ClassVar[dict[str, object]] = {
         **SamplingOptions.UNFOLLOWED, **SamplingFields.UNFOLLOWED, **CHAT_ONLY}
@@ -136,6 +137,7 @@ class CountTokensRequest(SamplingOptions):
 
 
 class MessagesRequest(CountTokensRequest):
+    RUNNER: ClassVar[str | None] = "generate"
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1,
                                                         max_length=MAX_STOP_CHARS)]],

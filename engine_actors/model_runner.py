@@ -98,7 +98,9 @@ class ModelRunner:
         if self.parallel.pp_size > 1:
             self.link = StageLink(self.parallel, max_tokens, self.hf_config.hidden_size, self.dtype,
                                   self.device, num_in_flight)
-            if continuation and (self.parallel.is_first_stage or self.parallel.is_last_stage):
+            # (a pooling step samples no token: nothing goes back)
+            if continuation and self.pooling is None and (self.parallel.is_first_stage
+                                                          or self.parallel.is_last_stage):
                 self.tokens = TokenLink(self.parallel, self.last_sampled, self.max_num_seqs)
 
     def _load_model(self, path: str) -> LlamaForCausalLM:

@@ -247,6 +247,34 @@ def test_a_mixture_of_experts_over_tp_and_pp_equals_one_worker(ray_cluster, tmp_
     assert all(results[c] == expected for c in configs)
 
 
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                 reason="needs 2 GPUs")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_embeddings_over_tp_and_pp_equal_one_worker(ray_cluster, checkpoint, device):
+    """runner pooling: the last stage's embeddings, from two stages (async scheduling, with
+    no sampled token to send back: over NCCL, a receive left waiting for one would block the
+    stages' link) and, on GPUs, from two ranks, equal one worker's."""
+    import numpy as np
+
+    from engine_actors.output_stream import run_requests
+    from tests.engine_harness import InProcessEngine
+    requests = [(f"e{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                for i, (_, prompt, _) in enumerate(workload(seed=5))]
+    engine = InProcessEngine(device, model=checkpoint, runner="pooling", max_batch_size=6,
+                             max_num_batched_tokens=40, max_num_tokens=2048, dtype="float32")
+    engine.run({0: requests})
+    for tp, pp in [(1, 2)] + ([(2, 1)] if device == "cuda" else []):  # (CPU: the stages)
+        actor = start_engine(checkpoint, tp, pp, device, runner="pooling", dtype="float32")
+        got = asyncio.run(run_requests(actor, [EngineRequest(*r) for r in requests]))
+        stop_engine(actor)
+        for rid, _, _ in requests:
+            np.testing.assert_allclose(np.frombuffer(got[rid].embedding, np.float32),
+                                       np.frombuffer(engine.embeddings[rid], np.float32),
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_tp_with_more_ranks_than_kv_heads(ray_cluster, tmp_path):
     """One KV head, two ranks: each rank holds the replicated head; outputs equal one
     worker's."""
@@ -284,10 +312,6 @@ def test_lora_adapters_sharded_over_tp_and_pp_equal_transformers_peft(ray_cluste
     for rid, prompt, sampling, adapter in requests:
         expected = peft_greedy(checkpoint, paths.get(adapter), prompt, sampling.max_tokens)
         assert outputs[rid] == expected, (rid, adapter)
-
-
-TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                                 reason="needs 2 GPUs")]
 
 
 # how the job trains beside base requests: whole micro-batches in idle moments (FineInfer's

@@ -35,11 +35,16 @@ def run_pooling(model_dir: str, prompts: list[list[int]], **args) -> list[list[f
                              **args)
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     outputs = engine.run({0: [(f"r{i}", p, sampling) for i, p in enumerate(prompts[:3])],
-                          2: [(f"r{i}", p, sampling) for i, p in enumerate(prompts) if i >= 3]})
+                          2: [(f"r{i}", p, sampling) for i, p in enumerate(prompts) if i >= 3],
+                          # the first prompt again: its full blocks come from the prefix
+                          # cache, and its last token is computed again
+                          9: [("again", prompts[0], sampling)]})
     assert all(tokens == [] for tokens in outputs.values())  # (no token: the prompt only)
     assert set(engine.finish_reasons.values()) == {"stop"}
-    return [np.frombuffer(engine.embeddings[f"r{i}"], dtype=np.float32).tolist()
-            for i in range(len(prompts))]
+    got = {k: np.frombuffer(v, dtype=np.float32).tolist() for k, v in engine.embeddings.items()}
+    assert engine.scheduler.kv.num_hit_tokens >= len(prompts[0]) - 4  # (all but a block)
+    np.testing.assert_allclose(got["again"], got["r0"], rtol=1e-5, atol=1e-5)
+    return [got[f"r{i}"] for i in range(len(prompts))]
 
 
 PROMPTS = [list(range(5 + 7 * i, 8 + 16 * i)) for i in range(6)]  # 3 to 83 tokens
@@ -93,14 +98,30 @@ def write_sentence_transformers(path, pooling: dict, normalize: bool) -> None:
 def test_the_routes_of_the_other_runner_are_refused():
     from deployments.completion_protocol import CompletionRequest
     from deployments.embeddings_api import EmbeddingRequest
+    from deployments.messages_protocol import CountTokensRequest, MessagesRequest
     from deployments.protocol import APIError, check_runner
+    from deployments.tokenize_api import TokenizeRequest
     with pytest.raises(APIError, match="needs runner pooling; this server was started with "
                                        "runner generate") as e:
         check_runner(EmbeddingRequest, "generate")
     assert e.value.status == 400 and e.value.code == "unsupported_runner"
     with pytest.raises(APIError, match="needs runner generate"):
         check_runner(CompletionRequest, "pooling")
+    with pytest.raises(APIError, match="needs runner generate"):
+        check_runner(MessagesRequest, "pooling")
     check_runner(EmbeddingRequest, "pooling")
+    for route in (TokenizeRequest, CountTokensRequest):  # (they only tokenize)
+        check_runner(route, "pooling")
+
+
+def test_dimensions_normalize_again_only_a_normalized_model():
+    from deployments.embeddings_api import encode
+    vector = np.array([3.0, 4.0, 12.0], dtype=np.float32).tobytes()
+    assert encode(vector, 2, "float", normalize=True) == pytest.approx([0.6, 0.8])
+    assert encode(vector, 2, "float", normalize=False) == [3.0, 4.0]
+    assert encode(vector, 3, "float", normalize=True) == [3.0, 4.0, 12.0]  # (as it came)
+    short = base64.b64decode(encode(vector, 2, "base64", normalize=True))
+    assert np.frombuffer(short, dtype="<f4").tolist() == pytest.approx([0.6, 0.8])
 
 
 # ---- through HTTP --------------------------------------------------------------------------
