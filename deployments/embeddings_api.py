@@ -25,7 +25,7 @@ from deployments.completion_protocol import Prompt
 from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, refusal_error, unavailable
 from deployments.openai_api import PromptTooLong, within
-from deployments.protocol import APIError, _Base
+from deployments.protocol import APIError, _Base, keep_last
 from deployments.responses import timeout_error
 from engine_actors.checkpoint import resolve_model_path
 from engine_actors.messages import EngineRequest
@@ -82,14 +82,10 @@ class EmbeddingsAPI:
         params = ["input"] if len(prompts) == 1 else [f"input.{i}" for i in range(len(prompts))]
         ids = await frontend.prompt_ids(prompts, info, params, req.add_special_tokens)
         limit = info.max_model_len
-        if req.truncate_prompt_tokens is not None:
-            if req.truncate_prompt_tokens > limit:
-                raise APIError(400, f"truncate_prompt_tokens ({req.truncate_prompt_tokens}) "
-                               f"exceeds the model's maximum context length ({limit})",
-                               "truncate_prompt_tokens", "invalid_value")
-            keep = limit - 1 if req.truncate_prompt_tokens == -1 \
-                else min(req.truncate_prompt_tokens, limit - 1)  # (room for the one step)
-            ids = [p[-keep:] for p in ids]
+        n = req.truncate_prompt_tokens
+        if n == limit:  # (keep limit - 1: room for the one step)
+            n = limit - 1
+        ids = [keep_last(p, n, limit) for p in ids]
         for p, param in zip(ids, params):
             if len(p) >= limit:
                 raise PromptTooLong(len(p), limit, param)
@@ -105,13 +101,13 @@ class EmbeddingsAPI:
         if req.dimensions is not None and req.dimensions > size:
             raise APIError(400, f"dimensions ({req.dimensions}) exceeds the model's {size}",
                            "dimensions", "invalid_value")
+        num_tokens = sum(map(len, ids))
         return {"object": "list", "model": frontend.reported_model(req),
                 "data": [{"object": "embedding", "index": i,
                           "embedding": encode(v, req.dimensions, req.encoding_format,
                                               self.normalize)}
                          for i, v in enumerate(vectors)],
-                "usage": {"prompt_tokens": sum(map(len, ids)),
-                          "total_tokens": sum(map(len, ids))}}
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     async def _run(self, requests: list[EngineRequest]) -> list[bytes]:
         """The embedding of each request, in order; APIError when one could not be made."""

@@ -264,15 +264,19 @@ class SamplingFields(SamplingOptions):
                            "truncate_prompt_tokens", "invalid_value")
 
     def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's ids as truncate_prompt_tokens keeps them: the last n."""
-        n = self.truncate_prompt_tokens
-        if n is None:
-            return ids
-        if n > max_model_len:
-            raise APIError(400, f"truncate_prompt_tokens ({n}) exceeds the model's maximum "
-                                f"context length ({max_model_len})", "truncate_prompt_tokens",
-                           "invalid_value")
-        return ids[-(max_model_len - 1 if n == -1 else n):]
+        return keep_last(ids, self.truncate_prompt_tokens, max_model_len)
+
+
+def keep_last(ids: list[int], n: int | None, max_model_len: int) -> list[int]:
+    """A prompt's ids as vLLM's truncate_prompt_tokens n keeps them: the last n (-1: as many
+    as the context holds with room for one step; None: all)."""
+    if n is None:
+        return ids
+    if n > max_model_len:
+        raise APIError(400, f"truncate_prompt_tokens ({n}) exceeds the model's maximum "
+                            f"context length ({max_model_len})", "truncate_prompt_tokens",
+                       "invalid_value")
+    return ids[-(max_model_len - 1 if n == -1 else n):]
 
 
 def _allowed_ids(ids: list[int] | None, vocab_size: int | None) -> tuple[int, ...] | None:
