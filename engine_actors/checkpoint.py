@@ -186,15 +186,13 @@ def load_hf_config(path: str):
         cfg = AutoConfig.from_pretrained(path)
     except ValueError as e:  # a model_type transformers does not know
         raise ValueError(f"cannot read {path}/config.json: {e}") from None
-    if quantized := getattr(cfg, "quantization_config", None):
-        raise ValueError(f"quantized checkpoints are not supported (quantization_config: "
-                         f"{dict(quantized).get('quant_method')}); serve an unquantized one")
     if architecture(cfg) in TEXT_MODELS:  # with what it takes from the top level
         text = cfg.text_config  # (transformers ties lm_head by the top level's field)
         text.architectures = [TEXT_MODELS[architecture(cfg)]]
         text.tie_word_embeddings = cfg.tie_word_embeddings
         top_eos = _as_ids(getattr(cfg, "eos_token_id", None))
         text.eos_token_id = sorted(_as_ids(text.eos_token_id) | top_eos)
+        text.quantization_config = getattr(cfg, "quantization_config", None)
         cfg = text
     if architecture(cfg) not in ARCHITECTURES.values():
         raise ValueError(f"architecture {architecture(cfg)!r} is not supported; supported: "

@@ -38,6 +38,10 @@ class EngineConfig:
     served_model_name: Name | Annotated[tuple[Name, ...], Field(min_length=1)] | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     max_model_len: PositiveInt | None = None  # default: the checkpoint's max_position_embeddings
+    # "fp8": quantize an unquantized checkpoint's projections to FP8 as they load (one
+    # scale per output channel; vLLM's). FP8 checkpoints (quantization_config "fp8" or
+    # compressed-tensors) are served as such either way. engine_actors/quantization.py.
+    quantization: Literal["fp8"] | None = None
     seed: int = 0
 
     # Scheduling (ORCA Algorithm 1).

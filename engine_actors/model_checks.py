@@ -3,6 +3,8 @@ adapters on it), checked at start so that a model it cannot run fails the start 
 why."""
 from __future__ import annotations
 
+from engine_actors.quantization import read_format
+
 MIXTURES_OF_EXPERTS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 
@@ -30,6 +32,23 @@ def check_model(hf_config, cfg, architecture: str) -> None:
     if architecture in MIXTURES_OF_EXPERTS and cfg.enable_finetuning:
         raise ValueError(f"enable_finetuning is not supported for {architecture} (a mixture "
                          "of experts; LoRA adapters of its attention are served)")
+    check_fp8(hf_config, cfg, architecture)
+
+
+def check_fp8(hf_config, cfg, architecture: str) -> None:
+    """FP8 weights (engine_actors/quantization.py) are served on dense models' projections."""
+    fp8 = read_format(hf_config, cfg.quantization)
+    if fp8 is None:
+        return
+    if architecture in MIXTURES_OF_EXPERTS:
+        raise ValueError(f"FP8 weights are not supported for {architecture} (a mixture of "
+                         "experts)")
+    if architecture == "Phi3ForCausalLM" and not fp8.online:
+        raise ValueError("FP8 checkpoints of Phi3ForCausalLM (fused projections) are not "
+                         "supported; serve the unquantized one with quantization: fp8")
+    if cfg.enable_finetuning:
+        raise ValueError("enable_finetuning with FP8 weights is not supported (LoRA adapters "
+                         "are served)")
 
 
 def qwen_sparse_layer(hf_config, i: int) -> bool:

@@ -29,6 +29,7 @@ from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.pooling import embed, embeddings_result, read_pooling
+from engine_actors.quantization import check_device, fp8_weights, loaded_dtype, read_format
 from engine_actors.sampler import Sampler
 from engine_actors.sampling_head import SamplingHead
 from engine_actors.stage_link import StageLink, TokenLink
@@ -51,9 +52,11 @@ class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: torch.dtype, max_model_len: int,
                  block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True,
                  parallel: ParallelGroup = SINGLE, lora: tuple[int, int] | None = None,
-                 pooling: bool = False):
+                 pooling: bool = False, quantization: str | None = None):
         """lora: (slots, max rank) to serve LoRA adapters; None: the base model only.
-        pooling: each sampling row's embedding instead of a token (runner "pooling")."""
+        pooling: each sampling row's embedding instead of a token (runner "pooling").
+        quantization: "fp8" to quantize an unquantized checkpoint's projections as they load
+        (an FP8 checkpoint's own format is read from its config either way)."""
         self.device = torch.device(device)
         self.parallel = parallel
         self.dtype = dtype
@@ -61,11 +64,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.hf_config = load_hf_config(model_path)
+        self.fp8 = read_format(self.hf_config, quantization)
         self.model = self._load_model(model_path)
         self.row_lora = None  # host: each table row's adapter slot (-1: the base model)
         self.lora_slots = lora[0] if lora is not None else 0
         if lora is not None:
-            lora_layers.attach(self.model, *lora)
+            lora_layers.attach(self.model, *lora, dtype)
             self.row_lora = np.full(max_num_seqs + 1, -1, dtype=np.int32)
         attn = next(iter(self.model.layers.values())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # on this rank
@@ -106,15 +110,16 @@ class ModelRunner:
     def _load_model(self, path: str) -> LlamaForCausalLM:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        check_device(self.fp8, self.device)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), fp8_weights(self.fp8):
                 model = model_class(architecture(self.hf_config))(
                     self.hf_config, self.max_model_len, self.parallel)
         finally:
             torch.set_default_dtype(default_dtype)
         loaded = set()
         for name, tensor in iter_checkpoint_tensors(path, self.device):
-            keys = model.load_weight(name, tensor.to(self.dtype))
+            keys = model.load_weight(name, loaded_dtype(name, tensor, self.dtype))
             loaded.update(keys if isinstance(keys, list) else [keys])  # (a list: experts')
         missing = model.weight_keys() - loaded
         if missing:

@@ -72,9 +72,9 @@ class Worker:
         self.runner = ModelRunner(resolve_model_path(cfg.model), self.device,
                                   resolve_dtype(cfg.dtype, self.device), self.max_model_len,
                                   cfg.block_size, cfg.max_num_seqs, cfg.seed,
-                                  use_cuda_graphs=cfg.uses_cuda_graphs, parallel=parallel,
-                                  lora=(cfg.max_loras, cfg.max_lora_rank)
-                                  if cfg.lora_enabled else None, pooling=cfg.runner == "pooling")
+                                  cfg.uses_cuda_graphs, parallel, (cfg.max_loras, cfg.max_lora_rank)
+                                  if cfg.lora_enabled else None, cfg.runner == "pooling",
+                                  cfg.quantization)
         self.runner.allocate_stage_buffers(max(cfg.max_num_batched_tokens, cfg.max_batch_size),
                                            cfg.max_steps_in_flight, cfg.async_scheduling)
 

@@ -273,6 +273,8 @@ def main(argv=None) -> dict:
                    help="every all-reduce through NCCL (the engine arg of that name)")
     p.add_argument("--grammar-threads", type=int, nargs="*", default=[],
                    help="also json_half with xgrammar filling masks on this many threads")
+    p.add_argument("--quantization", choices=["fp8"],
+                   help="the engine arg: the projections quantized as they load")
     p.add_argument("--out")
     args = p.parse_args(argv)
     bandwidth = copy_bandwidth_gbs()
@@ -282,12 +284,13 @@ def main(argv=None) -> dict:
                                 args.disable_custom_all_reduce)
     else:
         runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
-                             graph_size(batch), 0)
+                             graph_size(batch), 0, quantization=args.quantization)
         holder = _Holder(runner)
         holder.grammar_threads = args.grammar_threads
         r = _bench_worker_class().run_decode.__get__(holder)(batch, ctx, args.iters)
     floor_ms = (r["weight_bytes"] + r["kv_bytes"]) / (bandwidth * 1e9) * 1e3
-    report = {"model": args.model, "batch_size": batch, "context_len": ctx, "tp": args.tp,
+    report = {"model": args.model, "quantization": args.quantization, "batch_size": batch,
+              "context_len": ctx, "tp": args.tp,
               "custom_all_reduce": args.tp > 1 and not args.disable_custom_all_reduce,
               "copy_gbs": bandwidth, "weight_gb_per_rank": r["weight_bytes"] / 1e9,
               "kv_gb_per_rank": r["kv_bytes"] / 1e9, "floor_ms": floor_ms,

@@ -260,6 +260,7 @@ def main(argv=None) -> dict:
                    help="the timed runs open their connections (default: opened before)")
     p.add_argument("--profile", metavar="DIR", help="py-spy the server processes during the "
                    "timed runs (DIR/<system>-<process>.txt, collapsed stacks)")
+    p.add_argument("--quantization", choices=["fp8"], help="the engine arg")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -271,6 +272,8 @@ def main(argv=None) -> dict:
                        enable_prefix_caching=False)
     if args.device == "cpu":
         engine_args["max_num_tokens"] = 200_000
+    if args.quantization:
+        engine_args["quantization"] = args.quantization
     results = []
     systems = args.systems.split(",")
     if "orca" in systems:

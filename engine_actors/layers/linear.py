@@ -6,6 +6,8 @@ part with fewer heads than ranks (GQA's K/V with tp_size > num_kv_heads) is repl
 RowParallelLinear splits the input features and all-reduces the partial sums. With tp_size 1
 both are plain linears. Either may carry LoRA slots (`lora`, see layers/lora.py): each
 token's low-rank update is added to the output (to the partial sums, before the reduce).
+Built inside quantization.fp8_weights, either holds an e4m3 weight and its `weight_scale`
+(per output row, or per block: shards then start and end on block boundaries).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from torch import nn
 
 from engine_actors.layers.lora import LoRAWeights, add_lora
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
+from engine_actors.quantization import building_format, quantize_rows
+from kernels.fp8 import FP8, fp8_linear
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -24,7 +28,49 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-class ColumnParallelLinear(nn.Module):
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Linear(nn.Module):
+    """The weight (and bias) of either layer, in the model's dtype or in FP8."""
+
+    def make_weight(self, out_features: int, in_features: int, bias: bool) -> None:
+        self.fp8 = building_format()
+        dtype = FP8 if self.fp8 is not None else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.lora: LoRAWeights | None = None
+        if self.fp8 is not None:
+            rows, cols = self.fp8.block or (1, in_features)
+            shape = (out_features,) if self.fp8.block is None else \
+                (cdiv(out_features, rows), cdiv(in_features, cols))
+            self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32),
+                                             requires_grad=False)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias, out)
+        if out is not None:
+            return torch.matmul(x, self.weight.t(), out=out)
+        return F.linear(x, self.weight, bias)
+
+    def scale_rows(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+        """A checkpoint's per-channel or per-tensor scale as one scale per output row."""
+        return tensor.reshape(-1).expand(rows) if tensor.numel() == 1 else tensor.reshape(rows)
+
+    def check_blocks(self, starts_and_sizes, what: str) -> None:
+        """Shards of a block-scaled weight must start and end on block boundaries."""
+        for start, size, unit, last in starts_and_sizes:
+            if start % unit or (size % unit and not last):
+                raise ValueError(f"FP8 weight blocks of {list(self.fp8.block)} do not divide "
+                                 f"this model's {what} features into whole blocks ({size} "
+                                 f"from {start}, a part or a tensor-parallel shard)")
+
+
+class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False,
                  parallel: ParallelGroup = SINGLE):
         """parts: (num_heads, head_size) of each stacked projection; a plain linear is
@@ -36,46 +82,61 @@ class ColumnParallelLinear(nn.Module):
         self.local_heads = [heads // parallel.tp_size if heads >= parallel.tp_size else 1
                             for heads, _ in parts]
         self.part_sizes = [n * size for n, (_, size) in zip(self.local_heads, parts)]
-        out = sum(self.part_sizes)
-        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
-        self.lora: LoRAWeights | None = None
+        self.make_weight(sum(self.part_sizes), in_features, bias)
+        if self.fp8 is not None and self.fp8.block is not None:
+            single = len(parts) == 1 and parallel.tp_size == 1  # (may end in a partial block)
+            self.check_blocks([(self.first_row(p), size, self.fp8.block[0], single)
+                               for p, size in enumerate(self.part_sizes)], "output")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.matmul(x, self.bias)
         return out if self.lora is None else add_lora(out, x, self.lora)
+
+    def first_row(self, part: int) -> int:
+        """The row of one part's full tensor where this rank's rows begin."""
+        heads, head_size = self.parts[part]
+        if heads >= self.parallel.tp_size:
+            return shard_range(heads, self.parallel.tp_rank, self.parallel.tp_size)[0] * head_size
+        return self.parallel.tp_rank * heads // self.parallel.tp_size * head_size  # replicated
 
     def local_rows(self, tensor: torch.Tensor, part: int) -> tuple[int, torch.Tensor]:
         """This rank's rows of one part's full tensor (by output feature), and where they go
         in the stacked output."""
-        heads, head_size = self.parts[part]
-        local = self.local_heads[part]
-        if heads >= self.parallel.tp_size:
-            first_head, _ = shard_range(heads, self.parallel.tp_rank, self.parallel.tp_size)
-        else:  # replicated: ranks share heads in order
-            first_head = self.parallel.tp_rank * heads // self.parallel.tp_size
         return (sum(self.part_sizes[:part]),
-                tensor.narrow(0, first_head * head_size, local * head_size))
+                tensor.narrow(0, self.first_row(part), self.part_sizes[part]))
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         part = shard or 0
-        start, src = self.local_rows(tensor, part)
-        copy_checked(getattr(self, name).data.narrow(0, start, self.part_sizes[part]), src)
+        size = self.part_sizes[part]
+        if name == "weight_scale" and self.fp8.block is not None:  # rows of blocks
+            rows = self.fp8.block[0]
+            src = tensor.narrow(0, self.first_row(part) // rows, cdiv(size, rows))
+            start, size = sum(self.part_sizes[:part]) // rows, src.shape[0]
+        elif name == "weight_scale":
+            heads, head_size = self.parts[part]
+            start, src = self.local_rows(self.scale_rows(tensor, heads * head_size), part)
+        else:
+            start, src = self.local_rows(tensor, part)
+        if name == "weight" and self.fp8 is not None and self.fp8.online:
+            src, scales = quantize_rows(src)
+            self.weight_scale.data.narrow(0, start, size).copy_(scales)
+        copy_checked(getattr(self, name).data.narrow(0, start, size), src)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  parallel: ParallelGroup = SINGLE):
         super().__init__()
         self.parallel = parallel
         self.in_start, local_in = shard_range(in_features, parallel.tp_rank, parallel.tp_size)
-        self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.lora: LoRAWeights | None = None
+        self.make_weight(out_features, local_in, bias)
+        if self.fp8 is not None and self.fp8.block is not None:
+            self.check_blocks([(self.in_start, local_in, self.fp8.block[1],
+                                parallel.tp_rank == parallel.tp_size - 1)], "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buf = self.parallel.all_reduce_input(x.shape[:-1] + self.weight.shape[:1], x.dtype)
-        out = F.linear(x, self.weight) if buf is None else torch.matmul(x, self.weight.t(), out=buf)
+        out = self.matmul(x, out=buf)
         if self.lora is not None:  # A holds this rank's input columns: a partial sum too
             out = add_lora(out, x, self.lora)
         out = self.parallel.all_reduce(out)  # partial sums -> full
@@ -88,5 +149,15 @@ class RowParallelLinear(nn.Module):
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if name == "bias":
             copy_checked(self.bias.data, tensor)
+        elif name == "weight_scale" and self.fp8.block is not None:  # columns of blocks
+            cols = self.fp8.block[1]
+            copy_checked(self.weight_scale.data,
+                         tensor.narrow(1, self.in_start // cols, self.weight_scale.shape[1]))
+        elif name == "weight_scale":  # (one per output row: every rank's)
+            copy_checked(self.weight_scale.data, self.scale_rows(tensor, self.weight.shape[0]))
+        elif self.fp8 is not None and self.fp8.online:
+            weight, scales = quantize_rows(self.local_columns(tensor))
+            copy_checked(self.weight.data, weight)
+            self.weight_scale.data.copy_(scales)
         else:
             copy_checked(self.weight.data, self.local_columns(tensor))

@@ -66,13 +66,14 @@ def projections(layer) -> list:
             if not path.startswith("mlp.") or hasattr(layer.mlp, "gate_up_proj")]
 
 
-def attach(model, num_slots: int, rank: int) -> None:
-    """Give every LoRA-capable projection of this stage's layers its slots."""
+def attach(model, num_slots: int, rank: int, dtype: torch.dtype | None = None) -> None:
+    """Give every LoRA-capable projection of this stage's layers its slots, in `dtype` (by
+    default the projection's own; an FP8 model's adapters are in its activations' dtype)."""
     for layer in model.layers.values():
         for module in projections(layer):
             out_features, in_features = module.weight.shape
             module.lora = LoRAWeights(num_slots, rank, len(getattr(module, "parts", [0])),
-                                      in_features, out_features, module.weight.dtype,
+                                      in_features, out_features, dtype or module.weight.dtype,
                                       module.weight.device)
 
 

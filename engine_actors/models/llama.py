@@ -24,6 +24,7 @@ from engine_actors.layers.norm import RMSNorm
 from engine_actors.layers.rotary import RotaryEmbedding
 from engine_actors.model_checks import layer_window
 from engine_actors.parallel import SINGLE, ParallelGroup, stage_layers
+from engine_actors.quantization import SCALE_NAMES, UNUSED
 from kernels.act_mul import act_mul
 
 
@@ -180,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
             parts = range(len(module.parts)) if isinstance(module, ColumnParallelLinear) \
                 else [None]
             for param, _ in module.named_parameters(recurse=False):
-                keys.update(f"{path}.{param}[{p}]" for p in parts)
+                if param != "weight_scale" or not module.fp8.online:  # (made as it loads)
+                    keys.update(f"{path}.{param}[{p}]" for p in parts)
         return keys
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
@@ -191,7 +193,9 @@ class LlamaForCausalLM(nn.Module):
         if "rotary_emb" in name:
             return None
         module_path, _, param = name.rpartition(".")
-        shard = None
+        if param in UNUSED:
+            return None
+        param, shard = SCALE_NAMES.get(param, param), None
         parent, _, leaf = module_path.rpartition(".")
         if leaf in self.merged_parts:
             merged, shard = self.merged_parts[leaf]

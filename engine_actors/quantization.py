@@ -1,0 +1,145 @@
+"""FP8 weights: checkpoints quantized to float8 e4m3, and bf16 ones quantized as they load.
+
+What config.json's `quantization_config` may say (anything else is refused at start):
+- `quant_method: "fp8"`, transformers' fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3): each
+  projection's `weight` in e4m3 and `weight_scale_inv` [ceil(N / bn), ceil(K / bk)], one
+  scale per `weight_block_size` [bn, bk] block; activations quantized at run time.
+- `quant_method: "compressed-tensors"` with 8-bit float weights (llm-compressor's FP8 and
+  FP8-dynamic): `weight_scale` per output channel, per tensor or per block. Activations are
+  always quantized at run time per token and group (a static `input_scale` is not used).
+With EngineConfig.quantization "fp8" an unquantized checkpoint is quantized as each
+projection loads, one scale per output channel (vLLM's `--quantization fp8`).
+
+Only the decoder layers' projections are quantized: embeddings, the LM head and norms keep
+the model's dtype. On the GPU the matmuls run on FP8 tensor cores (kernels/fp8.py, compute
+capability 8.9 or later); on CPU the weights are dequantized for each matmul, a reference
+path for tests rather than a fast one.
+"""
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kernels.fp8 import FP8, FP8_MAX, GROUP
+
+SCALE_NAMES = {"weight_scale": "weight_scale", "weight_scale_inv": "weight_scale"}
+UNUSED = ("input_scale",)  # a static activation scale: activations are quantized per token
+# what an ignore list may name: modules that are never quantized here, or not served
+NEVER_QUANTIZED = re.compile(r"lm_head|embed|mlp\.gate$|shared_expert_gate|vision|multi_modal")
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Format:
+    # (rows, columns) of the weight blocks that share a scale; None: a scale per output row
+    block: tuple[int, int] | None = None
+    online: bool = False  # quantized here as it loads (from an unquantized checkpoint)
+
+    @property
+    def group(self) -> int:
+        """Activation columns per scale: the blocks' width, else kernels.fp8.GROUP."""
+        return self.block[1] if self.block else GROUP
+
+
+def read_format(hf_config, requested: str | None) -> Fp8Format | None:
+    """The checkpoint's FP8 format (or online quantization if `requested` is "fp8" for an
+    unquantized checkpoint); None: unquantized. ValueError for a format not served."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return Fp8Format(online=True) if requested == "fp8" else None
+    config = config if isinstance(config, dict) else config.to_dict()
+    method = config.get("quant_method")
+    if method == "fp8":
+        if config.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError("fp8 checkpoints with static activation scales are not supported")
+        block, ignore = config.get("weight_block_size"), config.get("modules_to_not_convert")
+        if block is None:
+            raise ValueError("fp8 checkpoints need a weight_block_size")
+    elif method == "compressed-tensors":
+        block, ignore = _compressed_tensors(config), config.get("ignore")
+    else:
+        raise ValueError(f"quantized checkpoints ({method!r}) are not supported; served: "
+                         "fp8 (weight_block_size) and compressed-tensors FP8")
+    partial = [name for name in ignore or [] if not NEVER_QUANTIZED.search(name)]
+    if partial:
+        raise ValueError(f"checkpoints with unquantized decoder projections are not "
+                         f"supported (not quantized: {partial[:4]})")
+    if block is not None:
+        block = tuple(int(b) for b in block)
+        if len(block) != 2 or min(block) < 1:
+            raise ValueError(f"unusable FP8 weight block size {list(block)}")
+    return Fp8Format(block)
+
+
+def _compressed_tensors(config: dict) -> tuple[int, int] | None:
+    """The weight blocks of an FP8 compressed-tensors config (None: per channel or tensor)."""
+    if config.get("kv_cache_scheme"):
+        raise ValueError("checkpoints with a quantized KV cache (kv_cache_scheme) are not "
+                         "supported")
+    groups = list((config.get("config_groups") or {}).values())
+    if not groups:
+        raise ValueError("compressed-tensors checkpoint without config_groups")
+    blocks = set()
+    for group in groups:
+        weights, inputs = group.get("weights") or {}, group.get("input_activations")
+        if (weights.get("num_bits"), weights.get("type")) != (8, "float") or \
+                not weights.get("symmetric", True) or \
+                (inputs and (inputs.get("num_bits"), inputs.get("type")) != (8, "float")):
+            raise ValueError(f"compressed-tensors {weights.get('type')} weights of "
+                             f"{weights.get('num_bits')} bits are not supported; served: "
+                             "symmetric 8-bit float (FP8)")
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"compressed-tensors FP8 weights by {strategy!r} are not "
+                             "supported; served: tensor, channel, block")
+        blocks.add(tuple(weights["block_structure"]) if strategy == "block" else None)
+    if len(blocks) > 1:
+        raise ValueError("compressed-tensors groups with different weight blocks are not "
+                         "supported")
+    return blocks.pop()
+
+
+def check_device(fmt: Fp8Format | None, device: torch.device) -> None:
+    """FP8 matmuls need Ada or Hopper tensor cores, and block widths the kernel can tile."""
+    if fmt is None or device.type != "cuda":
+        return
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("FP8 weights need a GPU of compute capability 8.9 or later")
+    width = fmt.group
+    if width < 32 or width & (width - 1):
+        raise ValueError(f"FP8 weight blocks {width} columns wide are not supported on the "
+                         "GPU (a power of two of at least 32)")
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 scales [N]): each row's absolute maximum maps to 448."""
+    scales = w.abs().amax(dim=1).float().clamp(min=1e-12) / FP8_MAX
+    return (w.float() / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+def loaded_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor as the model takes it: e4m3 weights and their fp32 scales as
+    stored, everything else in the model's dtype."""
+    if tensor.dtype == FP8 or name.rpartition(".")[2] in (*SCALE_NAMES, *UNUSED):
+        return tensor
+    return tensor.to(dtype)
+
+
+_building: Fp8Format | None = None
+
+
+@contextmanager
+def fp8_weights(fmt: Fp8Format | None):
+    """The projections built inside hold FP8 weights in `fmt` (layers/linear.py reads it)."""
+    global _building
+    _building = fmt
+    try:
+        yield
+    finally:
+        _building = None
+
+
+def building_format() -> Fp8Format | None:
+    return _building
