@@ -22,7 +22,9 @@ import torch
 
 # the projections an adapter may target (q/k/v/o and the MLP's gate/up/down)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MLP_TARGETS = TARGETS[4:]
+# Phi-3's fused projections (its only ones in transformers): the targets they stack, in order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+MLP_TARGETS = (*TARGETS[4:], "gate_up_proj")
 WEIGHTS_FILE = "adapter_model.safetensors"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -53,9 +55,14 @@ def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-            "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    if hf_config.model_type == "phi3":
+        shapes.update({fused: (hidden, sum(shapes[p][1] for p in parts))
+                       for fused, parts in FUSED.items()})
+    return shapes
 
 
 def read_weights(info: AdapterInfo) -> bytes:
@@ -105,6 +112,9 @@ def check_tensors(info: AdapterInfo, data: bytes, shapes: dict[str, tuple[int, i
                 or target not in info.targets:
             refuse(f"tensor {key} is not a LoRA weight of its target modules in the model's "
                    f"{num_layers} layers; was it trained for this model?")
+        if target not in shapes:
+            refuse(f"tensor {key} adapts {target}, which this model does not have (its "
+                   f"projections: {', '.join(shapes)})")
         if target in MLP_TARGETS and int(layer) in moe_layers:
             refuse(f"tensor {key} adapts the MLP of layer {layer}, a mixture of experts, "
                    "which LoRA is not supported on")
@@ -170,22 +180,22 @@ def read_adapter(name: str, path: str, max_rank: int, adapter_id: int) -> Adapte
         raise LoRAError(f"LoRA adapter {name!r}: {', '.join(unsupported)} not supported")
     targets = cfg.get("target_modules")
     if targets == "all-linear":
-        targets = list(TARGETS)
+        targets = [*TARGETS, *FUSED]  # (the model's own are checked with the tensors)
     if not isinstance(targets, list) or not targets \
             or not all(isinstance(t, str) for t in targets):
         raise LoRAError(f"LoRA adapter {name!r}: target_modules must list module names, "
                         f"got {targets!r}")
-    others = sorted(set(targets) - set(TARGETS))
+    others = sorted(set(targets) - set(TARGETS) - set(FUSED))
     if others:
         raise LoRAError(f"LoRA adapter {name!r}: target modules {others} not supported "
-                        f"(supported: {', '.join(TARGETS)})")
+                        f"(supported: {', '.join([*TARGETS, *FUSED])})")
     alpha = cfg.get("lora_alpha", rank)
     if type(alpha) not in (int, float) or not math.isfinite(alpha):
         raise LoRAError(f"LoRA adapter {name!r}: lora_alpha must be a finite number, "
                         f"got {alpha!r}")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return AdapterInfo(name, os.path.abspath(path), rank, float(scale),
-                       tuple(t for t in TARGETS if t in targets), adapter_id)
+                       tuple(t for t in (*TARGETS, *FUSED) if t in targets), adapter_id)
 
 
 OWNER_FILE = ".orca-owner"  # "host pid" of the engine whose temp directory it is

@@ -43,9 +43,6 @@ def check_fp8(hf_config, cfg, architecture: str) -> None:
     if architecture in MIXTURES_OF_EXPERTS:
         raise ValueError(f"FP8 weights are not supported for {architecture} (a mixture of "
                          "experts)")
-    if architecture == "Phi3ForCausalLM" and not fp8.online:
-        raise ValueError("FP8 checkpoints of Phi3ForCausalLM (fused projections) are not "
-                         "supported; serve the unquantized one with quantization: fp8")
     if cfg.enable_finetuning:
         raise ValueError("enable_finetuning with FP8 weights is not supported (LoRA adapters "
                          "are served)")
@@ -125,9 +122,9 @@ def check_gemma(hf_config, cfg, architecture: str) -> None:
 
 
 def check_phi3(hf_config, cfg) -> None:
-    """Rotary over the whole head and SiLU (Phi-4-mini rotates part of each head); no LoRA:
-    adapters of this engine target q/k/v and gate/up apart, and transformers' Phi-3 has
-    only its fused projections, so neither served adapters nor trained ones would match."""
+    """Rotary over the whole head and SiLU (Phi-4-mini rotates part of each head); no
+    fine-tuning: the trainer's adapters target q/k/v and gate/up apart, and transformers'
+    Phi-3 has only its fused projections."""
     rope = getattr(hf_config, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor",
                       getattr(hf_config, "partial_rotary_factor", None))
@@ -136,6 +133,6 @@ def check_phi3(hf_config, cfg) -> None:
                          "not supported")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (silu only)")
-    if cfg.lora_enabled:
-        raise ValueError("LoRA adapters and fine-tuning are not supported for "
-                         "Phi3ForCausalLM (its q/k/v and gate/up projections are fused)")
+    if cfg.enable_finetuning:
+        raise ValueError("enable_finetuning is not supported for Phi3ForCausalLM (adapters "
+                         "of its fused qkv_proj and gate_up_proj are served)")

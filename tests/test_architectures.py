@@ -123,11 +123,11 @@ def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_pa
     (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                            "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
                            "original_max_position_embeddings": 2048}), {}, "longrope"),
-    ({}, {"enable_lora": True}, "LoRA adapters and fine-tuning are not supported"),
+    ({}, {"enable_finetuning": True}, "enable_finetuning is not supported for Phi3"),
 ])
 def test_phi3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes, args, match):
-    """Phi-4-mini's partial rotary, the 128k releases' LongRoPE, and LoRA on fused
-    projections: refused at start, saying what."""
+    """Phi-4-mini's partial rotary, the 128k releases' LongRoPE, and fine-tuning (its
+    adapters target q/k/v and gate/up apart): refused at start, saying what."""
     save_random_checkpoint(str(tmp_path), "phi3")
     write_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=match):

@@ -119,6 +119,15 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(base, tm
     check_parity(str(ref), engine(fp8), ragged_workload(seed=3))
 
 
+@pytest.mark.parametrize("name", ["fp8-blocks", "compressed-tensors-tensor-static"])
+def test_phi3_fp8_checkpoint_splits_its_fused_scales(tmp_path, name):
+    """Phi-3's fused qkv_proj and gate_up_proj: block scales split by rows of blocks, one
+    per-tensor scale shared by the parts."""
+    save_random_checkpoint(str(tmp_path / "base"), "phi3", seed=5, num_key_value_heads=1)
+    write_fp8_checkpoint(tmp_path / "base", tmp_path / "fp8", tmp_path / "ref", FORMATS[name])
+    check_parity(str(tmp_path / "ref"), engine(tmp_path / "fp8"), ragged_workload(seed=3))
+
+
 def test_online_quantization_matches_transformers_on_rows_quantized(base, tmp_path):
     """quantization: fp8 on an unquantized checkpoint: one scale per output row."""
     rows_reference(base, tmp_path / "ref")

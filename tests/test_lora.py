@@ -145,6 +145,29 @@ def test_an_adapter_on_other_layers_matches_transformers_peft(model_type, tmp_pa
     check_against_peft(base, adapter)
 
 
+@pytest.mark.parametrize("targets", [["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                                     ["qkv_proj"]], ids=["all", "qkv"])
+def test_an_adapter_of_phi3s_fused_projections_matches_transformers_peft(targets, tmp_path):
+    """Phi-3's only projections in transformers are fused (qkv_proj, gate_up_proj), and so
+    are its adapters' A and B: served as one A per part and B split by part; with GQA (one
+    KV head), the parts differ in size."""
+    from engine_actors.checkpoint import save_random_checkpoint
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "fused")
+    save_random_checkpoint(base, "phi3", seed=4, num_key_value_heads=1)
+    save_adapter(base, adapter, 8, 16, targets, seed=6)
+    check_against_peft(base, adapter)
+
+
+def test_an_adapter_of_projections_the_model_lacks_is_refused(models, tmp_path):
+    """A Phi-3 adapter (fused qkv_proj) offered to a Llama: refused when added."""
+    from engine_actors.checkpoint import save_random_checkpoint
+    phi3 = str(tmp_path / "phi3")
+    save_random_checkpoint(phi3, "phi3", seed=4)
+    save_adapter(phi3, str(tmp_path / "fused"), 8, 16, ["qkv_proj"], seed=6)
+    with pytest.raises(LoRAError, match="adapts qkv_proj, which this model does not have"):
+        LoRARegistry(max_rank=8, model=model_of(models[0])).read("fused", str(tmp_path / "fused"))
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
 def test_an_adapter_of_a_mixture_of_experts_attention_matches_transformers_peft(name, tmp_path):
     """The attention projections adapted on every layer, sparse and dense (Qwen3-MoE's

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_actors.lora_files import of_vision_tower
+from engine_actors.lora_files import FUSED, of_vision_tower
 from kernels.lora import lora_ref, lora_triton
 
 # a PEFT target -> (the module of a decoder layer that holds it, its part in that module)
@@ -99,21 +99,31 @@ def load_adapter(model, slot: int, weights, scale: float) -> None:
         target = names[names.index(kind) - 1]
         if layer_id not in model.layers:
             continue  # another pipeline stage's layer
-        module_path, part = MODULES[target]
-        module = model.layers[layer_id].get_submodule(module_path)
-        lora = module.lora
-        tensor = tensor.to(lora.a.dtype)
-        if kind == "lora_A":  # [r, in]
-            r = tensor.shape[0]
-            if hasattr(module, "local_columns"):  # row-parallel: this rank's inputs
-                tensor = module.local_columns(tensor)
-            lora.a[slot, part * lora.rank:part * lora.rank + r] = tensor
-        else:  # [out, r]
-            r = tensor.shape[1]
-            cols = slice(part * lora.rank, part * lora.rank + r)
-            tensor = tensor * scale
-            if hasattr(module, "local_rows"):  # column-parallel: this rank's outputs
-                start, rows = module.local_rows(tensor, part)
-                lora.b[slot, start:start + rows.shape[0], cols] = rows
-            else:
-                lora.b[slot, :, cols] = tensor
+        parts = FUSED.get(target, (target,))  # (Phi-3's fused: A for each part, B split)
+        module = model.layers[layer_id].get_submodule(MODULES[parts[0]][0])
+        tensor = tensor.to(module.lora.a.dtype)
+        if target in FUSED and kind == "lora_B":
+            pieces = tensor.split([heads * size for heads, size in module.parts])
+        else:
+            pieces = [tensor] * len(parts)
+        for target_part, piece in zip(parts, pieces):
+            _write(module, slot, kind, MODULES[target_part][1], piece, scale)
+
+
+def _write(module, slot: int, kind: str, part: int, tensor: torch.Tensor, scale: float) -> None:
+    """One part's A [r, in] or B [out, r] into a slot: this rank's shard, B times the scale."""
+    lora = module.lora
+    if kind == "lora_A":
+        r = tensor.shape[0]
+        if hasattr(module, "local_columns"):  # row-parallel: this rank's inputs
+            tensor = module.local_columns(tensor)
+        lora.a[slot, part * lora.rank:part * lora.rank + r] = tensor
+        return
+    r = tensor.shape[1]
+    cols = slice(part * lora.rank, part * lora.rank + r)
+    tensor = tensor * scale
+    if hasattr(module, "local_rows"):  # column-parallel: this rank's outputs
+        start, rows = module.local_rows(tensor, part)
+        lora.b[slot, start:start + rows.shape[0], cols] = rows
+    else:
+        lora.b[slot, :, cols] = tensor
