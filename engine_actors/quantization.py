@@ -83,6 +83,10 @@ def _compressed_tensors(config: dict) -> tuple[int, int] | None:
         raise ValueError("compressed-tensors checkpoint without config_groups")
     blocks = set()
     for group in groups:
+        stored = group.get("format") or config.get("format")
+        if stored not in (None, "float-quantized", "naive-quantized"):
+            raise ValueError(f"compressed-tensors format {stored!r} is not supported; served: "
+                             "float-quantized (FP8 weights stored as FP8)")
         weights, inputs = group.get("weights") or {}, group.get("input_activations")
         if (weights.get("num_bits"), weights.get("type")) != (8, "float") or \
                 not weights.get("symmetric", True) or \
@@ -94,6 +98,9 @@ def _compressed_tensors(config: dict) -> tuple[int, int] | None:
         if strategy not in ("tensor", "channel", "block"):
             raise ValueError(f"compressed-tensors FP8 weights by {strategy!r} are not "
                              "supported; served: tensor, channel, block")
+        if group.get("targets") != ["Linear"]:
+            raise ValueError(f"compressed-tensors groups targeting {group.get('targets')} are "
+                             "not supported; served: every Linear layer (targets [\"Linear\"])")
         blocks.add(tuple(weights["block_structure"]) if strategy == "block" else None)
     if len(blocks) > 1:
         raise ValueError("compressed-tensors groups with different weight blocks are not "
@@ -108,9 +115,9 @@ def check_device(fmt: Fp8Format | None, device: torch.device) -> None:
     if torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("FP8 weights need a GPU of compute capability 8.9 or later")
     width = fmt.group
-    if width < 32 or width & (width - 1):
+    if width < 32 or width > 256 or width & (width - 1):
         raise ValueError(f"FP8 weight blocks {width} columns wide are not supported on the "
-                         "GPU (a power of two of at least 32)")
+                         "GPU (a power of two from 32 to 256)")
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,19 +6,21 @@ picks one of three paths on the GPU:
 - per-channel scales, up to WEIGHT_ONLY_MAX_TOKENS tokens (small decode steps), or
   activations other than bf16: `weight_only_matmul`, where x stays in its dtype and each
   e4m3 weight tile is widened (times its scales) as it loads;
-- per-channel scales, more tokens: the activations quantized per token (`quantize_rows`)
-  and cuBLASLt's FP8 matmul (torch._scaled_mm);
-- 128 x 128 blocks, more than TRITON_BLOCKS_MAX_TOKENS tokens: the activations quantized
-  per token and 128 columns (`quantize_groups`) and cuBLASLt's blockwise-scaled FP8 matmul
-  (F.scaled_mm, torch 2.9+);
-- other blocks, fewer tokens, or torch without it: `fp8_matmul`, this file's W8A8 kernel:
-  each group's partial product scaled by its rows' and its weight block's scales as it
-  is added.
+- per-channel scales, more tokens, on Hopper: the activations quantized per token
+  (`quantize_rows`) and cuBLASLt's FP8 matmul (torch._scaled_mm);
+- 128 x 128 blocks, more than TRITON_BLOCKS_MAX_TOKENS tokens, on Hopper: the activations
+  quantized per token and 128 columns (`quantize_groups`) and cuBLASLt's blockwise-scaled
+  FP8 matmul (F.scaled_mm, torch 2.9+);
+- the rest (other blocks, fewer tokens, other GPUs, torch without it): `fp8_matmul`, this
+  file's W8A8 kernel: each group's partial product scaled by its rows' activation scales
+  and, for blocks, by its weight block's scale as it is added.
 BENCHMARKS.md (2026-11-28) has the measurements behind the thresholds; none of the small-M
 paths reaches the e4m3 weights' bandwidth floor.
 An activation's scale is its group's absolute maximum over 448, e4m3's largest value.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -247,16 +249,18 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     flat = flat if flat.stride(-1) == 1 else flat.contiguous()
     m, (n, k) = flat.shape[0], w.shape
     out = None if out is None else out.view(-1, n)
-    bf16 = x.dtype == torch.bfloat16
-    if block is None and (m <= WEIGHT_ONLY_MAX_TOKENS or not (bf16 and _cublas_rows(n, k))):
+    cublas = x.dtype == torch.bfloat16 and _hopper(x.device.index)
+    if block is None and (m <= WEIGHT_ONLY_MAX_TOKENS or x.dtype != torch.bfloat16):
         return weight_only_matmul(flat, w, scales, block, bias, out).view(*x.shape[:-1], n)
-    if block is not None and m <= WEIGHT_ONLY_MAX_TOKENS and block[1] % 16:
-        return weight_only_matmul(flat, w, scales, block, bias, out).view(*x.shape[:-1], n)
+    if block is None and not (cublas and n % 16 == 0 and k % 16 == 0):
+        q, q_scales = quantize_groups(flat, GROUP)  # (per-channel weight scales)
+        y = fp8_matmul(q, q_scales, w, scales, None, x.dtype, bias, GROUP, out)
+        return y.view(*x.shape[:-1], n)
     if block is None:  # per-token activations on cuBLASLt's FP8 matmul (bf16 out)
         q, q_scales = quantize_rows(flat)
         y = torch._scaled_mm(q, w.t(), scale_a=q_scales, scale_b=scales[None, :],
                              out_dtype=x.dtype)
-    elif bf16 and m > TRITON_BLOCKS_MAX_TOKENS and _cublas_blocks(block, n, k):
+    elif cublas and m > TRITON_BLOCKS_MAX_TOKENS and _cublas_blocks(block, n, k):
         # 1 x 128 activation blocks, 128 x 128 weight blocks
         q, q_scales = quantize_groups(flat, block[1], columns_first=True)
         y = F.scaled_mm(q, w.t(), scale_a=q_scales, scale_recipe_a=ScalingType.BlockWise1x128,
@@ -270,11 +274,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     return (y if out is None else out.copy_(y)).view(*x.shape[:-1], n)
 
 
-def _cublas_rows(n: int, k: int) -> bool:
-    return n % 16 == 0 and k % 16 == 0
+@functools.cache
+def _hopper(device: int | None) -> bool:
+    """cuBLASLt's FP8 paths were measured and tested on H100 and H200 only."""
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _cublas_blocks(block: tuple[int, int], n: int, k: int) -> bool:
-    """cuBLASLt's blockwise-scaled FP8 matmul (torch 2.9+ with CUDA 12.9+) takes 128 x 128
-    weight blocks of whole tiles."""
-    return ScalingType is not None and block == (128, 128) and n % 128 == 0 and k % 128 == 0
+    """cuBLASLt's blockwise-scaled FP8 matmul (torch 2.9+ with CUDA 12.9+, on Hopper) takes
+    128 x 128 weight blocks of whole tiles, their scales in columns of a multiple of 4."""
+    return ScalingType is not None and block == (128, 128) and n % 128 == 0 \
+        and k % 512 == 0

@@ -203,6 +203,9 @@ def test_blocks_that_straddle_shards_are_refused(tmp_path):
     (ct_config("group"), {}, "FP8 weights by 'group' are not supported"),
     (ct_config("channel") | {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, {},
      "quantized KV cache"),
+    (ct_config("channel") | {"config_groups": {"g": {
+        **ct_config("channel")["config_groups"]["group_0"], "targets": ["Embedding"]}}}, {},
+     r"groups targeting \['Embedding'\] are not supported"),
     (FORMATS["fp8-blocks"][0], {"enable_finetuning": True}, "enable_finetuning with FP8"),
 ])
 def test_unserved_quantizations_are_refused_at_start(base, tmp_path, quantization_config,
@@ -213,6 +216,33 @@ def test_unserved_quantizations_are_refused_at_start(base, tmp_path, quantizatio
         {**cfg, "quantization_config": quantization_config}))
     with pytest.raises(ValueError, match=message):
         model_info(EngineConfig(model=str(tmp_path), **args))
+
+
+def test_fp8_weights_stored_in_another_dtype_are_refused(base, tmp_path):
+    """A config that says FP8 over weights that are not (llm-compressor's fake-quantized
+    "dense" save, or a float-quantized config over bf16 tensors): refused, not cast."""
+    write_fp8_checkpoint(base, tmp_path / "fp8", tmp_path / "ref",
+                         FORMATS["compressed-tensors-channel"])
+    tensors = load_file(f"{tmp_path}/ref/model.safetensors")  # (dequantized weights)
+    tensors.update({k: v for k, v in load_file(f"{tmp_path}/fp8/model.safetensors").items()
+                    if k.endswith("weight_scale")})
+    save_file(tensors, f"{tmp_path}/fp8/model.safetensors")
+    with pytest.raises(ValueError, match="weight is stored as torch.float32, not float8"):
+        engine(tmp_path / "fp8")
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    cfg["quantization_config"]["format"] = "dense"
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="compressed-tensors format 'dense' is not supported"):
+        model_info(EngineConfig(model=str(tmp_path / "fp8")))
+
+
+def test_a_quantized_embedding_or_lm_head_is_refused():
+    from engine_actors.layers.embedding import ParallelLMHead
+    head = ParallelLMHead(10, 4)
+    with pytest.raises(ValueError, match="quantized embedding or LM head"):
+        head.load("weight", torch.randn(10, 4).to(E4M3))
+    with pytest.raises(ValueError, match="quantized embedding or LM head"):
+        head.load("weight_scale", torch.ones(10, 1))
 
 
 def test_fp8_mixture_of_experts_is_refused(tmp_path):

@@ -30,6 +30,9 @@ class VocabParallelEmbedding(nn.Module):
         return self.parallel.all_reduce(out)  # exactly one rank contributes each row
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if name != "weight" or tensor.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"a quantized embedding or LM head ({name}, {tensor.dtype}) is "
+                             "not supported")
         if tensor.shape[0] != self.vocab_size or tensor.shape[1] != self.weight.shape[1]:
             raise ValueError(f"shape mismatch: vocab {self.vocab_size} x {self.weight.shape[1]} "
                              f"vs checkpoint {tuple(tensor.shape)}")

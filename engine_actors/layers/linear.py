@@ -61,6 +61,15 @@ class Linear(nn.Module):
         """A checkpoint's per-channel or per-tensor scale as one scale per output row."""
         return tensor.reshape(-1).expand(rows) if tensor.numel() == 1 else tensor.reshape(rows)
 
+    def check_stored(self, name: str, tensor: torch.Tensor) -> None:
+        """An FP8 checkpoint's weights must be stored in e4m3 (not, say, fake-quantized bf16
+        with the scales beside them, which would be cast here and scaled twice)."""
+        if name == "weight" and self.fp8 is not None and not self.fp8.online \
+                and tensor.dtype != FP8:
+            raise ValueError(f"an FP8 checkpoint's weight is stored as {tensor.dtype}, not "
+                             "float8_e4m3fn (compressed-tensors' format must be "
+                             "float-quantized)")
+
     def check_blocks(self, starts_and_sizes, what: str) -> None:
         """Shards of a block-scaled weight must start and end on block boundaries."""
         for start, size, unit, last in starts_and_sizes:
@@ -106,6 +115,7 @@ class ColumnParallelLinear(Linear):
                 tensor.narrow(0, self.first_row(part), self.part_sizes[part]))
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        self.check_stored(name, tensor)
         part = shard or 0
         size = self.part_sizes[part]
         if name == "weight_scale" and self.fp8.block is not None:  # rows of blocks
@@ -147,6 +157,7 @@ class RowParallelLinear(Linear):
         return tensor.narrow(1, self.in_start, self.weight.shape[1])
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        self.check_stored(name, tensor)
         if name == "bias":
             copy_checked(self.bias.data, tensor)
         elif name == "weight_scale" and self.fp8.block is not None:  # columns of blocks
