@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import random
 import types
 
@@ -156,6 +157,47 @@ def test_an_adapter_of_phi3s_fused_projections_matches_transformers_peft(targets
     save_random_checkpoint(base, "phi3", seed=4, num_key_value_heads=1)
     save_adapter(base, adapter, 8, 16, targets, seed=6)
     check_against_peft(base, adapter)
+
+
+def test_phi3s_fused_adapter_shards_over_two_ranks(tmp_path):
+    """Each of two tensor-parallel ranks holds its heads' rows of every part's B (the fused
+    B split by part, then sharded) and its columns of o/down's A: the ranks' low-rank
+    updates, put together, are the one worker's (GQA with one KV head: replicated)."""
+    from engine_actors.checkpoint import save_random_checkpoint
+    from engine_actors.layers.lora import load_adapter
+    from engine_actors.model_runner import ModelRunner
+    from engine_actors.parallel import ParallelGroup
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "fused")
+    save_random_checkpoint(base, "phi3", seed=4, num_key_value_heads=1)
+    save_adapter(base, adapter, 8, 16, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                 seed=6)
+    data = (pathlib.Path(adapter) / "adapter_model.safetensors").read_bytes()
+    layers = []
+    for parallel in [None, ParallelGroup(0, 2, 0, 1), ParallelGroup(1, 2, 0, 1)]:
+        runner = ModelRunner(base, "cpu", torch.float32, 256, 16, 4, 0, lora=(2, 8),
+                             **({"parallel": parallel} if parallel else {}))
+        load_adapter(runner.model, 1, data, 2.0)
+        layers.append(runner.model.layers["1"])
+
+    def update(module, x):  # slot 1's low-rank update of x
+        return x @ module.lora.a[1].T @ module.lora.b[1].T
+    x = torch.randn(3, 64)
+    for path in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+        whole, *ranks = (layer.get_submodule(path) for layer in layers)
+        want = update(whole, x).split(whole.part_sizes, -1)
+        got = [update(m, x).split(m.part_sizes, -1) for m in ranks]
+        for p, expected in enumerate(want):
+            if got[0][p].shape == expected.shape:  # (a replicated KV head: on both ranks)
+                for rank in got:
+                    torch.testing.assert_close(rank[p], expected)
+            else:
+                torch.testing.assert_close(torch.cat([rank[p] for rank in got], -1), expected)
+    for path, width in (("self_attn.o_proj", 64), ("mlp.down_proj", 176)):
+        whole, *ranks = (layer.get_submodule(path) for layer in layers)
+        y = torch.randn(3, width)
+        halves = [y[:, :width // 2], y[:, width // 2:]]
+        torch.testing.assert_close(sum(update(m, h) for m, h in zip(ranks, halves)),
+                                   update(whole, y))
 
 
 def test_an_adapter_of_projections_the_model_lacks_is_refused(models, tmp_path):
