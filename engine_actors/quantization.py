@@ -120,7 +120,7 @@ def check_device(fmt: Fp8Format | None, device: torch.device) -> None:
                          "GPU (a power of two from 32 to 256)")
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3 [N, K], fp32 scales [N]): each row's absolute maximum maps to 448."""
     scales = w.abs().amax(dim=1).float().clamp(min=1e-12) / FP8_MAX
     return (w.float() / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales

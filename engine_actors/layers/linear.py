@@ -17,7 +17,7 @@ from torch import nn
 
 from engine_actors.layers.lora import LoRAWeights, add_lora
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
-from engine_actors.quantization import building_format, quantize_rows
+from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import FP8, fp8_linear
 
 
@@ -128,7 +128,7 @@ class ColumnParallelLinear(Linear):
         else:
             start, src = self.local_rows(tensor, part)
         if name == "weight" and self.fp8 is not None and self.fp8.online:
-            src, scales = quantize_rows(src)
+            src, scales = quantize_weight_rows(src)
             self.weight_scale.data.narrow(0, start, size).copy_(scales)
         copy_checked(getattr(self, name).data.narrow(0, start, size), src)
 
@@ -167,7 +167,7 @@ class RowParallelLinear(Linear):
         elif name == "weight_scale":  # (one per output row: every rank's)
             copy_checked(self.weight_scale.data, self.scale_rows(tensor, self.weight.shape[0]))
         elif self.fp8 is not None and self.fp8.online:
-            weight, scales = quantize_rows(self.local_columns(tensor))
+            weight, scales = quantize_weight_rows(self.local_columns(tensor))
             copy_checked(self.weight.data, weight)
             self.weight_scale.data.copy_(scales)
         else:
