@@ -48,12 +48,19 @@ class Choice:
         self.stop_token_ids = stop_token_ids  # stop tokens and EOS: their text is not output
         self.prompt_logprobs = None  # deployments.logprobs.PromptLogprobs, when asked
         self.role = "assistant"  # of a chat answer (add_generation_prompt: false, as vLLM)
+        self.echo_only = False  # a completion's echo with max_tokens 0: no generated token
 
     def consume(self, update: RequestUpdate,
                 arrivals: list[tuple[float, int]] | None = None) -> str:
         """Apply one update; returns the new text. `arrivals`: when its tokens reached this
         replica, (time, count) pairs, if it merges several updates (RequestGroup)."""
         is_final = update.finish_reason is not None
+        if self.echo_only:  # the one token computed is not part of the answer
+            update = RequestUpdate([], "length" if update.finish_reason in ("length", "stop")
+                                   else update.finish_reason, update.num_prompt_tokens,
+                                   0, update.error, None, update.prompt_logprobs,
+                                   update.num_cached_tokens)
+            arrivals = None
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         if update.error and update.finish_reason != "deadline":
             self.error = update.error
@@ -179,6 +186,8 @@ def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: E
     if chat:
         choice.role = req.response_role()
         choice.shows_reasoning = req.include_reasoning
+    else:
+        choice.echo_only = req.echo_only
     return choice
 
 

@@ -15,7 +15,9 @@ class CompletionRequest(SamplingFields):
     UNFOLLOWED: ClassVar[dict[str, object]] = {**SamplingFields.UNFOLLOWED, **CHAT_ONLY}
     prompt: Prompt
     NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # (as vLLM's)
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # null: as chat's unset max_tokens
+    # null: as chat's unset max_tokens; 0 with echo: the prompt alone (OpenAI's legacy
+    # scoring call, as lm-eval's loglikelihood sends it)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False
     # per generated token (and prompt token, with echo): its logprob and k alternatives
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -23,8 +25,22 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's own (a BOS) around text prompts
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt "
+                           "alone)", "max_tokens", "invalid_value")
+        if self.echo_only and self.min_tokens:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) exceeds max_tokens (0)",
+                           "min_tokens", "invalid_value")
+        if self.echo_only and self.use_beam_search:
+            raise APIError(400, "max_tokens 0 (echo only) cannot be combined with "
+                           "use_beam_search", "max_tokens", "invalid_value")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix",
                            "unsupported_parameter")

@@ -56,8 +56,9 @@ class OpenAIRoutes:
             ids = await self.frontend.prompt_ids(prompts, info, ["prompt"] * len(prompts),
                                                  req.add_special_tokens)
             prompts = [(p if isinstance(p, str) else None, i) for p, i in zip(prompts, ids)]
-            return await self._generate(req, prompts, req.max_tokens, info, False, arrival,
-                                        grammar_for(req))
+            # echo only: one token is computed with the prompt's logprobs and dropped (vLLM's)
+            return await self._generate(req, prompts, 1 if req.echo_only else req.max_tokens,
+                                        info, False, arrival, grammar_for(req))
         except APIError as e:
             return e.response()
 

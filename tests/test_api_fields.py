@@ -44,6 +44,37 @@ def test_completion_logprobs_with_echo_equal_transformers(client):
         model=MODEL, prompt=prompt, max_tokens=1, echo=True, temperature=0).choices[0].text[:5])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, url):
+    """OpenAI's legacy scoring call (lm-eval's loglikelihood over completions sends it): echo
+    with max_tokens 0 returns the prompt's text and its tokens' logprobs, nothing generated;
+    streamed the same. Without echo, max_tokens 0 is a 400."""
+    from engine_actors.checkpoint import load_tokenizer, resolve_model_path
+    prompt = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114]
+    text = load_tokenizer(resolve_model_path(MODEL)).decode(prompt)
+    ref = hf_logprobs(prompt)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2,
+                  temperature=0)
+    res = client.completions.create(**kwargs)
+    choice, lps = res.choices[0], res.choices[0].logprobs
+    assert choice.text == text and choice.finish_reason == "length"
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(prompt), 0)
+    assert len(lps.tokens) == len(lps.token_logprobs) == len(prompt)
+    assert lps.token_logprobs[0] is None
+    for t in range(1, len(prompt)):
+        assert lps.token_logprobs[t] == pytest.approx(ref[t - 1, prompt[t]].item(), abs=1e-4)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lps.token_logprobs
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    for body, param in [({"max_tokens": 0}, "max_tokens"),
+                        ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens")]:
+        r = httpx.post(f"{url}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hi", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_logprobs_zero_returns_the_sampled_tokens_logprob(client):
     res = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0,
                                     logprobs=0, extra_body=NO_EOS)
