@@ -170,18 +170,24 @@ def seeded_workload(n=8):
             for i in range(n)]
 
 
-def test_tp_pp_outputs_equal_a_single_worker(ray_cluster, checkpoint):
-    """Greedy, and seeded sampling with penalties: every split gives one worker's tokens."""
+@pytest.fixture(scope="module")
+def one_worker(checkpoint):
+    """(requests, one worker's tokens by request id): greedy, and seeded sampling with
+    penalties."""
     requests = workload() + seeded_workload()
-    results = {}
-    results[(1, 1)] = single_worker(checkpoint, requests)
-    for tp, pp in [(2, 1), (1, 2), (2, 2)]:
+    return requests, single_worker(checkpoint, requests)
+
+
+def test_tp_pp_outputs_equal_a_single_worker(ray_cluster, checkpoint, one_worker):
+    """Every split gives one worker's tokens (T=2 x P=2: the LoRA test below, whose engine
+    serves these requests too)."""
+    requests, expected = one_worker
+    assert all(len(expected[rid]) == s.max_tokens > 0 for rid, _, s in requests)
+    for tp, pp in [(2, 1), (1, 2)]:
         actor = start_engine(checkpoint, tp, pp)
-        results[(tp, pp)] = asyncio.run(run_in_waves(actor, requests))
+        outputs = asyncio.run(run_in_waves(actor, requests))
         stop_engine(actor)
-    assert all(len(results[(1, 1)][rid]) == s.max_tokens > 0 for rid, _, s in requests)
-    for key, outputs in results.items():
-        assert outputs == results[(1, 1)], key
+        assert outputs == expected, (tp, pp)
 
 
 def test_worker_death_fails_in_flight_requests_and_recovers(ray_cluster):
@@ -293,22 +299,27 @@ def test_tp_that_cannot_split_the_kv_heads_is_refused_at_start(tmp_path):
 
 
 def test_lora_adapters_sharded_over_tp_and_pp_equal_transformers_peft(ray_cluster, checkpoint,
-                                                                      tmp_path):
+                                                                      tmp_path, one_worker):
     """Two tensor-parallel ranks per stage shard A and B with their layer, two stages hold
-    their layers' adapters: the tokens of each adapter (and the base model) equal peft's."""
+    their layers' adapters: the tokens of each adapter (and the base model) equal peft's.
+    Among them, the base model's requests of test_tp_pp_outputs_equal_a_single_worker give
+    one worker's tokens."""
     pytest.importorskip("peft")
     from tests.test_lora import peft_greedy, save_adapter
     paths = {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
     save_adapter(checkpoint, paths["a"], 4, 8, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
     save_adapter(checkpoint, paths["b"], 8, 8, ["gate_proj", "up_proj", "down_proj", "v_proj"],
                  seed=2)
-    requests = [(rid, prompt, sampling, [None, "a", "b"][i % 3])
+    requests = [(f"lora-{rid}", prompt, sampling, [None, "a", "b"][i % 3])
                 for i, (rid, prompt, sampling) in enumerate(workload(seed=6, n=12))]
+    base, expected = one_worker
+    mixed = [r for pair in zip(requests, base) for r in pair] + base[len(requests):]
     actor = start_engine(checkpoint, 2, 2, lora_modules=paths, max_lora_rank=8)
     try:
-        outputs = asyncio.run(run_in_waves(actor, requests))
+        outputs = asyncio.run(run_in_waves(actor, mixed))
     finally:
         stop_engine(actor)
+    assert {rid: outputs[rid] for rid in expected} == expected
     for rid, prompt, sampling, adapter in requests:
         expected = peft_greedy(checkpoint, paths.get(adapter), prompt, sampling.max_tokens)
         assert outputs[rid] == expected, (rid, adapter)

@@ -5,6 +5,7 @@ and with a pool so small that requests are preempted and recomputed; and the req
 fields that carry it (chat's thinking_token_budget, the Messages API's thinking)."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import random
 
@@ -135,14 +136,16 @@ def test_the_budget_reaches_the_engine_from_both_routes(url, model_dir, tokenize
     assert message["reasoning"] == tokenizer.decode(expected[:6]).strip("\n"), r.text
     assert message["content"] == tokenizer.decode(expected[7:]).lstrip("\n")
     long = {**body, "max_tokens": 1030, "logit_bias": {str(end): -100}}
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        **long, "thinking_token_budget": 1024, "return_token_ids": True})
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # (batched: half the time)
+        chat_call = pool.submit(httpx.post, f"{url}/v1/chat/completions", timeout=120, json={
+            **long, "thinking_token_budget": 1024, "return_token_ids": True})
+        messages_call = pool.submit(httpx.post, f"{url}/v1/messages", timeout=120, json={
+            **long, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        r, m = chat_call.result(), messages_call.result()
     chat = r.json()["choices"][0]
     ids = chat["token_ids"]  # (transformers' tokens at a budget: the engine test above)
     assert len(ids) == 1030 and end not in ids[:1024] and ids[1024] == end, r.text
-    r = httpx.post(f"{url}/v1/messages", timeout=120, json={
-        **long, "thinking": {"type": "enabled", "budget_tokens": 1024}})
-    content = r.json()["content"]
-    assert [b["type"] for b in content] == ["thinking", "text"], r.text
+    content = m.json()["content"]
+    assert [b["type"] for b in content] == ["thinking", "text"], m.text
     assert (content[0]["thinking"], content[1]["text"]) == \
         (chat["message"]["reasoning"], chat["message"]["content"])
