@@ -87,6 +87,20 @@ def quantize_groups(x: torch.Tensor, group: int = GROUP, columns_first: bool = F
 
 
 @triton.jit
+def _epilogue(acc, c_ptr, scale_ptr, bias_ptr, rm, rn, M, N, ROW_SCALES: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """Both matmul kernels' end: per-channel weight scales and the bias applied to the fp32
+    tile, stored in c's dtype."""
+    mask_m, mask_n = rm < M, rn < N
+    if ROW_SCALES:
+        acc = acc * tl.load(scale_ptr + rn, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _matmul_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr, M, N, K, num_groups,
                    stride_asm, stride_asg, stride_bs, SCALE_ROWS: tl.constexpr, PER_BLOCK: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -110,12 +124,7 @@ def _matmul_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, bias_ptr, M, N, K, num
         acc += part
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if not PER_BLOCK:
-        acc = acc * tl.load(b_s_ptr + rn, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _epilogue(acc, c_ptr, b_s_ptr, bias_ptr, rm, rn, M, N, not PER_BLOCK, HAS_BIAS)
 
 
 def fp8_matmul(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
@@ -163,12 +172,7 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, stride_x,
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if not PER_BLOCK:
-        acc = acc * tl.load(s_ptr + rn, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _epilogue(acc, c_ptr, s_ptr, bias_ptr, rm, rn, M, N, not PER_BLOCK, HAS_BIAS)
 
 
 def weight_only_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
