@@ -416,3 +416,21 @@ def test_tp_on_two_gpus_equals_one_gpu_in_fp32_with_either_all_reduce(ray_cluste
     for key, outputs in results.items():
         assert outputs == results[(1, 1)], key
     assert nccl[(2, 1)] == results[(1, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fp8_checkpoint_over_two_gpus_equals_one_gpu_in_fp32(ray_cluster, checkpoint,
+                                                            tmp_path):
+    """An FP8 checkpoint (compressed-tensors, a scale per output channel) over T=2 and P=2:
+    each rank holds its rows' or columns' e4m3 weights with their scales; the same greedy
+    tokens as one GPU (fp32 activations: the weight-only kernel on every rank)."""
+    from tests.test_fp8 import FORMATS, write_fp8_checkpoint
+    write_fp8_checkpoint(checkpoint, tmp_path / "fp8", tmp_path / "ref",
+                         FORMATS["compressed-tensors-channel"])
+    _, results = compare_configs(str(tmp_path / "fp8"), [(1, 1), (2, 1), (1, 2)],
+                                 device="cuda", dtype="float32")
+    _, unquantized = compare_configs(checkpoint, [(1, 1)], device="cuda", dtype="float32")
+    assert results[(1, 1)] != unquantized[(1, 1)]  # the weights are the quantized ones
+    for key, outputs in results.items():
+        assert outputs == results[(1, 1)], key
