@@ -43,7 +43,7 @@ class ResponseObject:
             "parallel_tool_calls": req.parallel_tool_calls, "text": req.echoed_text(),
             "max_tool_calls": req.max_tool_calls, "top_logprobs": req.top_logprobs or 0,
             "metadata": req.metadata or {}, "store": is_stored, "background": False,
-            "previous_response_id": req.previous_response_id, "truncation": "disabled",
+            "previous_response_id": req.previous_response_id, "truncation": req.truncation,
             "reasoning": req.reasoning.model_dump() if req.reasoning else None,
             "user": req.user}
 

@@ -40,6 +40,9 @@ class ResponsesAPI:
             chat = req.to_chat(earlier + items)
             info = await self.frontend.ready()
             ids, grammar, parser = await self.openai.chat_prompt(chat, info)
+            if req.truncation == "auto" and len(ids) >= info.max_model_len:
+                chat, (ids, grammar, parser) = await self._truncated(
+                    req, earlier + items, info) or (chat, (ids, grammar, parser))
             defaults = info.sampling_defaults or {}
             cfg = self.frontend.cfg
             response = ResponseObject(req, self.frontend.reported_model(req),
@@ -66,6 +69,30 @@ class ResponsesAPI:
                 e.message = e.message.replace(e.param, RESPONSES_PARAMS[e.param])
                 e.param = RESPONSES_PARAMS[e.param]
             return e.response()
+
+
+    async def _truncated(self, req, items: list[dict], info):
+        """truncation "auto" (OpenAI's): the conversation without as few of its first turns
+        as make the prompt fit the context, (chat request, chat_prompt's result); None if
+        its last turn alone does not fit. A turn starts at a user message; system and
+        developer messages before the cut stay."""
+        starts = [i for i, item in enumerate(items) if i and _role(item) == "user"]
+        found, lo, hi = None, 0, len(starts) - 1
+        while lo <= hi:  # (the prompt shrinks as more turns go)
+            mid = (lo + hi) // 2
+            kept = [item for item in items[:starts[mid]]
+                    if _role(item) in ("system", "developer")] + items[starts[mid]:]
+            chat = req.to_chat(kept)
+            prompt = await self.openai.chat_prompt(chat, info)
+            if len(prompt[0]) < info.max_model_len:
+                found, hi = (chat, prompt), mid - 1
+            else:
+                lo = mid + 1
+        return found
+
+
+def _role(item: dict) -> str | None:
+    return item.get("role") if item.get("type") == "message" else None
 
 
 def _pick(value: float | None, defaults: dict, name: str) -> float:

@@ -83,6 +83,7 @@ class ResponsesRequest(SamplingOptions):
     conversation: str | dict | None = None
     background: bool = False
     prompt: Any = None  # a stored prompt template: refused
+    # auto: a conversation over the context loses its first turns (responses_api.py)
     truncation: Literal["auto", "disabled"] = "disabled"
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: list[str] | None = None
@@ -104,10 +105,6 @@ class ResponsesRequest(SamplingOptions):
         if self.prompt is not None:
             raise APIError(400, "prompt (a stored prompt template) is not supported: this "
                                 "server stores none; send the text as input", "prompt",
-                           "unsupported_parameter")
-        if self.truncation == "auto":
-            raise APIError(400, "truncation \"auto\" is not supported: an input over the "
-                                "context length is refused, never cut", "truncation",
                            "unsupported_parameter")
 
     @property

@@ -112,7 +112,6 @@ def test_input_items_become_chat_messages():
     ({"tools": ["get_weather"]}, "tools.0"),
     ({"tool_choice": ["auto"], "tools": [TOOL]}, "tool_choice"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"truncation": "auto"}, "truncation"),
     ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65),  # (OpenAI's: keys of 64 at most)
 ])
 def test_refusals_name_their_param(body, param):
@@ -306,6 +305,32 @@ def test_a_function_call_round_trip_is_served(client, tokenizer):
                                              add_generation_prompt=True, tokenize=True,
                                              return_dict=False)
     assert res.usage.input_tokens == len(expected)  # "none": rendered, as vLLM (not parsed)
+
+
+def test_truncation_auto_drops_as_few_first_turns_as_make_it_fit(client, url, tokenizer):
+    """OpenAI's truncation "auto": a conversation over the context (4,096 tokens) loses its
+    first turns, as few as make the prompt fit (here one; two would fit too), and keeps the
+    instructions; "disabled" (the default) refuses it. A last turn that alone does not fit
+    is refused either way."""
+    long = "x" * 1500
+    turns = [("user", long + "1"), ("assistant", long + "2"), ("user", long + "3"),
+             ("assistant", "ok"), ("user", "and now?")]
+    items = [{"role": role, "content": text} for role, text in turns]
+    body = {"model": MODEL, "input": items, "instructions": "Be brief.",
+            "max_output_tokens": 2, "temperature": 0}
+    refused = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    res = client.responses.create(**body, truncation="auto")
+    kept = [{"role": "system", "content": "Be brief."}] + items[2:]
+    prompt = tokenizer.apply_chat_template(kept, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    assert res.usage.input_tokens == len(prompt) and res.truncation == "auto"
+    assert res.status == "incomplete" and res.usage.output_tokens == 2
+    alone = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        **body, "input": items[:2] + [{"role": "user", "content": "y" * 5000}],
+        "truncation": "auto"})
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "input", alone.text
 
 
 @pytest.mark.parametrize("body,param", [
