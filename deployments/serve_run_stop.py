@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import tempfile
 import time
 
 import ray
@@ -34,8 +33,10 @@ def stop_serve_run(cause: str, delay_s: float = 3.0) -> None:
             return
         # once per `serve run`, whichever replica or build comes first: a second SIGTERM
         # would cut Ray's shutdown short and leave its processes (HAProxy) behind
-        marker = os.path.join(tempfile.gettempdir(), f"orca-serve-stop-{job_id}-"
-                              f"{driver.driver_pid}-{driver.start_time}")
+        # (in the Ray session's directory: it goes with the cluster's other files)
+        marker = os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(),
+                              f"orca-serve-stop-{job_id}-{driver.driver_pid}-"
+                              f"{driver.start_time}")
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
         except FileExistsError:

@@ -3,8 +3,11 @@ a bounded time; while it starts, /health says "starting". (Which checkpoints are
 with what message: tests/test_architectures.py, tests/test_checkpoint_files.py.)"""
 from __future__ import annotations
 
+import glob
+import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -26,6 +29,12 @@ def serve_run(tmp_path, **args) -> tuple[subprocess.Popen, str, list[str]]:
     return proc, f"http://127.0.0.1:{port}", stderr
 
 
+def stop_markers() -> set[str]:
+    """The files that serve_run_stop once wrote to /tmp (it writes them in Ray's session
+    directory now, which goes with the cluster)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "orca-serve-stop-*")))
+
+
 def ends_with_the_cause(proc, stderr: list[str], cause: str) -> None:
     try:
         code = proc.wait(timeout=TIME_LIMIT_S)
@@ -45,6 +54,7 @@ def test_an_unplaceable_placement_group_ends_make_serve_with_the_cause_as_its_la
     """`make serve` runs serve run through deployments.launch: serve run ends non-zero, its
     stderr (relayed) says why, and the launcher prints the cause last; while the engine
     starts, /health says "starting"."""
+    markers = stop_markers()
     # 2 x 2 workers of one CPU each: more than this 2-CPU machine (and CI's) has
     config_file, port = write_config(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2,
                                      num_cpus_per_worker=1, placement_timeout_s=8)
@@ -69,14 +79,17 @@ def test_an_unplaceable_placement_group_ends_make_serve_with_the_cause_as_its_la
     last = "".join(stderr).strip().splitlines()[-1]
     assert last.startswith("orca-serve: the engine failed to start: "), last
     assert "was not placed within placement_timeout_s=8" in last, last
+    assert stop_markers() == markers  # nothing left in /tmp
 
 
 def test_an_unknown_arg_ends_serve_run_with_the_cause(tmp_path):
     """Serve builds the application in a task; its ConfigError used to leave `serve run`
     running forever (Serve only logs a failed build)."""
+    markers = stop_markers()
     proc, _, stderr = serve_run(tmp_path, max_model_length=1024)
     ends_with_the_cause(proc, stderr, "ConfigError: unknown application args "
                                       "['max_model_length']")
+    assert stop_markers() == markers  # nothing left in /tmp
 
 
 def test_a_missing_model_is_named_as_the_cause():
