@@ -104,8 +104,8 @@ class Choice:
         return delta
 
     def _add_logprobs(self, update: RequestUpdate) -> None:
-        if self.echo is not None and not self.logprobs.chat and (update.prompt_logprobs
-                                                                   or update.token_ids):
+        if self.echo is not None and not self.logprobs.chat and (
+                update.prompt_logprobs or update.token_ids or self.echo_only):
             if self.num_prompt_entries == 0:  # the first prompt token has none
                 self.logprobs.entries.append((self.prompt_ids[0], None))
                 self.num_prompt_entries = 1

@@ -40,7 +40,7 @@ class ResponsesAPI:
             chat = req.to_chat(earlier + items)
             info = await self.frontend.ready()
             ids, grammar, parser = await self.openai.chat_prompt(chat, info)
-            if req.truncation == "auto" and len(ids) >= info.max_model_len:
+            if req.truncation == "auto" and not fits(req, len(ids), info.max_model_len):
                 chat, (ids, grammar, parser) = await self._truncated(
                     req, earlier + items, info) or (chat, (ids, grammar, parser))
             defaults = info.sampling_defaults or {}
@@ -70,25 +70,50 @@ class ResponsesAPI:
                 e.param = RESPONSES_PARAMS[e.param]
             return e.response()
 
-
     async def _truncated(self, req, items: list[dict], info):
-        """truncation "auto" (OpenAI's): the conversation without as few of its first turns
-        as make the prompt fit the context, (chat request, chat_prompt's result); None if
-        its last turn alone does not fit. A turn starts at a user message; system and
-        developer messages before the cut stay."""
-        starts = [i for i, item in enumerate(items) if i and _role(item) == "user"]
-        found, lo, hi = None, 0, len(starts) - 1
-        while lo <= hi:  # (the prompt shrinks as more turns go)
+        """truncation "auto" (OpenAI's): the conversation without as few of its first items
+        as leave room for the prompt and max_output_tokens (at most half the context), as
+        (chat request, chat_prompt's result); None if no cut leaves enough."""
+        points = cut_points(items)
+        found, lo, hi = None, 0, len(points) - 1
+        while lo <= hi:  # (the prompt shrinks as the cut moves on)
             mid = (lo + hi) // 2
-            kept = [item for item in items[:starts[mid]]
-                    if _role(item) in ("system", "developer")] + items[starts[mid]:]
-            chat = req.to_chat(kept)
+            chat = req.to_chat(kept_items(items, points[mid]))
             prompt = await self.openai.chat_prompt(chat, info)
-            if len(prompt[0]) < info.max_model_len:
+            if fits(req, len(prompt[0]), info.max_model_len):
                 found, hi = (chat, prompt), mid - 1
             else:
                 lo = mid + 1
         return found
+
+
+def fits(req, num_prompt_tokens: int, limit: int) -> bool:
+    return num_prompt_tokens + min(req.max_output_tokens or 1, limit // 2) <= limit
+
+
+def cut_points(items: list[dict]) -> list[int]:
+    """Where a truncated conversation may start (past its first item): not at a tool
+    output, and with every tool output after the cut answering a call after it."""
+    points, unanswered = [], set()
+    for i in range(len(items) - 1, 0, -1):
+        kind = items[i].get("type")
+        if kind == "function_call_output":
+            unanswered.add(items[i].get("call_id"))
+        elif kind == "function_call":
+            unanswered.discard(items[i].get("call_id"))
+        if not unanswered and kind != "function_call_output":
+            points.append(i)
+    return points[::-1]
+
+
+def kept_items(items: list[dict], cut: int) -> list[dict]:
+    """The items from `cut` on, after the system and developer messages before it and, when
+    the cut is not at a user message, the last user message before it (an agent's task:
+    chat templates such as Qwen3's need a user message)."""
+    before = [item for item in items[:cut] if _role(item) in ("system", "developer")]
+    if _role(items[cut]) != "user":
+        before += [item for item in items[:cut] if _role(item) == "user"][-1:]
+    return before + items[cut:]
 
 
 def _role(item: dict) -> str | None:

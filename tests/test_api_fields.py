@@ -68,8 +68,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, url):
                 for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == lps.token_logprobs
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    one = client.completions.create(**{**kwargs, "prompt": [72]})  # (no prompt logprobs)
+    assert one.choices[0].logprobs.token_logprobs == [None] and one.choices[0].text == "H"
     for body, param in [({"max_tokens": 0}, "max_tokens"),
-                        ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens")]:
+                        ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+                        ({"max_tokens": 0, "echo": True, "use_beam_search": True},
+                         "max_tokens")]:
         r = httpx.post(f"{url}/v1/completions", timeout=30,
                        json={"model": MODEL, "prompt": "hi", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

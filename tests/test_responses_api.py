@@ -333,6 +333,33 @@ def test_truncation_auto_drops_as_few_first_turns_as_make_it_fit(client, url, to
     assert alone.status_code == 400 and alone.json()["error"]["param"] == "input", alone.text
 
 
+def test_truncation_auto_keeps_an_agents_task_and_its_latest_calls(url):
+    """An agent loop (one task, then calls and their outputs) over the context loses its
+    oldest calls with their outputs, as few as fit (here two), never a call without its
+    output; the developer message and the task stay: the prompt is the one the explicitly
+    shortened input gives."""
+    def group(k):
+        return [{"type": "function_call", "call_id": f"call_{k}", "name": "get_weather",
+                 "arguments": "{\"city\": \"Oslo\"}"},
+                {"type": "function_call_output", "call_id": f"call_{k}", "output": "z" * 800}]
+    head = [{"role": "developer", "content": "Use the tools."},
+            {"role": "user", "content": "Plan a trip."}]
+    groups = [item for k in range(5) for item in group(k)]  # (~1,040 tokens each)
+    body = {"model": MODEL, "tools": [TOOL], "tool_choice": "none", "max_output_tokens": 2,
+            "temperature": 0}
+
+    def input_tokens(items, **extra):
+        r = httpx.post(f"{url}/v1/responses", timeout=60, json={**body, "input": items, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+    for dropped in (0, 1):  # whole, or without its first call: over the context
+        assert httpx.post(f"{url}/v1/responses", timeout=60, json={
+            **body, "input": head + groups[2 * dropped:]}).status_code == 400
+    shortened = input_tokens(head + groups[4:])
+    assert input_tokens(head + groups, truncation="auto") == shortened
+    assert input_tokens(head + groups[8:]) < shortened  # (more would have fit)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
