@@ -227,7 +227,7 @@ def _bench_worker_class():
 
 
 def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int,
-                        nccl_only: bool = False) -> dict:
+                        nccl_only: bool = False, quantization: str | None = None) -> dict:
     import os
 
     import ray
@@ -240,7 +240,8 @@ def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int,
     ray.init(include_dashboard=False)
     cfg = EngineConfig.from_args(dict(model=model, device="cuda", tensor_parallel_size=tp,
                                       max_batch_size=graph_size(batch),
-                                      disable_custom_all_reduce=nccl_only))
+                                      disable_custom_all_reduce=nccl_only,
+                                      quantization=quantization))
     pg = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
     ray.get(pg.ready())
     cls = ray.remote(_bench_worker_class())
@@ -281,7 +282,7 @@ def main(argv=None) -> dict:
     batch, ctx = args.batch_size, args.context_len
     if args.tp > 1:
         r = run_tensor_parallel(args.model, batch, ctx, args.iters, args.tp,
-                                args.disable_custom_all_reduce)
+                                args.disable_custom_all_reduce, args.quantization)
     else:
         runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
                              graph_size(batch), 0, quantization=args.quantization)
