@@ -2,6 +2,7 @@
 probabilities, tool calls and reasoning, and its finish reason."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from deployments.logprobs import LogprobsWriter, PromptLogprobs
@@ -56,10 +57,10 @@ class Choice:
         replica, (time, count) pairs, if it merges several updates (RequestGroup)."""
         is_final = update.finish_reason is not None
         if self.echo_only:  # the one token computed is not part of the answer
-            update = RequestUpdate([], "length" if update.finish_reason in ("length", "stop")
-                                   else update.finish_reason, update.num_prompt_tokens,
-                                   0, update.error, None, update.prompt_logprobs,
-                                   update.num_cached_tokens)
+            ended = update.finish_reason in ("length", "stop")
+            update = dataclasses.replace(update, token_ids=[], num_output_tokens=0,
+                                         logprobs=None, finish_reason="length" if ended
+                                         else update.finish_reason)
             arrivals = None
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         if update.error and update.finish_reason != "deadline":

@@ -83,7 +83,7 @@ class ResponsesRequest(SamplingOptions):
     conversation: str | dict | None = None
     background: bool = False
     prompt: Any = None  # a stored prompt template: refused
-    # auto: a conversation over the context loses its first turns (responses_api.py)
+    # auto: a conversation over the context loses its first items (responses_api.py)
     truncation: Literal["auto", "disabled"] = "disabled"
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     include: list[str] | None = None
