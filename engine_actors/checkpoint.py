@@ -15,6 +15,7 @@ import torch
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
 from engine_actors.lora_files import target_shapes
 from engine_actors.model_checks import check_model, moe_layers
+from engine_actors.plain_config import config_data
 from engine_actors.request import SamplingParams
 
 # Bump when the built-in model changes so stale copies are not reused.
@@ -260,6 +261,7 @@ class ModelInfo:
     num_layers: int = 0
     lora_shapes: dict = field(default_factory=dict)  # LoRA target -> (in, out) features
     moe_layers: tuple[int, ...] = ()  # layers whose MLP (experts) takes no LoRA adapter
+    config: dict = field(default_factory=dict)  # transformers' config (plain_config.py)
 
 
 def model_info(cfg: EngineConfig) -> ModelInfo:
@@ -286,7 +288,7 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
             raise ValueError(f"{generation_config}: unusable sampling defaults: {e}") from None
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
                      hf.vocab_size, architecture(hf), defaults, hf.num_hidden_layers,
-                     target_shapes(hf), moe_layers(hf, architecture(hf)))
+                     target_shapes(hf), moe_layers(hf, architecture(hf)), config_data(hf))
 
 
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",

@@ -87,7 +87,7 @@ class EngineLoop:
             info = await asyncio.to_thread(model_info, cfg)
             await placing
             clock.lap("model config")  # what was left of it once placed
-            num_blocks = await executor.start(info.max_model_len, clock=clock)
+            num_blocks = await executor.start(info, clock=clock)
             scheduler = Scheduler.from_config(cfg, num_blocks, info.max_model_len,
                                               info.eos_token_ids)
         except BaseException:
@@ -265,7 +265,7 @@ class EngineLoop:
             name = self.executor.name
             self.executor.shutdown()
             self.executor = Executor(self.cfg, resolve_device(self.cfg), name=name)
-            await self.executor.start(self.info.max_model_len, self.scheduler.kv.num_blocks)
+            await self.executor.start(self.info, self.scheduler.kv.num_blocks)
         finally:
             self.is_recovering = False
             if self.finetuning is not None:

@@ -16,7 +16,7 @@ from ray.util.placement_group import (placement_group, placement_group_table,
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine_actors.checkpoint import resolve_model_path
+from engine_actors.checkpoint import ModelInfo, resolve_model_path
 from engine_actors.config import EngineConfig
 from engine_actors.messages import StepInput
 from engine_actors.prefetch import prefetch
@@ -112,9 +112,10 @@ class Executor:
         if self._places_a_worker_here():
             prefetch(resolve_model_path(self.cfg.model), self._stop_prefetch)
 
-    async def start(self, max_model_len: int, num_blocks: int | None = None,
+    async def start(self, info: ModelInfo, num_blocks: int | None = None,
                     clock: PhaseClock | None = None) -> int:
-        """Wait for the workers to load the model; size and allocate the KV pool.
+        """Wait for the workers to load the model (`info`: its length and config); size and
+        allocate the KV pool.
 
         Returns the number of KV blocks: `num_blocks` if given (a replacement group must
         match the scheduler's bookkeeping), else the smallest any worker can hold. `clock`
@@ -125,7 +126,8 @@ class Executor:
         await asyncio.gather(*[w.__ray_ready__.remote() for w in self.workers])
         clock.lap("workers")
         address = await self.workers[0].address.remote() if len(self.workers) > 1 else ""
-        await asyncio.gather(*[w.setup.remote(max_model_len, address) for w in self.workers])
+        await asyncio.gather(*[w.setup.remote(info.max_model_len, address, info.config)
+                               for w in self.workers])
         clock.lap("weights")
         if num_blocks is None:
             num_blocks = min(await asyncio.gather(*[w.num_kv_blocks.remote()

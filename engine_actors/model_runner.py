@@ -28,6 +28,7 @@ from engine_actors.messages import StepInput, StepResult
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
+from engine_actors.plain_config import config_data, plain_config
 from engine_actors.pooling import embed, embeddings_result, read_pooling
 from engine_actors.quantization import check_device, fp8_weights, loaded_dtype, read_format
 from engine_actors.sampler import Sampler
@@ -52,18 +53,21 @@ class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: torch.dtype, max_model_len: int,
                  block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True,
                  parallel: ParallelGroup = SINGLE, lora: tuple[int, int] | None = None,
-                 pooling: bool = False, quantization: str | None = None):
+                 pooling: bool = False, quantization: str | None = None,
+                 config: dict | None = None):
         """lora: (slots, max rank) to serve LoRA adapters; None: the base model only.
         pooling: each sampling row's embedding instead of a token (runner "pooling").
         quantization: "fp8" to quantize an unquantized checkpoint's projections as they load
-        (an FP8 checkpoint's own format is read from its config either way)."""
+        (an FP8 checkpoint's own format is read from its config either way).
+        config: the checkpoint's config as plain data (ModelInfo.config); read from the
+        checkpoint if not given."""
         self.device = torch.device(device)
         self.parallel = parallel
         self.dtype = dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.hf_config = load_hf_config(model_path)
+        self.hf_config = plain_config(config or config_data(load_hf_config(model_path)))
         self.fp8 = read_format(self.hf_config, quantization)
         self.model = self._load_model(model_path)
         self.row_lora = None  # host: each table row's adapter slot (-1: the base model)

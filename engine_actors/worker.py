@@ -59,9 +59,9 @@ class Worker:
         """host:port for the process group's rendezvous (asked of rank 0)."""
         return free_address()
 
-    def setup(self, max_model_len: int, address: str = "") -> None:
+    def setup(self, max_model_len: int, address: str = "", config: dict | None = None) -> None:
         """Join the process group (all workers at once; a single worker has none), then load
-        this shard of the model. The one set-up path of every worker."""
+        this shard of the model (`config`: ModelInfo.config). Every worker's one set-up."""
         cfg = self.cfg
         self.max_model_len = max_model_len
         parallel = init_parallel(address, self.rank, cfg.tensor_parallel_size,
@@ -74,7 +74,7 @@ class Worker:
                                   cfg.block_size, cfg.max_num_seqs, cfg.seed,
                                   cfg.uses_cuda_graphs, parallel, (cfg.max_loras, cfg.max_lora_rank)
                                   if cfg.lora_enabled else None, cfg.runner == "pooling",
-                                  cfg.quantization)
+                                  cfg.quantization, config)
         self.runner.allocate_stage_buffers(max(cfg.max_num_batched_tokens, cfg.max_batch_size),
                                            cfg.max_steps_in_flight, cfg.async_scheduling)
 

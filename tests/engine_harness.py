@@ -21,7 +21,7 @@ class InProcessEngine:
         self.cfg = EngineConfig.from_args(args)
         info = model_info(self.cfg)
         self.worker = Worker(self.cfg, device)
-        self.worker.setup(info.max_model_len)
+        self.worker.setup(info.max_model_len, config=info.config)  # as the executor sends it
         num_blocks = self.worker.num_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
         self.scheduler = Scheduler.from_config(self.cfg, num_blocks, info.max_model_len,

@@ -5,6 +5,7 @@ import torch
 
 from engine_actors.checkpoint import tiny_llama_config
 from engine_actors.layers.rotary import inverse_frequencies
+from engine_actors.plain_config import config_data, plain_config
 
 ROPES = {
     "default": None,
@@ -25,10 +26,11 @@ def test_inverse_frequencies_equal_transformers(rope, head_dim):
     if head_dim:
         overrides["head_dim"] = head_dim
     cfg = tiny_llama_config(**overrides)
-    inv_freq, scale = inverse_frequencies(cfg)
     hf = LlamaRotaryEmbedding(cfg)
-    assert torch.equal(inv_freq.float(), hf.inv_freq.float())
-    assert scale == pytest.approx(hf.attention_scaling, rel=0, abs=0)
+    for config in (cfg, plain_config(config_data(cfg))):  # (the second: as workers get it)
+        inv_freq, scale = inverse_frequencies(config)
+        assert torch.equal(inv_freq.float(), hf.inv_freq.float())
+        assert scale == pytest.approx(hf.attention_scaling, rel=0, abs=0)
     if rope != "default":  # the scaled ones differ from the plain table
         plain, _ = inverse_frequencies(tiny_llama_config(**{"head_dim": head_dim} if head_dim
                                                           else {}))

@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine_actors.plain_config import transformers_config
 from kernels.rotary import rotary
 
 
@@ -21,7 +22,7 @@ def inverse_frequencies(hf_config, rope: dict | None = None) -> tuple[torch.Tens
         inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq / (rope["factor"] if rope_type == "linear" else 1.0), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    return ROPE_INIT_FUNCTIONS[rope_type](transformers_config(hf_config))
 
 
 class RotaryEmbedding(nn.Module):
