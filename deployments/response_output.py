@@ -42,7 +42,7 @@ class ResponseObject:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "parallel_tool_calls": req.parallel_tool_calls, "text": req.echoed_text(),
             "max_tool_calls": req.max_tool_calls, "top_logprobs": req.top_logprobs or 0,
-            "metadata": req.metadata or {}, "store": is_stored, "background": False,
+            "metadata": req.metadata or {}, "store": is_stored, "background": req.background,
             "previous_response_id": req.previous_response_id, "truncation": req.truncation,
             "reasoning": req.reasoning.model_dump() if req.reasoning else None,
             "user": req.user}

@@ -4,7 +4,8 @@ The request becomes a chat completion request (responses_protocol.py) and runs t
 chat route's machinery (OpenAIRoutes: template, grammars and tool calls, submission, time
 limits, disconnects, metrics); only the output differs: a `response` object, or its
 stream of typed events (response_output.py). Finished responses are stored unless the
-request says `"store": false` (stored_responses.py).
+request says `"store": false` (stored_responses.py); `"background": true` answers at once
+and generates in a task (background_responses.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from deployments.background_responses import BackgroundResponses
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
 from deployments.response_output import ResponseEvents, ResponseObject
@@ -27,6 +29,7 @@ class ResponsesAPI:
         self.openai = openai
         self.frontend = openai.frontend
         self.stored = StoredResponses(self.frontend)
+        self.background = BackgroundResponses(openai, self.stored)
 
     def routes(self) -> list[Route]:
         return [Route("/v1/responses", self.create, methods=["POST"])] + self.stored.routes()
@@ -35,6 +38,10 @@ class ResponsesAPI:
         arrival = time.monotonic()
         try:
             req = await self.frontend.parse(request, ResponsesRequest)
+            if req.background and not self.stored.is_enabled:
+                raise APIError(400, "this server stores no responses (response_store_mib is "
+                                    "0), which background responses need", "background",
+                               "unsupported_parameter")
             earlier, items = await self.stored.conversation(req.previous_response_id,
                                                             normalize_input(req.input))
             chat = req.to_chat(earlier + items)
@@ -55,6 +62,9 @@ class ResponsesAPI:
             group, choices, timeout = await self.openai.submit(
                 response.id, chat, [(None, ids)], chat.max_tokens, info, chat=True,
                 arrival=arrival, grammar=grammar, tool_parser=parser)
+            if req.background:
+                return JSONResponse(await self.background.start(response, items, group,
+                                                                choices, chat, timeout))
             if chat.stream:
                 return self.openai.stream_response(
                     group, choices, ResponseEvents(response, save), chat, timeout)

@@ -6,7 +6,7 @@ a `function_call_output` a tool message), `tools` and `tool_choice` lose a level
 `text.format` is `response_format`. The chat route's machinery then serves it as it is.
 Items (responses_items.py) and tools are checked one at a time, so that an error names
 its place (`input.2.content.0`, `tools.1.type`). `conversation` (the Conversations API)
-and `background` are refused.
+is refused; `background` needs `store` and is not streamed (background_responses.py).
 """
 from __future__ import annotations
 
@@ -98,9 +98,12 @@ class ResponsesRequest(SamplingOptions):
                                 "Conversations API; continue with previous_response_id, or "
                                 "send the whole conversation as input", "conversation",
                            "unsupported_parameter")
-        if self.background:
-            raise APIError(400, "background responses are not supported: this server "
-                                "answers while it generates", "background",
+        if self.background and not self.store:
+            raise APIError(400, "background responses must be stored: set store to true "
+                                "(or leave it out)", "background", "invalid_value")
+        if self.background and self.stream:
+            raise APIError(400, "a background response is not streamed by this server: "
+                                "poll GET /v1/responses/{id} for it", "stream",
                            "unsupported_parameter")
         if self.prompt is not None:
             raise APIError(400, "prompt (a stored prompt template) is not supported: this "

@@ -7,7 +7,9 @@ ingress replica sees the same ones. A record is a response object and the input 
 its own request; a conversation is the chain of records that `previous_response_id` links,
 and what a response continues from is every earlier record's input then output items.
 Responses are stored when they end (completed, or incomplete); one still generating, or
-one that failed, is not found. Instructions are not carried over, as in OpenAI's API.
+one that failed, is not found, except background ones, stored as they start (with their
+state: background_responses.py), which POST /v1/responses/{id}/cancel cancels.
+Instructions are not carried over, as in OpenAI's API.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class StoredResponses:
         one = "/v1/responses/{response_id}"
         return [Route(one, self.retrieve, methods=["GET"]),
                 Route(one, self.delete, methods=["DELETE"]),
+                Route(one + "/cancel", self.cancel, methods=["POST"]),
                 Route(one + "/input_items", self.input_items, methods=["GET"])]
 
     # ---- used by POST /v1/responses -----------------------------------------------------
@@ -101,13 +104,38 @@ class StoredResponses:
         except APIError as e:
             logger.warning("response %s not stored: %s", response["id"], e.message)
 
+    async def begin(self, response: dict, items: list[dict], request_ids: list[str]) -> None:
+        """Store a background response as it starts, run by this replica."""
+        data = json.dumps({"response": response, "input": items})
+        if not await self._call("put", response["id"], data, response["previous_response_id"],
+                                [item["id"] for item in items], self._owner, request_ids):
+            raise APIError(400, "the request is larger than this server's response store "
+                                "(response_store_mib): it cannot run in the background",
+                           "background", "invalid_value")
+
+    async def update(self, response: dict, items: list[dict], running: bool) -> bool:
+        """A background response's new state; False once it runs here no more (cancelled,
+        deleted). If the scheduler is gone, so is the record."""
+        data = json.dumps({"response": response, "input": items})
+        ids = [item["id"] for item in items + response["output"]]
+        try:
+            return await self._call("update", response["id"], data, ids, self._owner, running)
+        except APIError as e:
+            logger.warning("background response %s not updated: %s", response["id"], e.message)
+            return False
+
+    @property
+    def _owner(self) -> str:
+        return self.frontend.client.client_id
+
     # ---- the routes ---------------------------------------------------------------------
     async def retrieve(self, request: Request):
         try:
             response_id = request.path_params["response_id"]
             if request.query_params.get("stream") in ("true", "1"):
-                raise APIError(400, "stream is not supported here: only finished responses "
-                                    "are stored", "stream", "unsupported_parameter")
+                raise APIError(400, "stream is not supported here: poll this route for a "
+                                    "background response's state", "stream",
+                               "unsupported_parameter")
             data = await self._call("get", response_id)
             if data is None:
                 raise not_found(response_id)
@@ -121,6 +149,21 @@ class StoredResponses:
             if not await self._call("delete", response_id):
                 raise not_found(response_id)
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        except APIError as e:
+            return e.response()
+
+    async def cancel(self, request: Request):
+        """Cancel a background response (one that has ended is returned as it is)."""
+        try:
+            response_id = request.path_params["response_id"]
+            data = await self._call("cancel", response_id)
+            if data is None:
+                raise not_found(response_id)
+            response = json.loads(data)["response"]
+            if not response["background"]:
+                raise APIError(400, "only a background response can be cancelled", None,
+                               "invalid_request")
+            return JSONResponse(response)
         except APIError as e:
             return e.response()
 

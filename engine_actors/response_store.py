@@ -8,10 +8,17 @@ that response; its conversation is the chain of records up to it. The store is b
 bytes: past `max_bytes` the least recently used records go (reading a chain uses every
 record in it, so a conversation in use keeps its history). An evicted or deleted response
 is not found, and a conversation that passes through it can not be continued.
+
+A background response is stored as it starts, with the replica that runs it as its owner,
+which replaces it as it ends. Until then any replica may cancel it: it is stored as
+cancelled and its engine requests end (`abort`: the scheduler tells the owner, whose own
+update is then refused); if its owner goes, it is stored as failed.
 """
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ITEM_BYTES = 160  # what the store keeps per item id beside the record (measured: ~150 + id)
@@ -22,30 +29,62 @@ class Record:
     data: str  # JSON: {"response": {...}, "input": [items]}
     previous_id: str | None
     item_ids: list[str]  # the ids of its input and output items
+    owner: str | None = None  # a running background response's replica (its client id)
+    request_ids: tuple[str, ...] = ()  # and its engine requests
 
 
 class ResponseStore:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, abort: Callable[..., None] = lambda ids, **_: None):
         self.max_bytes = max_bytes
+        self._abort = abort  # SchedulerActor.abort
         self.records: OrderedDict[str, Record] = OrderedDict()  # oldest use first
         self.item_owner: dict[str, str] = {}  # item id -> the response that holds it
         self.num_bytes = 0
 
-    def put(self, response_id: str, data: str, previous_id: str | None,
-            item_ids: list[str]) -> bool:
+    def put(self, response_id: str, data: str, previous_id: str | None, item_ids: list[str],
+            owner: str | None = None, request_ids: tuple[str, ...] = ()) -> bool:
         """Keep a response (its item ids are new: no other record has them); False if it
-        alone is over the store's size."""
-        record = Record(data, previous_id, item_ids)
+        alone is over the store's size. `owner`: a background response that starts."""
+        record = Record(data, previous_id, item_ids, owner, tuple(request_ids))
         if _size(record) > self.max_bytes:
             return False
-        self.delete(response_id)
+        self._remove(response_id)
         self.records[response_id] = record
         for item_id in item_ids:
             self.item_owner[item_id] = response_id
         self.num_bytes += _size(record)
         while self.num_bytes > self.max_bytes:
-            self.delete(next(iter(self.records)))
+            self.delete(next(iter(self.records)))  # (a running one ends: nowhere to go)
         return True
+
+    def update(self, response_id: str, data: str, item_ids: list[str], owner: str,
+               running: bool) -> bool:
+        """A background response's new state, from the replica that runs it: False, and
+        nothing stored, once it runs there no more (cancelled, failed, deleted)."""
+        record = self.records.get(response_id)
+        if record is None or record.owner != owner:
+            return False
+        if not self.put(response_id, data, record.previous_id, item_ids,
+                        owner if running else None, record.request_ids):
+            self._end(response_id, "failed", {"code": "server_error", "message":
+                                              "the response is larger than the response "
+                                              "store (response_store_mib)"})
+        return True
+
+    def cancel(self, response_id: str) -> str | None:
+        """Cancel a running background response; the record as it is then (a finished one
+        unchanged), or None."""
+        record = self._use(response_id)
+        if record is not None and record.owner is not None:
+            self._abort(list(record.request_ids), cancelled=True)
+            self._end(response_id, "cancelled")
+        return self.get(response_id)
+
+    def owner_gone(self, owner: str) -> None:
+        """The replica that ran these background responses stopped: they failed."""
+        for rid in [rid for rid, r in self.records.items() if r.owner == owner]:
+            self._end(rid, "failed", {"code": "server_error", "message": "the server "
+                                      "replica that ran this background response stopped"})
 
     def get(self, response_id: str) -> str | None:
         record = self._use(response_id)
@@ -74,14 +113,30 @@ class ResponseStore:
         return found
 
     def delete(self, response_id: str) -> bool:
+        """Forget a response (a running one ends)."""
+        record = self._remove(response_id)
+        if record is not None and record.owner is not None:
+            self._abort(list(record.request_ids), cancelled=True)
+        return record is not None
+
+    def _remove(self, response_id: str) -> Record | None:
         record = self.records.pop(response_id, None)
         if record is None:
-            return False
+            return None
         self.num_bytes -= _size(record)
         for item_id in record.item_ids:
             if self.item_owner.get(item_id) == response_id:
                 del self.item_owner[item_id]
-        return True
+        return record
+
+    def _end(self, response_id: str, status: str, error: dict | None = None) -> None:
+        """A running background response ends here, as `status`."""
+        record = self.records[response_id]
+        stored = json.loads(record.data)
+        stored["response"].update(status=status, error=error)
+        self.num_bytes -= _size(record)
+        record.data, record.owner = json.dumps(stored), None
+        self.num_bytes += _size(record)
 
     def stats(self) -> dict:
         return {"stored_responses": len(self.records), "stored_response_bytes": self.num_bytes}

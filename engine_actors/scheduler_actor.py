@@ -1,10 +1,9 @@
 """The singleton scheduler actor: the engine's one address for its callers.
 
 It composes the iteration loop with worker recovery (`engine_loop`), the callers' outboxes
-(`outbox`), background batches, LoRA adapters and fine-tuning jobs; here are start-up,
-teardown and the calls. `_deliver` is the one place where outputs go out to their requests'
-sinks. An ingress replica submits with `add_requests` and holds one `stream` call that
-yields, once per iteration, the updates of all its requests.
+(`outbox`), background batches, stored responses, LoRA adapters and fine-tuning jobs; here
+are start-up, teardown and the calls. An ingress replica submits with `add_requests` and
+holds one `stream` call that yields, once per iteration, the updates of all its requests.
 
 Lifetime: a named, detached actor per distinct configuration, created when the application
 is built (engine_client.py's `start_engine_early`) or by a replica that finds none; it
@@ -62,7 +61,7 @@ class SchedulerActor:
         self.finetuning = FineTuning(cfg, self.adapters, self.metrics) \
             if cfg.enable_finetuning else None
         self.outboxes: dict[str, Outbox] = {}
-        self.responses = ResponseStore(cfg.response_store_mib * 2**20)
+        self.responses = ResponseStore(cfg.response_store_mib * 2**20, self.abort)
         self.batches = Batches(self._add, self.abort,
                                lambda: load_tokenizer(resolve_model_path(cfg.model)))
         self.draining = False
@@ -189,8 +188,9 @@ class SchedulerActor:
             sink.add(r.request_id, r.search)
         return refusal
 
-    def abort(self, request_ids: list[str], stopped: bool = False) -> None:
-        """End requests now; `stopped`: the caller found a stop string (finish "stop")."""
+    def abort(self, request_ids: list[str], stopped: bool = False, cancelled=False) -> None:
+        """End requests; `stopped`: by a stop string; `cancelled`: by a background response's
+        cancel, from any replica (their own caller is told)."""
         reason = FinishReason.STOP if stopped else FinishReason.ABORT
         for rid in request_ids:
             out = self.engine.scheduler.abort(rid, reason) if self.engine else None
@@ -199,7 +199,7 @@ class SchedulerActor:
                 continue
             self.metrics.finished(out.finish_reason, out.num_prompt_tokens,
                                   out.num_output_tokens)
-            out.sink.aborted(out)
+            out.sink.deliver(out, None) if cancelled else out.sink.aborted(out)
 
     def end_search(self, client_id: str, search: str) -> None:  # a drain waits no more
         self.outboxes.get(client_id, Outbox(client_id)).end_search(search)
@@ -225,6 +225,7 @@ class SchedulerActor:
 
     def _drop_client(self, client_id: str) -> None:
         self.abort(list(self.outboxes.pop(client_id, Outbox(client_id)).request_ids))
+        self.responses.owner_gone(client_id)
 
     async def adapter_call(self, method: str, *args):  # lora.Adapters' load, unload, paths
         await self.ready()
@@ -239,7 +240,7 @@ class SchedulerActor:
             return await self.finetuning.cancel(*args, self.engine.executor)
         return getattr(self.finetuning, method)(*args)
 
-    def response_call(self, method: str, *args):  # ResponseStore: put/get/chain/holding/delete
+    def response_call(self, method: str, *args):  # ResponseStore's put, get, cancel, ...
         return getattr(self.responses, method)(*args)
 
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],

@@ -78,10 +78,14 @@ def test_dead_ingress_replica_loses_its_requests_not_the_engine(app):
             except httpx.HTTPError:
                 pass
 
+    background = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "input": "orphan", "max_output_tokens": 3500, "ignore_eos": True, "background": True})
+    assert background.json()["status"] == "queued", background.text
+
     async def scenario():
         task = asyncio.create_task(orphan())
         await asyncio.sleep(1.0)
-        assert ray.get(scheduler.stats.remote())["num_requests"] == 1
+        assert ray.get(scheduler.stats.remote())["num_requests"] == 2
         replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
                     if "SERVE_REPLICA" in a["name"]]
         ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]))
@@ -96,6 +100,9 @@ def test_dead_ingress_replica_loses_its_requests_not_the_engine(app):
 
     assert wait_until(only_new_replica_left, timeout=60), ray.get(scheduler.stats.remote())
     assert wait_healthy(url)["status"] == "ok"
+    # the background response that the dead replica ran: failed, as any replica now says
+    stored = httpx.get(f"{url}/v1/responses/{background.json()['id']}", timeout=30).json()
+    assert stored["status"] == "failed" and "stopped" in stored["error"]["message"], stored
 
 
 def successes(url: str) -> float:

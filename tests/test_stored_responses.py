@@ -1,10 +1,12 @@
 """Stored responses: the store's bookkeeping (no server), then over HTTP with the official
 client: a conversation continued by previous_response_id or by item references renders as
 the chat template renders the whole conversation (greedy text equal to transformers'),
-retrieval, input items and their pages, deletion, and `store: false`."""
+retrieval, input items and their pages, deletion, `store: false`, and background responses
+(polled, cancelled)."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -16,6 +18,7 @@ from engine_actors.checkpoint import resolve_model_path  # noqa: E402
 from engine_actors.config import DEFAULT_MODEL  # noqa: E402
 from engine_actors.response_store import ITEM_BYTES, ResponseStore  # noqa: E402
 from tests.engine_harness import hf_greedy  # noqa: E402
+from tests.serve_fixture import wait_idle  # noqa: E402
 from tests.test_responses_api import MODEL, TOOL  # noqa: E402
 from tests.test_structured_output import WEATHER  # noqa: E402
 
@@ -46,6 +49,51 @@ def test_the_store_keeps_chains_and_evicts_the_least_recently_used():
     assert store.chain("b") == ([], "a")  # a conversation through a deleted response
     assert store.get("b") == "y" * 10 and store.num_bytes == 2 * size
     assert store.stats() == {"stored_responses": 2, "stored_response_bytes": 2 * size}
+
+
+def record(status: str, output=(), background=True) -> str:
+    return json.dumps({"response": {"status": status, "error": None, "output": list(output),
+                                    "background": background}, "input": []})
+
+
+def status(store: ResponseStore, rid: str) -> tuple[str, dict | None]:
+    response = json.loads(store.get(rid))["response"]
+    return response["status"], response["error"]
+
+
+def test_background_records_end_once_by_their_owner_a_cancel_or_the_owners_death():
+    aborted = []
+    store = ResponseStore(max_bytes=10_000, abort=lambda ids, **kw: aborted.append((ids, kw)))
+    store.put("a", record("queued"), None, ["i1"], owner="r1", request_ids=("a-0",))
+    assert store.update("a", record("in_progress"), ["i1"], "r1", running=True)
+    assert not store.update("a", record("completed"), ["i1"], "r2", running=False)  # not its own
+    assert store.update("a", record("completed", [{"id": "o1"}]), ["i1", "o1"], "r1", False)
+    assert status(store, "a") == ("completed", None) and "o1" in store.holding(["o1"])
+    assert not store.update("a", record("failed"), ["i1"], "r1", False)  # it ended
+    assert store.cancel("a") == store.get("a") and not aborted  # an ended one: as it is
+    # a cancel while it runs: stored as cancelled, its engine requests told; its owner's
+    # own last update, which follows, is refused; a second cancel changes nothing
+    store.put("b", record("in_progress"), None, [], owner="r1", request_ids=("b-0",))
+    assert json.loads(store.cancel("b"))["response"]["status"] == "cancelled"
+    assert aborted == [(["b-0"], {"cancelled": True})]
+    assert not store.update("b", record("incomplete"), [], "r1", False)
+    assert status(store, "b") == ("cancelled", None)
+    store.cancel("b")
+    assert len(aborted) == 1 and store.cancel("nope") is None
+    # its replica stops: what it ran fails; another replica's goes on
+    store.put("c", record("in_progress"), None, [], owner="r1", request_ids=("c-0",))
+    store.put("d", record("in_progress"), None, [], owner="r2", request_ids=("d-0",))
+    store.owner_gone("r1")
+    state, error = status(store, "c")
+    assert state == "failed" and error["code"] == "server_error" and "stopped" in error["message"]
+    assert status(store, "d") == ("in_progress", None)
+    assert store.delete("d") and aborted[-1] == (["d-0"], {"cancelled": True})  # it ends too
+    # an end over the whole store's size: failed, not left running
+    store.put("e", record("in_progress"), None, [], owner="r1", request_ids=("e-0",))
+    assert store.update("e", record("completed", [{"id": "x" * 20_000}]), [], "r1", False)
+    assert status(store, "e")[0] == "failed" and not store.update("e", record("x"), [], "r1", 0)
+    assert store.num_bytes == sum(len(r.data) + sum(ITEM_BYTES + len(i) for i in r.item_ids)
+                                  for r in store.records.values())
 
 
 def test_input_items_are_stored_in_one_shape_with_ids():
@@ -155,6 +203,50 @@ def test_retrieve_list_input_items_and_delete(client, url):
     for limit in ("0", "1" * 5000):  # (thousands of digits: int() refuses them)
         r = httpx.get(f"{url}/v1/responses/{second.id}/input_items?limit={limit}", timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+
+def poll(client, response_id: str, until: tuple[str, ...], timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while (res := client.responses.retrieve(response_id)).status not in until:
+        assert time.monotonic() < deadline, res
+        time.sleep(0.05)
+    return res
+
+
+def test_a_background_response_is_polled_to_transformers_greedy_text(client, tokenizer):
+    res = client.responses.create(model=MODEL, input="Count on.", max_output_tokens=8,
+                                  temperature=0, background=True, extra_body=NO_EOS)
+    assert (res.status, res.background, res.store, res.output) == ("queued", True, True, [])
+    done = poll(client, res.id, ("completed", "incomplete", "failed"))
+    prompt = template_ids(tokenizer, [{"role": "user", "content": "Count on."}])
+    ref = hf_greedy(resolve_model_path(DEFAULT_MODEL), prompt, 8)
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
+    assert done.output_text == tokenizer.decode(ref, skip_special_tokens=True)
+    assert done.usage.output_tokens == 8 and done.background is True
+    assert client.responses.cancel(res.id) == done  # one that ended: as it is
+    # it continues a conversation as any stored response
+    nxt = client.responses.create(model=MODEL, input="More.", previous_response_id=res.id,
+                                  max_output_tokens=2)
+    assert nxt.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
+
+
+def test_a_background_response_cancelled_stops_generating(client, url):
+    before = wait_idle(url)
+    res = client.responses.create(model=MODEL, input="go on", max_output_tokens=3000,
+                                  background=True, extra_body=NO_EOS)
+    poll(client, res.id, ("in_progress",))
+    cancelled = client.responses.cancel(res.id)
+    assert cancelled.status == "cancelled" and cancelled.id == res.id
+    after = wait_idle(url, timeout=30)  # its engine request ended: no 3,000 steps
+    assert after["num_steps"] - before["num_steps"] < 2500, (before, after)
+    time.sleep(0.5)  # (its replica's own last update came, and was refused)
+    assert client.responses.retrieve(res.id).status == "cancelled"
+    assert client.responses.cancel(res.id).status == "cancelled"
+    plain = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    r = httpx.post(f"{url}/v1/responses/{plain.id}/cancel", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/responses/resp_nope/cancel", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
 def test_store_false_keeps_nothing_and_a_stream_is_stored_before_it_ends(client):
