@@ -70,7 +70,8 @@ class OpenAIIngress:
                   Route("/version", _version, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"])]
         openai = OpenAIRoutes(self.frontend)
-        routes += openai.routes() + ResponsesAPI(openai).routes()
+        self.responses = ResponsesAPI(openai)
+        routes += openai.routes() + self.responses.routes()
         routes += MessagesAPI(openai).routes()
         routes += BatchAPI(self.frontend).routes()
         routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
@@ -103,6 +104,7 @@ class OpenAIIngress:
         # requests are aborted when it unregisters; the last replica takes the engine along
         # (after a grace period for the new replicas of a redeploy, unless it is a deletion)
         self.frontend.is_draining = True
+        self.responses.background.close()
         await self.frontend.client.close(final=self._deleting)
 
     async def _announce(self) -> None:

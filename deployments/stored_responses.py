@@ -8,7 +8,8 @@ its own request; a conversation is the chain of records that `previous_response_
 and what a response continues from is every earlier record's input then output items.
 Responses are stored when they end (completed, or incomplete); one still generating, or
 one that failed, is not found, except background ones, stored as they start (with their
-state: background_responses.py), which POST /v1/responses/{id}/cancel cancels.
+state: background_responses.py), which POST /v1/responses/{id}/cancel cancels; a
+conversation continues from one once it has ended.
 Instructions are not carried over, as in OpenAI's API.
 """
 from __future__ import annotations
@@ -76,7 +77,13 @@ class StoredResponses:
                                "stored any more.", "previous_response_id",
                                "previous_response_not_found")
             for data in chain:
-                earlier += record_items(json.loads(data))
+                record = json.loads(data)
+                if record["response"]["status"] in ("queued", "in_progress"):
+                    raise APIError(400, f"Response {record['response']['id']!r} is still "
+                                        f"{record['response']['status']}: a conversation "
+                                        "continues from it once it has ended.",
+                                   "previous_response_id", "invalid_value")
+                earlier += record_items(record)
         if refs:
             found = await self._call("holding", [items[i]["id"] for i in refs])
             items = list(items)
@@ -104,29 +111,34 @@ class StoredResponses:
         except APIError as e:
             logger.warning("response %s not stored: %s", response["id"], e.message)
 
-    async def begin(self, response: dict, items: list[dict], request_ids: list[str]) -> None:
-        """Store a background response as it starts, run by this replica."""
+    async def begin(self, response: dict, items: list[dict], owner: str,
+                    request_ids: list[str]) -> None:
+        """Store a background response as it starts, run by this replica (`owner`: its
+        engine client's id, which the scheduler drops when the replica goes)."""
         data = json.dumps({"response": response, "input": items})
         if not await self._call("put", response["id"], data, response["previous_response_id"],
-                                [item["id"] for item in items], self._owner, request_ids):
+                                [item["id"] for item in items], owner, request_ids):
             raise APIError(400, "the request is larger than this server's response store "
                                 "(response_store_mib): it cannot run in the background",
                            "background", "invalid_value")
 
-    async def update(self, response: dict, items: list[dict], running: bool) -> bool:
+    async def update(self, response: dict, items: list[dict], owner: str,
+                     running: bool) -> bool:
         """A background response's new state; False once it runs here no more (cancelled,
-        deleted). If the scheduler is gone, so is the record."""
+        deleted, or too large to store). If the scheduler is gone, so is the record."""
         data = json.dumps({"response": response, "input": items})
         ids = [item["id"] for item in items + response["output"]]
         try:
-            return await self._call("update", response["id"], data, ids, self._owner, running)
+            return await self._call("update", response["id"], data, ids, owner, running)
         except APIError as e:
             logger.warning("background response %s not updated: %s", response["id"], e.message)
             return False
 
-    @property
-    def _owner(self) -> str:
-        return self.frontend.client.client_id
+    async def delete_quietly(self, response_id: str) -> None:
+        try:
+            await self._call("delete", response_id)
+        except APIError:
+            pass  # the scheduler is gone, and the record with it
 
     # ---- the routes ---------------------------------------------------------------------
     async def retrieve(self, request: Request):

@@ -53,8 +53,7 @@ class ResponseStore:
         for item_id in item_ids:
             self.item_owner[item_id] = response_id
         self.num_bytes += _size(record)
-        while self.num_bytes > self.max_bytes:
-            self.delete(next(iter(self.records)))  # (a running one ends: nowhere to go)
+        self._evict()
         return True
 
     def update(self, response_id: str, data: str, item_ids: list[str], owner: str,
@@ -64,12 +63,13 @@ class ResponseStore:
         record = self.records.get(response_id)
         if record is None or record.owner != owner:
             return False
-        if not self.put(response_id, data, record.previous_id, item_ids,
-                        owner if running else None, record.request_ids):
-            self._end(response_id, "failed", {"code": "server_error", "message":
-                                              "the response is larger than the response "
-                                              "store (response_store_mib)"})
-        return True
+        if self.put(response_id, data, record.previous_id, item_ids,
+                    owner if running else None, record.request_ids):
+            return True
+        self._end(response_id, "failed", {"code": "server_error", "message": "the response "
+                                          "is larger than the response store "
+                                          "(response_store_mib)"})
+        return not running  # (a run that cannot be stored stops)
 
     def cancel(self, response_id: str) -> str | None:
         """Cancel a running background response; the record as it is then (a finished one
@@ -119,6 +119,15 @@ class ResponseStore:
             self._abort(list(record.request_ids), cancelled=True)
         return record is not None
 
+    def _evict(self) -> None:
+        """The least recently used records go until the store fits; running background
+        ones stay (a client polls them; their number is bounded by the engine's queue)."""
+        while self.num_bytes > self.max_bytes:
+            victim = next((rid for rid, r in self.records.items() if r.owner is None), None)
+            if victim is None:
+                return
+            self._remove(victim)
+
     def _remove(self, response_id: str) -> Record | None:
         record = self.records.pop(response_id, None)
         if record is None:
@@ -137,6 +146,7 @@ class ResponseStore:
         self.num_bytes -= _size(record)
         record.data, record.owner = json.dumps(stored), None
         self.num_bytes += _size(record)
+        self._evict()
 
     def stats(self) -> dict:
         return {"stored_responses": len(self.records), "stored_response_bytes": self.num_bytes}

@@ -88,12 +88,52 @@ def test_background_records_end_once_by_their_owner_a_cancel_or_the_owners_death
     assert state == "failed" and error["code"] == "server_error" and "stopped" in error["message"]
     assert status(store, "d") == ("in_progress", None)
     assert store.delete("d") and aborted[-1] == (["d-0"], {"cancelled": True})  # it ends too
-    # an end over the whole store's size: failed, not left running
+    # an end over the whole store's size: failed, not left running; a running update over
+    # it: failed too, and its run told to stop (False)
     store.put("e", record("in_progress"), None, [], owner="r1", request_ids=("e-0",))
     assert store.update("e", record("completed", [{"id": "x" * 20_000}]), [], "r1", False)
     assert status(store, "e")[0] == "failed" and not store.update("e", record("x"), [], "r1", 0)
+    store.put("f", record("queued"), None, [], owner="r1", request_ids=("f-0",))
+    assert not store.update("f", record("in_progress", [{"id": "x" * 20_000}]), [], "r1", True)
+    assert status(store, "f")[0] == "failed"
     assert store.num_bytes == sum(len(r.data) + sum(ITEM_BYTES + len(i) for i in r.item_ids)
                                   for r in store.records.values())
+
+
+def test_eviction_spares_running_background_responses():
+    store = ResponseStore(max_bytes=3 * len(record("in_progress")))
+    store.put("run", record("in_progress"), None, [], owner="r1", request_ids=("run-0",))
+    for rid in "abcd":  # the oldest record is the running one: the finished ones go
+        store.put(rid, record("completed"), None, [])
+    assert store.get("run") is not None and store.get("a") is None and store.get("d")
+    assert store.num_bytes <= store.max_bytes
+
+
+def test_a_cancel_ends_the_owners_request_as_a_finish_it_receives():
+    """SchedulerActor.abort(cancelled=True): the replica running the response gets its
+    request's last update (a plain abort is one its caller made, and gets nothing)."""
+    from engine_actors.config import EngineConfig
+    from engine_actors.messages import RequestOutput
+    from engine_actors.outbox import Outbox
+    from engine_actors.scheduler_actor import SchedulerActor
+
+    actor = SchedulerActor(EngineConfig())
+    owner = Outbox("r1")
+    owner.add("bg-0")
+    owner.add("plain-0")
+
+    class Scheduler:
+        @staticmethod
+        def abort(rid, reason):
+            return RequestOutput(rid, owner, finish_reason=reason, num_output_tokens=3)
+
+    actor.engine = type("Engine", (), {"scheduler": Scheduler})()
+    actor.responses.put("bg", record("in_progress"), None, [], owner="r1",
+                        request_ids=("bg-0",))
+    actor.response_call("cancel", "bg")
+    assert owner.pending["bg-0"].finish_reason == "abort" and "bg-0" not in owner.request_ids
+    actor.abort(["plain-0"])
+    assert "plain-0" not in owner.pending and "plain-0" not in owner.request_ids
 
 
 def test_input_items_are_stored_in_one_shape_with_ids():
@@ -224,6 +264,11 @@ def test_a_background_response_is_polled_to_transformers_greedy_text(client, tok
     assert done.output_text == tokenizer.decode(ref, skip_special_tokens=True)
     assert done.usage.output_tokens == 8 and done.background is True
     assert client.responses.cancel(res.id) == done  # one that ended: as it is
+    running = client.responses.create(model=MODEL, input="x", max_output_tokens=3000,
+                                      background=True, extra_body=NO_EOS)
+    with pytest.raises(openai.BadRequestError, match="still"):  # not until it has ended
+        client.responses.create(model=MODEL, input="y", previous_response_id=running.id)
+    client.responses.cancel(running.id)
     # it continues a conversation as any stored response
     nxt = client.responses.create(model=MODEL, input="More.", previous_response_id=res.id,
                                   max_output_tokens=2)
@@ -242,6 +287,14 @@ def test_a_background_response_cancelled_stops_generating(client, url):
     time.sleep(0.5)  # (its replica's own last update came, and was refused)
     assert client.responses.retrieve(res.id).status == "cancelled"
     assert client.responses.cancel(res.id).status == "cancelled"
+    # deleting one that runs ends it too
+    res = client.responses.create(model=MODEL, input="go on", max_output_tokens=3000,
+                                  background=True, extra_body=NO_EOS)
+    poll(client, res.id, ("in_progress",))
+    client.responses.delete(res.id)
+    wait_idle(url, timeout=30)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(res.id)
     plain = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
     r = httpx.post(f"{url}/v1/responses/{plain.id}/cancel", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"]
