@@ -29,6 +29,9 @@ from engine_actors.config import EngineConfig
 # build, ends `serve run` 3 s after it logs that: deployments.serve_run_stop)
 CONNECT_EVERY_S = 1.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# HAProxy's own words when a port it must listen on is taken (Serve's error then ends
+# `serve run` after a traceback that buries them)
+PORT_TAKEN = re.compile(r"cannot bind socket \(Address already in use\) for \[[^\]]*:(\d+)\]")
 
 
 class Drainer:
@@ -154,17 +157,25 @@ def main(argv: list[str] | None = None) -> int:
         drainer.disconnect()
     relay.join(timeout=5)
     relayed.close()  # a process of the dying cluster may still hold the pipe open
-    if code != 0 and failure:  # the cause, as the last line
+    if code != 0 and relayed.taken_ports:  # the cause, as the last line
+        print(f"orca-serve: HAProxy cannot listen on port {relayed.taken_ports[-1]}: another "
+              "process holds it (another orca-serve or Ray Serve on this machine, or one "
+              "left running). A second server on one machine needs its own "
+              "http_options.port, RAY_SERVE_HAPROXY_STATS_PORT (8404) and "
+              "RAY_SERVE_HAPROXY_METRICS_PORT (9101)", file=sys.stderr)
+    elif code != 0 and failure:
         print(f"orca-serve: the engine failed to start: {failure[-1]}", file=sys.stderr)
     return code
 
 
 class _Relay:
-    """Copies `serve run`'s stderr to ours, noting the cause of an engine start failure,
-    until closed (then nothing more is written: the cause stays the last line)."""
+    """Copies `serve run`'s stderr to ours, noting the cause of an engine start failure
+    and the ports HAProxy found taken, until closed (then nothing more is written: the
+    cause stays the last line)."""
 
     def __init__(self):
         self.lock, self.closed = threading.Lock(), False
+        self.taken_ports: list[str] = []
 
     def copy(self, stream, failure: list[str]) -> None:
         for raw in stream:
@@ -177,6 +188,8 @@ class _Relay:
                 if MARK in line:
                     cause = line.split(MARK, 1)[1].split(" [repeated ")[0].strip()
                     failure.append(cause)
+                if taken := PORT_TAKEN.search(line):
+                    self.taken_ports.append(taken.group(1))
 
     def close(self) -> None:
         with self.lock:

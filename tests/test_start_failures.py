@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,29 @@ def test_an_unplaceable_placement_group_ends_make_serve_with_the_cause_as_its_la
     assert last.startswith("orca-serve: the engine failed to start: "), last
     assert "was not placed within placement_timeout_s=8" in last, last
     assert stop_markers() == markers  # nothing left in /tmp
+
+
+def test_a_port_that_haproxy_finds_taken_is_named_last(tmp_path):
+    """A second server on one machine (or one left running) holds HAProxy's statistics
+    port: `make serve` ends, and its last line names the port and the settings to change
+    (Serve's error would bury HAProxy's words in a traceback)."""
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config_file, _ = write_config(tmp_path)
+        proc = subprocess.Popen([sys.executable, "-m", "deployments.launch", str(config_file)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ,
+                                                "RAY_SERVE_HAPROXY_STATS_PORT": str(port)})
+        stderr: list[str] = []
+        reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+        reader.start()
+        ends_with_the_cause(proc, stderr, f"HAProxy cannot listen on port {port}")
+    reader.join(timeout=10)
+    last = "".join(stderr).strip().splitlines()[-1]
+    assert last.startswith(f"orca-serve: HAProxy cannot listen on port {port}: "), last
+    assert "RAY_SERVE_HAPROXY_STATS_PORT" in last
 
 
 def test_an_unknown_arg_ends_serve_run_with_the_cause(tmp_path):
