@@ -122,8 +122,9 @@ class RequestTimer:
         self.last = now
 
     def done(self, finish_reason: str) -> None:
-        if self.first is not None:
-            self.metrics.e2e.observe(self.last - self.start)
-            if self.num_tokens > 1:
-                self.metrics.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
+        """The request ended well: its end-to-end latency (also when it returned no token, as
+        an echo of the prompt alone), and its time per output token."""
+        self.metrics.e2e.observe((self.last or time.monotonic()) - self.start)
+        if self.num_tokens > 1:
+            self.metrics.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
         self.metrics.success(finish_reason)

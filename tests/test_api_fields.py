@@ -44,6 +44,13 @@ def test_completion_logprobs_with_echo_equal_transformers(client):
         model=MODEL, prompt=prompt, max_tokens=1, echo=True, temperature=0).choices[0].text[:5])
 
 
+def e2e_count(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "orca:e2e_request_latency_seconds_count")
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, url):
     """OpenAI's legacy scoring call (lm-eval's loglikelihood over completions sends it): echo
     with max_tokens 0 returns the prompt's text and its tokens' logprobs, nothing generated;
@@ -54,6 +61,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, url):
     ref = hf_logprobs(prompt)
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2,
                   temperature=0)
+    latencies = e2e_count(url)
     res = client.completions.create(**kwargs)
     choice, lps = res.choices[0], res.choices[0].logprobs
     assert choice.text == text and choice.finish_reason == "length"
@@ -70,6 +78,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, url):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     one = client.completions.create(**{**kwargs, "prompt": [72]})  # (no prompt logprobs)
     assert one.choices[0].logprobs.token_logprobs == [None] and one.choices[0].text == "H"
+    assert e2e_count(url) == latencies + 3  # each has its end-to-end latency, as vLLM's
     for body, param in [({"max_tokens": 0}, "max_tokens"),
                         ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
                         ({"max_tokens": 0, "echo": True, "use_beam_search": True},
