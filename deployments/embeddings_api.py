@@ -33,14 +33,10 @@ from engine_actors.pooling import read_pooling
 from engine_actors.request import SamplingParams
 
 
-class EmbeddingRequest(_Base):
+class PoolingRequest(_Base):
+    """The fields of every pooling route's request (embeddings, score_api.py's)."""
     RUNNER: ClassVar[str] = "pooling"
     model: str | None = None
-    input: Prompt
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
-    user: str | None = None
-    add_special_tokens: bool = True
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     priority: Annotated[int, Field(ge=-100, le=100)] | None = None
 
@@ -48,6 +44,14 @@ class EmbeddingRequest(_Base):
         if self.truncate_prompt_tokens == 0:
             raise APIError(400, "truncate_prompt_tokens must be -1 or positive",
                            "truncate_prompt_tokens", "invalid_value")
+
+
+class EmbeddingRequest(PoolingRequest):
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
@@ -76,6 +80,9 @@ class EmbeddingsAPI:
         frontend.refuse_if_draining()
         req = await frontend.parse(request, EmbeddingRequest)
         req.check_supported()
+        if frontend.cfg.classifier_from_token is not None:
+            raise APIError(400, "this server scores pairs (classifier_from_token): POST "
+                                "/v1/score or /v1/rerank", None, "unsupported_task")
         info = await frontend.ready()
         prompts = req.prompts()
         frontend.refuse_over_queue(len(prompts), f"{len(prompts)} inputs", "input")
@@ -94,7 +101,7 @@ class EmbeddingsAPI:
         requests = [EngineRequest(f"{base}-{i}", p, sampling, 1 if req.priority is None
                                   else req.priority, lora_name=frontend.adapter(req))
                     for i, p in enumerate(ids)]
-        vectors = await self._run(requests)
+        vectors = await run_pooling(frontend, requests, "input")
         if self.normalize is None:  # (the checkpoint's, as the workers read it)
             self.normalize = read_pooling(resolve_model_path(frontend.cfg.model)).normalize
         size = len(vectors[0]) // 4
@@ -109,29 +116,32 @@ class EmbeddingsAPI:
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    async def _run(self, requests: list[EngineRequest]) -> list[bytes]:
-        """The embedding of each request, in order; APIError when one could not be made."""
-        timeout = self.frontend.cfg.request_timeout_s
-        try:
-            group = await self.frontend.client.submit(requests, wake_each_update=False)
-        except RequestRefused as e:
-            raise refusal_error(e.code, str(e), "input") from None
-        except EngineUnavailable as e:
-            raise unavailable(str(e)) from None
-        out: dict[str, bytes] = {}
-        try:
-            async for rid, update in within(group, timeout):
-                if update.finish_reason is not None:
-                    if update.embedding is None:  # aborted, failed or drained
-                        raise unavailable(f"request failed: {update.error or 'no embedding'}")
-                    out[rid] = update.embedding
-        except TimeoutError:
-            raise timeout_error(timeout) from None
-        except EngineUnavailable as e:
-            raise unavailable(f"request failed: {e}") from None
-        finally:
-            group.close()
-        return [out[r.request_id] for r in requests]
+
+async def run_pooling(frontend: Frontend, requests: list[EngineRequest],
+                      param: str) -> list[bytes]:
+    """The embedding (or score) of each request, in order, as float32 bytes; APIError when
+    one could not be made (`param`: the one a refusal names)."""
+    timeout = frontend.cfg.request_timeout_s
+    try:
+        group = await frontend.client.submit(requests, wake_each_update=False)
+    except RequestRefused as e:
+        raise refusal_error(e.code, str(e), param) from None
+    except EngineUnavailable as e:
+        raise unavailable(str(e)) from None
+    out: dict[str, bytes] = {}
+    try:
+        async for rid, update in within(group, timeout):
+            if update.finish_reason is not None:
+                if update.embedding is None:  # aborted, failed or drained
+                    raise unavailable(f"request failed: {update.error or 'no embedding'}")
+                out[rid] = update.embedding
+    except TimeoutError:
+        raise timeout_error(timeout) from None
+    except EngineUnavailable as e:
+        raise unavailable(f"request failed: {e}") from None
+    finally:
+        group.close()
+    return [out[r.request_id] for r in requests]
 
 
 def encode(vector: bytes, dimensions: int | None, encoding_format: str, normalize: bool):

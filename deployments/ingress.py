@@ -37,6 +37,7 @@ from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
 from deployments.responses_api import ResponsesAPI
+from deployments.score_api import ScoreAPI
 from deployments.serve_run_stop import stop_serve_run
 from deployments.tokenize_api import TokenizeAPI
 from engine_actors.config import EngineConfig
@@ -76,6 +77,7 @@ class OpenAIIngress:
         routes += BatchAPI(self.frontend).routes()
         routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
         routes += TokenizeAPI(self.frontend).routes() + EmbeddingsAPI(self.frontend).routes()
+        routes += ScoreAPI(self.frontend).routes()
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
         # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
         handlers = {HTTPException: self._http_error, Exception: self._internal_error,

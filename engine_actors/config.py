@@ -66,6 +66,10 @@ class EngineConfig:
     # vLLM's: "generate" serves text; "pooling" serves embeddings (POST /v1/embeddings) of
     # the same decoder models: each prompt's last-token hidden state (engine_actors/pooling.py)
     runner: Literal["generate", "pooling"] = "generate"
+    # vLLM's hf_overrides key for a causal LM served as a reranker (Qwen3-Reranker: ["no",
+    # "yes"]): with runner pooling, a pair's score is sigmoid(logit(yes) - logit(no)) at its
+    # last token (one token: sigmoid(logit)); POST /v1/score and /v1/rerank serve it
+    classifier_from_token: list[str] | None = None
 
     # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.
     max_num_tokens: PositiveInt | None = None  # default: 16384 on CPU, sized from free GPU memory
@@ -140,6 +144,10 @@ class EngineConfig:
         if self.runner == "pooling" and self.lora_enabled:
             raise ValueError("runner pooling with LoRA adapters or fine-tuning is not "
                              "supported")
+        if self.classifier_from_token is not None and (
+                self.runner != "pooling" or len(self.classifier_from_token) not in (1, 2)):
+            raise ValueError("classifier_from_token takes one or two tokens ([no, yes]), "
+                             "with runner pooling")
         if self.enable_finetuning and self.pipeline_parallel_size > 1:
             raise ValueError("enable_finetuning needs pipeline_parallel_size 1 (training "
                              "through pipeline stages is not supported)")

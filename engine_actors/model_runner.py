@@ -29,7 +29,7 @@ from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.plain_config import config_data, plain_config
-from engine_actors.pooling import embed, embeddings_result, read_pooling
+from engine_actors.pooling import embed, embeddings_result, keep_classifier, read_pooling
 from engine_actors.quantization import check_device, fp8_weights, loaded_dtype, read_format
 from engine_actors.sampler import Sampler
 from engine_actors.sampling_head import SamplingHead
@@ -54,13 +54,13 @@ class ModelRunner:
                  block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True,
                  parallel: ParallelGroup = SINGLE, lora: tuple[int, int] | None = None,
                  pooling: bool = False, quantization: str | None = None,
-                 config: dict | None = None):
+                 config: dict | None = None, classifier_tokens: list[str] | None = None):
         """lora: (slots, max rank) to serve LoRA adapters; None: the base model only.
         pooling: each sampling row's embedding instead of a token (runner "pooling").
         quantization: "fp8" to quantize an unquantized checkpoint's projections as they load
         (an FP8 checkpoint's own format is read from its config either way).
         config: the checkpoint's config as plain data (ModelInfo.config); read from the
-        checkpoint if not given."""
+        checkpoint if not given. classifier_tokens: a pooling runner scores (pooling.py)."""
         self.device = torch.device(device)
         self.parallel = parallel
         self.dtype = dtype
@@ -69,6 +69,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.hf_config = plain_config(config or config_data(load_hf_config(model_path)))
         self.fp8 = read_format(self.hf_config, quantization)
+        self.pooling = read_pooling(model_path, classifier_tokens) if pooling else None
         self.model = self._load_model(model_path)
         self.row_lora = None  # host: each table row's adapter slot (-1: the base model)
         self.lora_slots = lora[0] if lora is not None else 0
@@ -89,7 +90,6 @@ class ModelRunner:
         self.staging = Staging(self.device)
         self.head = SamplingHead(Sampler(max_num_seqs, self.device, seed, self.staging),
                                  Grammars(model_path, self.hf_config.vocab_size), self.staging)
-        self.pooling = read_pooling(model_path) if pooling else None
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda" and not pooling
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
@@ -123,6 +123,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         loaded = set()
         for name, tensor in iter_checkpoint_tensors(path, self.device):
+            keep_classifier(self.pooling, name, tensor, self.hf_config.tie_word_embeddings)
             keys = model.load_weight(name, loaded_dtype(name, tensor, self.dtype))
             loaded.update(keys if isinstance(keys, list) else [keys])  # (a list: experts')
         missing = model.weight_keys() - loaded

@@ -7,12 +7,17 @@ A sentence-transformers checkpoint says how it pools in modules.json: its Poolin
 config must pool the last token (other modes, mean or CLS, are refused at start), and a
 Normalize module after it means normalized embeddings. Without modules.json: the last
 token, normalized (vLLM's default for a causal LM).
+
+A reranker made from a causal LM (vLLM's `classifier_from_token`, Qwen3-Reranker's ["no",
+"yes"]) returns a score instead: the LM head's rows of those tokens make a classifier of
+the last hidden state, sigmoid(logit(yes) - logit(no)), the probability of "yes" against
+"no" (one token: sigmoid(logit)).
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +25,24 @@ import torch.nn.functional as F
 from engine_actors.messages import StepResult
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pooling:
     normalize: bool = True
+    token_ids: tuple[int, ...] = ()  # a classifier's tokens (their LM head rows score)
+    classifier: torch.Tensor | None = field(default=None, repr=False)  # [k, hidden], fp32
 
 
-def read_pooling(path: str) -> Pooling:
+def read_pooling(path: str, classifier_tokens: list[str] | None = None) -> Pooling:
     """The checkpoint's pooling (ValueError for one this engine does not do)."""
+    if classifier_tokens:
+        from tokenizers import Tokenizer  # (the Rust library: no transformers import here)
+        vocab = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        ids = tuple(vocab.token_to_id(t) for t in classifier_tokens)
+        if None in ids:
+            raise ValueError(f"classifier_from_token {classifier_tokens}: "
+                             f"{classifier_tokens[ids.index(None)]!r} is not one token of the "
+                             "checkpoint's vocabulary")
+        return Pooling(normalize=False, token_ids=ids)
     modules_file = os.path.join(path, "modules.json")
     if not os.path.isfile(modules_file):
         return Pooling()
@@ -45,9 +61,22 @@ def read_pooling(path: str) -> Pooling:
     return Pooling(normalize=any(t.endswith("Normalize") for t in types))
 
 
+def keep_classifier(pooling: Pooling | None, name: str, tensor: torch.Tensor,
+                    tied: bool) -> None:
+    """As the checkpoint loads: a classifier's rows of the LM head (of the embeddings, when
+    the head is tied to them)."""
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    if pooling is not None and pooling.token_ids and name in (head, head[len("model."):]):
+        pooling.classifier = tensor[list(pooling.token_ids)].float()
+
+
 def embed(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """Final hidden states [N, H] -> embeddings [N, H], fp32."""
+    """Final hidden states [N, H] -> embeddings [N, H], or a classifier's scores [N, 1];
+    fp32."""
     out = hidden.float()
+    if pooling.classifier is not None:
+        logits = out @ pooling.classifier.to(out.device).T
+        return torch.sigmoid(logits[:, -1:] - logits[:, :1] if logits.shape[1] == 2 else logits)
     return F.normalize(out, dim=-1) if pooling.normalize else out
 
 

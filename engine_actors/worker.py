@@ -74,7 +74,7 @@ class Worker:
                                   cfg.block_size, cfg.max_num_seqs, cfg.seed,
                                   cfg.uses_cuda_graphs, parallel, (cfg.max_loras, cfg.max_lora_rank)
                                   if cfg.lora_enabled else None, cfg.runner == "pooling",
-                                  cfg.quantization, config)
+                                  cfg.quantization, config, cfg.classifier_from_token)
         self.runner.allocate_stage_buffers(max(cfg.max_num_batched_tokens, cfg.max_batch_size),
                                            cfg.max_steps_in_flight, cfg.async_scheduling)
 

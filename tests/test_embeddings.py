@@ -167,6 +167,8 @@ def test_embeddings_through_http_with_the_openai_client(url):
     ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, 400, None),
     ("/v1/embeddings", {"input": "x", "model": "other"}, 404, "model_not_found"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2}, 400, "unsupported_runner"),
+    ("/v1/score", {"text_1": "x", "text_2": "y"}, 400, "unsupported_task"),  # (no classifier)
+    ("/v1/rerank", {"query": "x", "documents": ["y"]}, 400, "unsupported_task"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400,
      "unsupported_runner"),
 ])

@@ -1,0 +1,136 @@
+"""vLLM's score and rerank routes, for a causal LM served as a reranker (runner pooling with
+`classifier_from_token`, as Qwen3-Reranker is served: engine_actors/pooling.py).
+
+Each (query, document) pair is tokenized as the tokenizer encodes a pair (for a decoder's
+tokenizer, the two texts' tokens one after the other, with its special tokens) and scored
+at its last token. As in vLLM, the texts are taken as they come: a reranker's own prompt
+format (Qwen3-Reranker's system prompt, `<Instruct>`, `<Query>`, `<Document>`) is the
+client's to write.
+
+- POST /score, /v1/score: `text_1` and `text_2` (a string or a list of strings each: one to
+  one, one to many, or many to many of the same length) -> {"id", "object": "list",
+  "created", "model", "data": [{"index", "object": "score", "score"}], "usage"}.
+- POST /rerank, /v1/rerank, /v2/rerank: `query`, `documents`, `top_n` (0 or absent: all) ->
+  {"id", "model", "usage", "results": [{"index", "document": {"text"}, "relevance_score"}]},
+  best first.
+Both take `truncate_prompt_tokens` (a pair keeps its last n tokens) and `priority`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated
+
+import numpy as np
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from deployments.embeddings_api import PoolingRequest, run_pooling
+from deployments.frontend import Frontend
+from deployments.openai_api import PromptTooLong
+from deployments.protocol import APIError, keep_last
+from engine_actors.messages import EngineRequest
+from engine_actors.request import SamplingParams
+
+
+class ScoreRequest(PoolingRequest):
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if not first or not second:
+            raise APIError(400, "text_1 and text_2 must not be empty", "text_1" if not first
+                           else "text_2", "invalid_value")
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise APIError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: "
+                                "give one text_1, or as many as text_2", "text_2",
+                           "invalid_value")
+        return list(zip(first, second))
+
+
+class RerankRequest(PoolingRequest):
+    query: str
+    documents: list[str]
+    top_n: Annotated[int, Field(ge=0)] = 0
+
+
+class ScoreAPI:
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    def routes(self) -> list[Route]:
+        return [Route(path, self.score, methods=["POST"]) for path in ("/score", "/v1/score")] \
+            + [Route(path, self.rerank, methods=["POST"])
+               for path in ("/rerank", "/v1/rerank", "/v2/rerank")]
+
+    async def score(self, request: Request):
+        try:
+            req = await self._parse(request, ScoreRequest)
+            scores, num_tokens = await self._scores(req, req.pairs(), "text_2")
+            return JSONResponse({
+                "id": f"score-{uuid.uuid4().hex}", "object": "list",
+                "created": int(time.time()), "model": self.frontend.reported_model(req),
+                "data": [{"index": i, "object": "score", "score": s}
+                         for i, s in enumerate(scores)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens,
+                          "completion_tokens": 0}})
+        except APIError as e:
+            return e.response()
+
+    async def rerank(self, request: Request):
+        try:
+            req = await self._parse(request, RerankRequest)
+            if not req.documents:
+                raise APIError(400, "documents must not be empty", "documents",
+                               "invalid_value")
+            scores, num_tokens = await self._scores(
+                req, [(req.query, d) for d in req.documents], "documents")
+            best = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
+            return JSONResponse({
+                "id": f"rerank-{uuid.uuid4().hex}", "model": self.frontend.reported_model(req),
+                "usage": {"total_tokens": num_tokens},
+                "results": [{"index": i, "document": {"text": req.documents[i]},
+                             "relevance_score": scores[i]} for i in best]})
+        except APIError as e:
+            return e.response()
+
+    async def _parse(self, request: Request, schema):
+        self.frontend.refuse_if_draining()
+        req = await self.frontend.parse(request, schema)
+        if self.frontend.cfg.classifier_from_token is None:
+            raise APIError(400, "this server does not score pairs: serve a reranker with "
+                                "runner pooling and classifier_from_token", None,
+                           "unsupported_task")
+        return req
+
+    async def _scores(self, req, pairs: list[tuple[str, str]], param: str
+                      ) -> tuple[list[float], int]:
+        """Each pair's score, and the tokens of them all."""
+        frontend = self.frontend
+        info = await frontend.ready()
+        frontend.refuse_over_queue(len(pairs), f"{len(pairs)} pairs", param)
+        ids = await frontend.tokenize(lambda t: [t(a, b)["input_ids"] for a, b in pairs],
+                                      sum(len(a) + len(b) for a, b in pairs))
+        limit, n = info.max_model_len, req.truncate_prompt_tokens
+        ids = [keep_last(p, limit - 1 if n == limit else n, limit) for p in ids]
+        for i, p in enumerate(ids):
+            where = f"{param}.{i}" if len(ids) > 1 else param
+            if not p:
+                raise APIError(400, "a pair of empty texts has no token to score", where,
+                               "invalid_value")
+            if len(p) >= limit:  # (a pair needs room for its one step)
+                raise PromptTooLong(len(p), limit, where)
+        base = f"score-{uuid.uuid4().hex}"
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        requests = [EngineRequest(f"{base}-{i}", p, sampling,
+                                  1 if req.priority is None else req.priority)
+                    for i, p in enumerate(ids)]
+        scores = await run_pooling(frontend, requests, param)
+        return [float(np.frombuffer(s, dtype=np.float32)[0]) for s in scores], \
+            sum(map(len, ids))

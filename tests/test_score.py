@@ -1,0 +1,137 @@
+"""A causal LM served as a reranker (runner pooling, classifier_from_token): a pair's score is
+sigmoid(logit(yes) - logit(no)) at its last token, as transformers' logits give it (fp32),
+through the engine and through POST /v1/score and /v1/rerank."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from engine_actors.checkpoint import load_tokenizer, resolve_model_path, save_random_checkpoint
+from engine_actors.config import DEFAULT_MODEL
+from engine_actors.request import SamplingParams
+from tests.engine_harness import InProcessEngine
+
+pytestmark = pytest.mark.own_server  # conftest runs these modules last
+
+TOKENS = ["n", "y"]  # single tokens of the byte-level test vocabulary (Qwen3-Reranker: no, yes)
+
+
+def hf_scores(model_dir: str, prompts: list[list[int]], tokens: list[int]) -> list[float]:
+    """transformers' next-token logits at each prompt's last token, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            logits = model(torch.tensor([p])).logits[0, -1, tokens]
+            out.append(torch.sigmoid(logits[-1] - logits[0] if len(tokens) == 2
+                                     else logits[0]).item())
+    return out
+
+
+def engine_scores(model_dir: str, prompts: list[list[int]], tokens: list[str],
+                  **args) -> list[float]:
+    engine = InProcessEngine(model=model_dir, runner="pooling", classifier_from_token=tokens,
+                             max_batch_size=4, block_size=4, max_num_batched_tokens=24,
+                             max_num_tokens=2048, **args)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.run({0: [(f"r{i}", p, sampling) for i, p in enumerate(prompts)]})
+    return [float(np.frombuffer(engine.embeddings[f"r{i}"], dtype=np.float32)[0])
+            for i in range(len(prompts))]
+
+
+PROMPTS = [list(range(5 + 7 * i, 8 + 16 * i)) for i in range(5)]  # 3 to 67 tokens
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_scores_equal_transformers_logits(tmp_path, tied):
+    """Two tokens (yes against no) and one; an LM head of its own, and one tied to the
+    embeddings (Qwen3-Reranker-0.6B's), in prompts chunked over steps."""
+    save_random_checkpoint(str(tmp_path), "qwen3", seed=5, head_dim=32,
+                           tie_word_embeddings=tied)
+    ids = [load_tokenizer(str(tmp_path)).convert_tokens_to_ids(t) for t in TOKENS]
+    for tokens, token_ids in ((TOKENS, ids), (TOKENS[1:], ids[1:])):
+        got = engine_scores(str(tmp_path), PROMPTS, tokens)
+        np.testing.assert_allclose(got, hf_scores(str(tmp_path), PROMPTS, token_ids),
+                                   rtol=1e-5, atol=1e-6)
+    assert len(set(np.round(got, 6))) == len(PROMPTS)  # (scores that tell prompts apart)
+
+
+@pytest.mark.gpu
+def test_scores_equal_transformers_on_gpu_fp32(tmp_path):
+    save_random_checkpoint(str(tmp_path), "qwen3", seed=5, head_dim=32, tie_word_embeddings=True)
+    ids = [load_tokenizer(str(tmp_path)).convert_tokens_to_ids(t) for t in TOKENS]
+    got = engine_scores(str(tmp_path), PROMPTS, TOKENS, device="cuda", dtype="float32")
+    np.testing.assert_allclose(got, hf_scores(str(tmp_path), PROMPTS, ids), rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_a_token_that_is_not_in_the_vocabulary_is_refused_at_start(tmp_path):
+    save_random_checkpoint(str(tmp_path), "llama", seed=3)
+    with pytest.raises(ValueError, match="'yes' is not one token"):
+        InProcessEngine(model=str(tmp_path), runner="pooling",
+                        classifier_from_token=["n", "yes"], max_num_tokens=2048)
+    with pytest.raises(ValueError, match="with runner pooling"):
+        InProcessEngine(model=str(tmp_path), classifier_from_token=["n", "y"])
+
+
+# ---- through HTTP --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def url():
+    from tests.serve_fixture import app_config, start_app, stop_app
+    yield start_app(app_config(runner="pooling", classifier_from_token=TOKENS))
+    stop_app()
+
+
+def pair_ids(a: str, b: str) -> list[int]:
+    return load_tokenizer(resolve_model_path(DEFAULT_MODEL))(a, b)["input_ids"]
+
+
+def test_score_and_rerank_equal_transformers(url):
+    path = resolve_model_path(DEFAULT_MODEL)
+    token_ids = [load_tokenizer(path).convert_tokens_to_ids(t) for t in TOKENS]
+    query, docs = "orca whales", ["killer whale facts", "a recipe for bread", "orcas hunt"]
+    refs = hf_scores(path, [pair_ids(query, d) for d in docs], token_ids)
+    one_to_many = httpx.post(f"{url}/v1/score", timeout=60,
+                             json={"text_1": query, "text_2": docs}).json()
+    assert one_to_many.get("object") == "list", one_to_many
+    assert one_to_many["id"].startswith("score-")
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2]
+    np.testing.assert_allclose([d["score"] for d in one_to_many["data"]], refs, rtol=1e-5)
+    tokens = sum(len(pair_ids(query, d)) for d in docs)
+    assert one_to_many["usage"]["prompt_tokens"] == one_to_many["usage"]["total_tokens"] == tokens
+    many = httpx.post(f"{url}/score", timeout=60,
+                      json={"text_1": [query, docs[0]], "text_2": [docs[0], query]}).json()
+    ref_many = hf_scores(path, [pair_ids(query, docs[0]), pair_ids(docs[0], query)], token_ids)
+    np.testing.assert_allclose([d["score"] for d in many["data"]], ref_many, rtol=1e-5)
+    ranked = httpx.post(f"{url}/v1/rerank", timeout=60,
+                        json={"query": query, "documents": docs, "top_n": 2}).json()
+    order = sorted(range(3), key=lambda i: -refs[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["document"]["text"] for r in ranked["results"]] == [docs[i] for i in order]
+    np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]],
+                               [refs[i] for i in order], rtol=1e-5)
+    assert ranked["usage"]["total_tokens"] == tokens
+    every = httpx.post(f"{url}/v2/rerank", timeout=60, json={"query": query, "documents": docs})
+    assert len(every.json()["results"]) == 3
+
+
+@pytest.mark.parametrize("path,body,param,code", [
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2", "invalid_value"),
+    ("/v1/score", {"text_1": [], "text_2": "a"}, "text_1", "invalid_value"),
+    ("/v1/score", {"text_1": "a", "text_2": "x" * 5000}, "text_2", "context_length_exceeded"),
+    ("/v1/rerank", {"query": "a", "documents": []}, "documents", "invalid_value"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", None),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens", "invalid_value"),
+    ("/v1/embeddings", {"input": "a"}, None, "unsupported_task"),
+    ("/v1/completions", {"prompt": "a"}, None, "unsupported_runner"),
+])
+def test_bad_score_requests_get_400(url, path, body, param, code):
+    res = httpx.post(f"{url}{path}", timeout=60, json=body)
+    assert res.status_code == 400, res.text
+    error = res.json()["error"]
+    assert error["message"] and error["param"] == param
+    assert code is None or error["code"] == code
