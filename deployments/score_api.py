@@ -1,18 +1,18 @@
 """vLLM's score and rerank routes, for a causal LM served as a reranker (runner pooling with
 `classifier_from_token`, as Qwen3-Reranker is served: engine_actors/pooling.py).
 
-Each (query, document) pair is tokenized as the tokenizer encodes a pair (for a decoder's
-tokenizer, the two texts' tokens one after the other, with its special tokens) and scored
-at its last token. As in vLLM, the texts are taken as they come: a reranker's own prompt
-format (Qwen3-Reranker's system prompt, `<Instruct>`, `<Query>`, `<Document>`) is the
-client's to write.
+Each (query, document) pair is scored at the last token of the two texts joined, encoded
+as one text with the tokenizer's special tokens, as vLLM scores a causal LM made a
+reranker. As in vLLM, the texts are taken as they come: a reranker's own prompt format
+(Qwen3-Reranker's system prompt, `<Instruct>`, `<Query>`, `<Document>`) is the client's to
+write.
 
 - POST /score, /v1/score: `text_1` and `text_2` (a string or a list of strings each: one to
   one, one to many, or many to many of the same length) -> {"id", "object": "list",
   "created", "model", "data": [{"index", "object": "score", "score"}], "usage"}.
-- POST /rerank, /v1/rerank, /v2/rerank: `query`, `documents`, `top_n` (0 or absent: all) ->
-  {"id", "model", "usage", "results": [{"index", "document": {"text"}, "relevance_score"}]},
-  best first.
+- POST /rerank, /v1/rerank, /v2/rerank: `query`, `documents`, `top_n` (0, less, or absent:
+  all) -> {"id", "model", "usage", "results": [{"index", "document": {"text"},
+  "relevance_score"}]}, best first.
 Both take `truncate_prompt_tokens` (a pair keeps its last n tokens) and `priority`.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class ScoreRequest(PoolingRequest):
 class RerankRequest(PoolingRequest):
     query: str
     documents: list[str]
-    top_n: Annotated[int, Field(ge=0)] = 0
+    top_n: int = 0
 
 
 class ScoreAPI:
@@ -91,10 +91,11 @@ class ScoreAPI:
                                "invalid_value")
             scores, num_tokens = await self._scores(
                 req, [(req.query, d) for d in req.documents], "documents")
-            best = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
+            best = sorted(range(len(scores)), key=lambda i: -scores[i])
+            best = best[:req.top_n] if req.top_n > 0 else best
             return JSONResponse({
                 "id": f"rerank-{uuid.uuid4().hex}", "model": self.frontend.reported_model(req),
-                "usage": {"total_tokens": num_tokens},
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
                 "results": [{"index": i, "document": {"text": req.documents[i]},
                              "relevance_score": scores[i]} for i in best]})
         except APIError as e:
@@ -115,7 +116,7 @@ class ScoreAPI:
         frontend = self.frontend
         info = await frontend.ready()
         frontend.refuse_over_queue(len(pairs), f"{len(pairs)} pairs", param)
-        ids = await frontend.tokenize(lambda t: [t(a, b)["input_ids"] for a, b in pairs],
+        ids = await frontend.tokenize(lambda t: [t.encode(a + b) for a, b in pairs],
                                       sum(len(a) + len(b) for a, b in pairs))
         limit, n = info.max_model_len, req.truncate_prompt_tokens
         ids = [keep_last(p, limit - 1 if n == limit else n, limit) for p in ids]
@@ -131,6 +132,9 @@ class ScoreAPI:
         requests = [EngineRequest(f"{base}-{i}", p, sampling,
                                   1 if req.priority is None else req.priority)
                     for i, p in enumerate(ids)]
-        scores = await run_pooling(frontend, requests, param)
-        return [float(np.frombuffer(s, dtype=np.float32)[0]) for s in scores], \
-            sum(map(len, ids))
+        scores = [float(np.frombuffer(s, dtype=np.float32)[0])
+                  for s in await run_pooling(frontend, requests, param)]
+        if not all(map(np.isfinite, scores)):  # (JSON has no NaN)
+            raise APIError(500, "the model's score is not a finite number", None,
+                           "internal_error", "server_error")
+        return scores, sum(map(len, ids))

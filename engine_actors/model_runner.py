@@ -123,9 +123,14 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         loaded = set()
         for name, tensor in iter_checkpoint_tensors(path, self.device):
-            keep_classifier(self.pooling, name, tensor, self.hf_config.tie_word_embeddings)
+            keep_classifier(self.pooling, name, tensor, self.hf_config.tie_word_embeddings,
+                            self.device)
             keys = model.load_weight(name, loaded_dtype(name, tensor, self.dtype))
             loaded.update(keys if isinstance(keys, list) else [keys])  # (a list: experts')
+        if self.pooling is not None and self.pooling.token_ids and \
+                self.pooling.classifier is None:
+            raise ValueError(f"classifier_from_token: checkpoint {path} has no LM head (nor "
+                             "embedding table) to take the tokens' rows from")
         missing = model.weight_keys() - loaded
         if missing:
             raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")

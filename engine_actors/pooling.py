@@ -61,13 +61,13 @@ def read_pooling(path: str, classifier_tokens: list[str] | None = None) -> Pooli
     return Pooling(normalize=any(t.endswith("Normalize") for t in types))
 
 
-def keep_classifier(pooling: Pooling | None, name: str, tensor: torch.Tensor,
-                    tied: bool) -> None:
+def keep_classifier(pooling: Pooling | None, name: str, tensor: torch.Tensor, tied: bool,
+                    device: torch.device) -> None:
     """As the checkpoint loads: a classifier's rows of the LM head (of the embeddings, when
-    the head is tied to them)."""
-    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-    if pooling is not None and pooling.token_ids and name in (head, head[len("model."):]):
-        pooling.classifier = tensor[list(pooling.token_ids)].float()
+    the head is tied to them; a multimodal checkpoint's names end the same)."""
+    head = "embed_tokens.weight" if tied else "lm_head.weight"
+    if pooling is not None and pooling.token_ids and name.endswith(head):
+        pooling.classifier = tensor[list(pooling.token_ids)].float().to(device)
 
 
 def embed(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:
@@ -75,7 +75,7 @@ def embed(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:
     fp32."""
     out = hidden.float()
     if pooling.classifier is not None:
-        logits = out @ pooling.classifier.to(out.device).T
+        logits = out @ pooling.classifier.T
         return torch.sigmoid(logits[:, -1:] - logits[:, :1] if logits.shape[1] == 2 else logits)
     return F.normalize(out, dim=-1) if pooling.normalize else out
 

@@ -86,7 +86,8 @@ def url():
 
 
 def pair_ids(a: str, b: str) -> list[int]:
-    return load_tokenizer(resolve_model_path(DEFAULT_MODEL))(a, b)["input_ids"]
+    """vLLM's: the two texts joined, encoded as one (with the tokenizer's special tokens)."""
+    return load_tokenizer(resolve_model_path(DEFAULT_MODEL)).encode(a + b)
 
 
 def test_score_and_rerank_equal_transformers(url):
@@ -114,8 +115,10 @@ def test_score_and_rerank_equal_transformers(url):
     np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]],
                                [refs[i] for i in order], rtol=1e-5)
     assert ranked["usage"]["total_tokens"] == tokens
-    every = httpx.post(f"{url}/v2/rerank", timeout=60, json={"query": query, "documents": docs})
-    assert len(every.json()["results"]) == 3
+    for top_n in ({}, {"top_n": 0}, {"top_n": -1}):  # (vLLM's: all of them)
+        every = httpx.post(f"{url}/v2/rerank", timeout=60,
+                           json={"query": query, "documents": docs, **top_n}).json()
+        assert [r["index"] for r in every["results"]] == sorted(range(3), key=lambda i: -refs[i])
 
 
 @pytest.mark.parametrize("path,body,param,code", [
@@ -123,7 +126,7 @@ def test_score_and_rerank_equal_transformers(url):
     ("/v1/score", {"text_1": [], "text_2": "a"}, "text_1", "invalid_value"),
     ("/v1/score", {"text_1": "a", "text_2": "x" * 5000}, "text_2", "context_length_exceeded"),
     ("/v1/rerank", {"query": "a", "documents": []}, "documents", "invalid_value"),
-    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", None),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": "x"}, "top_n", None),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 0},
      "truncate_prompt_tokens", "invalid_value"),
     ("/v1/embeddings", {"input": "a"}, None, "unsupported_task"),
@@ -135,3 +138,40 @@ def test_bad_score_requests_get_400(url, path, body, param, code):
     error = res.json()["error"]
     assert error["message"] and error["param"] == param
     assert code is None or error["code"] == code
+
+
+def test_a_pair_is_its_texts_joined_and_encoded_once(monkeypatch):
+    """vLLM's prompt for a causal LM made a reranker: one BOS (a tokenizer whose pair
+    template adds one per text, as Llama 3's, would put a second mid-prompt), and the seam
+    tokenized as in one text."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from deployments import score_api
+    vocab = {"<s>": 0, "ab": 1, "a": 2, "b": 3}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="<s>", max_input_chars_per_word=9))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>")
+    sent = []
+
+    async def run_pooling(frontend, requests, param):
+        sent.extend(r.prompt_token_ids for r in requests)
+        return [np.float32(0.5).tobytes()] * len(requests)
+
+    async def ready():
+        return SimpleNamespace(max_model_len=64)
+
+    async def tokenize(fn, chars):
+        return fn(tokenizer)
+
+    monkeypatch.setattr(score_api, "run_pooling", run_pooling)
+    frontend = SimpleNamespace(ready=ready, tokenize=tokenize, refuse_over_queue=lambda *a: None)
+    req = score_api.ScoreRequest(text_1="a", text_2="b")
+    scores, num_tokens = asyncio.run(score_api.ScoreAPI(frontend)._scores(req, req.pairs(),
+                                                                          "text_2"))
+    assert sent == [[0, 1]] and scores == [0.5] and num_tokens == 2
