@@ -14,6 +14,7 @@ Instructions are not carried over, as in OpenAI's API.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
@@ -135,10 +136,9 @@ class StoredResponses:
             return False
 
     async def delete_quietly(self, response_id: str) -> None:
-        try:
+        """Forget a record; if the scheduler is gone, so is the record."""
+        with contextlib.suppress(APIError):
             await self._call("delete", response_id)
-        except APIError:
-            pass  # the scheduler is gone, and the record with it
 
     # ---- the routes ---------------------------------------------------------------------
     async def retrieve(self, request: Request):
