@@ -41,6 +41,13 @@ def record_items(record: dict) -> list[dict]:
     return record["input"] + record["response"]["output"]
 
 
+def as_record(response: dict, items: list[dict]) -> tuple[str, list[str]]:
+    """A response and its request's input items as the store keeps them: (the record's
+    JSON, ASCII, so its len is its bytes; the ids of its items)."""
+    record = {"response": response, "input": items}
+    return json.dumps(record), [item["id"] for item in record_items(record)]
+
+
 class StoredResponses:
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
@@ -102,8 +109,7 @@ class StoredResponses:
     async def save(self, response: dict, items: list[dict]) -> None:
         """Keep a finished response with its request's input items (references resolved).
         If the scheduler is gone, the response is still delivered, and not found later."""
-        data = json.dumps({"response": response, "input": items})  # ASCII: len is bytes
-        ids = [item["id"] for item in items + response["output"]]
+        data, ids = as_record(response, items)
         try:
             if not await self._call("put", response["id"], data,
                                     response["previous_response_id"], ids):
@@ -116,9 +122,9 @@ class StoredResponses:
                     request_ids: list[str]) -> None:
         """Store a background response as it starts, run by this replica (`owner`: its
         engine client's id, which the scheduler drops when the replica goes)."""
-        data = json.dumps({"response": response, "input": items})
+        data, ids = as_record(response, items)
         if not await self._call("put", response["id"], data, response["previous_response_id"],
-                                [item["id"] for item in items], owner, request_ids):
+                                ids, owner, request_ids):
             raise APIError(400, "the request is larger than this server's response store "
                                 "(response_store_mib): it cannot run in the background",
                            "background", "invalid_value")
@@ -127,8 +133,7 @@ class StoredResponses:
                      running: bool) -> bool:
         """A background response's new state; False once it runs here no more (cancelled,
         deleted, or too large to store). If the scheduler is gone, so is the record."""
-        data = json.dumps({"response": response, "input": items})
-        ids = [item["id"] for item in items + response["output"]]
+        data, ids = as_record(response, items)
         try:
             return await self._call("update", response["id"], data, ids, owner, running)
         except APIError as e:
