@@ -38,7 +38,7 @@ from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
 from deployments.responses_api import ResponsesAPI
 from deployments.score_api import ScoreAPI
-from deployments.serve_run_stop import stop_serve_run
+from deployments.serve_run_stop import READY, stop_serve_run
 from deployments.tokenize_api import TokenizeAPI
 from engine_actors.config import EngineConfig
 
@@ -115,7 +115,7 @@ class OpenAIIngress:
         # scanned again.
         gc.collect()
         gc.freeze()
-        logger.warning("orca-serve ready: model %s, OpenAI API at %s/v1", self.cfg.model_name,
+        logger.warning("%smodel %s, OpenAI API at %s/v1", READY, self.cfg.model_name,
                        await _http_url())
 
     def _on_start_failure(self, cause: str) -> None:

@@ -21,7 +21,7 @@ import threading
 import yaml
 
 from deployments import serve_env
-from deployments.serve_run_stop import MARK
+from deployments.serve_run_stop import MARK, READY
 from engine_actors.config import EngineConfig
 
 # how often the launcher looks at things: it connects to `serve run`'s cluster once that is
@@ -36,14 +36,16 @@ PORT_TAKEN = re.compile(r"cannot bind socket \(Address already in use\) for \[[^
 
 class Drainer:
     """Asks the scheduler actor of every application in the config to drain. It connects to
-    the Ray cluster of `serve run` as soon as that is up, so that a SIGTERM refuses new
-    requests at once (connecting takes seconds)."""
+    the Ray cluster of `serve run` as soon as that is up, and finds each engine as soon as it
+    runs, so that a SIGTERM refuses new requests at once (connecting takes seconds, and the
+    first call to an actor close to one)."""
 
     def __init__(self, config_path: str):
         with open(config_path) as f:
             self.apps = yaml.safe_load(f).get("applications", [])
         self.connected = False
         self.serve_run_pid: int | None = None
+        self.engines: dict[str, tuple] = {}  # actor name: (handle, drain_timeout_s)
 
     def connect(self, quiet: bool = True) -> bool:
         """Connect to the cluster whose driver is our `serve run` (address "auto" may name
@@ -72,23 +74,44 @@ class Drainer:
             signal.signal(signal.SIGTERM, handler)  # ray.init replaces it with an exit
         return self.connected
 
-    def drain(self) -> None:
+    def find_engines(self) -> None:
+        """Look up the engines not found yet, and make a first (harmless) call to each: that
+        call waits for Ray to reach the actor, so a drain later need not. Called when one
+        says it is ready: a lookup while the cluster goes down would block for a minute."""
         import ray
 
         from engine_actors.scheduler_actor import NAMESPACE, actor_name
-        if not self.connect(quiet=False):
-            return
-        drains = []
         for app in self.apps:
             cfg = EngineConfig.from_args(app.get("args"))
+            name = actor_name(cfg)
+            if name in self.engines:
+                continue
             try:
-                actor = ray.get_actor(actor_name(cfg), namespace=NAMESPACE)
+                actor = ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:
-                continue  # this application's engine is not running
-            drains.append((actor.drain.remote(cfg.drain_timeout_s), cfg.drain_timeout_s))
-        for ref, timeout_s in drains:
+                continue  # this application's engine is not running (yet)
+            actor.stats.remote()
+            self.engines[name] = (actor, cfg.drain_timeout_s)
+
+    def drain(self) -> None:
+        import ray
+
+        from engine_actors.scheduler_actor import NAMESPACE
+        if not self.connect(quiet=False):
+            return
+        self.find_engines()
+        drains = {name: actor.drain.remote(timeout_s)
+                  for name, (actor, timeout_s) in self.engines.items()}
+        for name, ref in drains.items():
+            timeout_s = self.engines[name][1]
             try:
-                ray.get(ref, timeout=timeout_s + 10)
+                try:
+                    ray.get(ref, timeout=timeout_s + 10)
+                except ray.exceptions.RayActorError:  # it ended since: drain its successor
+                    actor = ray.get_actor(name, namespace=NAMESPACE)
+                    ray.get(actor.drain.remote(timeout_s), timeout=timeout_s + 10)
+            except ValueError:
+                pass  # no successor: nothing to drain
             except Exception as e:
                 print(f"orca-serve: drain did not complete: {e}", file=sys.stderr)
 
@@ -97,6 +120,7 @@ class Drainer:
         Ray itself (the launcher would exit without a word)."""
         if self.connected:
             import ray
+            self.engines.clear()  # handles first: ray.shutdown would wait for their actors
             ray.shutdown()
             self.connected = False
 
@@ -149,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 if failure:  # `serve run` is about to take its cluster down: let go of it
                     drainer.disconnect()
-                elif not stopping and not drainer.connected:
-                    drainer.connect()
+                elif not stopping and (drainer.connected or drainer.connect()) and \
+                        relayed.ready.is_set():
+                    relayed.ready.clear()
+                    drainer.find_engines()
             except InterruptedError:
                 continue
     finally:
@@ -169,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Relay:
-    """Copies `serve run`'s stderr to ours, noting the cause of an engine start failure
-    and the ports HAProxy found taken, until closed (then nothing more is written: the
+    """Copies `serve run`'s stderr to ours, noting engines that are ready, the cause of an
+    engine start failure and the ports HAProxy found taken, until closed (then nothing more is written: the
     cause stays the last line)."""
 
     def __init__(self):
         self.lock, self.closed = threading.Lock(), False
         self.taken_ports: list[str] = []
+        self.ready = threading.Event()  # an engine said it is ready
 
     def copy(self, stream, failure: list[str]) -> None:
         for raw in stream:
@@ -188,6 +215,8 @@ class _Relay:
                 if MARK in line:
                     cause = line.split(MARK, 1)[1].split(" [repeated ")[0].strip()
                     failure.append(cause)
+                if READY in line:
+                    self.ready.set()
                 if taken := PORT_TAKEN.search(line):
                     self.taken_ports.append(taken.group(1))
 

@@ -12,7 +12,9 @@ import time
 import ray
 
 logger = logging.getLogger("orca_serve.serve_run")
-MARK = "stopping `serve run`: the engine failed to start: "  # deployments.launch looks for it
+# deployments.launch looks for these in `serve run`'s output
+MARK = "stopping `serve run`: the engine failed to start: "
+READY = "orca-serve ready: "
 
 
 def stop_serve_run(cause: str, delay_s: float = 3.0) -> None:

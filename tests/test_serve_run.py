@@ -127,3 +127,48 @@ def test_serve_env_prints_shell_exports_of_every_setting():
                          env={"PATH": os.environ.get("PATH", "")}, check=True).stdout
     env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV
+
+
+def fake_engine(drained: list, alive: bool = True):
+    """An engine's handle as the launcher uses it: stats (its first call) and drain."""
+    from types import SimpleNamespace
+
+    def drain(timeout_s):
+        drained.append(timeout_s)
+        return "drain" if alive else "died"
+    return SimpleNamespace(stats=SimpleNamespace(remote=lambda: None),
+                           drain=SimpleNamespace(remote=drain))
+
+
+@pytest.mark.parametrize("successor", [True, False])
+def test_sigterm_drains_the_engine_that_replaced_the_one_found(tmp_path, monkeypatch, capsys,
+                                                              successor):
+    """The launcher looks an engine up when it is ready (a SIGTERM then costs one call);
+    if that engine has ended by the SIGTERM, the one running under its name is drained, and
+    with none running there is nothing to drain (and nothing to complain about)."""
+    import ray
+
+    from deployments.launch import Drainer
+    config_file, _ = write_config(tmp_path, drain_timeout_s=7.0)
+    found, replacement = [], []
+    lookups = [fake_engine(found, alive=False), fake_engine(replacement)]
+
+    def get_actor(name, namespace):
+        if not lookups or (not successor and len(lookups) == 1):
+            raise ValueError(f"no actor {name}")
+        return lookups.pop(0)
+
+    def get(ref, timeout):
+        if ref == "died":
+            raise ray.exceptions.RayActorError()
+        assert ref == "drain" and timeout > 7.0
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "get", get)
+    drainer = Drainer(str(config_file))
+    drainer.connected = True  # as after it connected to `serve run`'s cluster
+    drainer.find_engines()
+    drainer.drain()
+    assert found == [7.0]
+    assert replacement == ([7.0] if successor else [])
+    assert "did not complete" not in capsys.readouterr().err
