@@ -41,6 +41,7 @@ class FakeOrca:
         self.delays = delays or [0.05]
         self.token_delay_s = token_delay_s
         self.bodies: list[dict] = []  # every POST body, in arrival order
+        self.polled: list[str] = []  # the batches whose status or results were asked for
         self.batches: dict[str, dict] = {}
         self.chat_streams: list[dict] = []  # {"body", "completed"} per chat request
         self.app = Starlette(routes=[
@@ -86,6 +87,7 @@ class FakeOrca:
 
     async def status(self, request):
         bid = request.path_params["id"]
+        self.polled.append(bid)
         if bid not in self.batches:
             return _error(404, f"no batch {bid}", "id")
         if request.method == "DELETE":
@@ -95,6 +97,7 @@ class FakeOrca:
 
     async def results(self, request):
         bid = request.path_params["id"]
+        self.polled.append(bid)
         if bid not in self.batches:
             return _error(404, f"no batch {bid}", "id")
         b = self.batches[bid]
