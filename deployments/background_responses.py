@@ -8,6 +8,12 @@ when it is accepted, `in_progress` once its task runs, then as it ends (`complet
 engine requests, and this replica's own last update is then refused; if this replica
 stops first, the scheduler stores it as `failed`. The work is not an HTTP request that
 Serve sees: a replica that a scale-down stops fails what it runs.
+
+With `stream: true` as well, the record also keeps the response's stream events as they
+come. The POST's answer streams them from the record (stored_responses.StoredResponses
+.stream), as GET /v1/responses/{id}?stream=true&starting_after=N does from any replica: a
+client that loses its connection resumes after the last event it saw, and the response is
+generated all the same.
 """
 from __future__ import annotations
 
@@ -16,9 +22,10 @@ import contextvars
 import logging
 
 from deployments.protocol import APIError
-from deployments.response_output import ResponseObject
+from deployments.response_output import ResponseEvents, ResponseObject
 
 logger = logging.getLogger("orca_serve.ingress")
+INTERNAL_ERROR = "internal error"
 
 
 class BackgroundResponses:
@@ -28,17 +35,19 @@ class BackgroundResponses:
         self._tasks: set[asyncio.Task] = set()  # running, kept alive
 
     async def start(self, response: ResponseObject, items: list[dict], group, choices,
-                    chat, timeout: float | None) -> dict:
-        """Store the submitted request's response as queued and run it; its body now."""
+                    chat, timeout: float | None, events: ResponseEvents | None) -> dict:
+        """Store the submitted request's response as queued and run it; its body now.
+        `events`: the stream's, for a streamed one."""
         body = response.body("queued", [])
         owner = self.openai.frontend.client.client_id  # (a reconnect makes a new one)
         try:
-            await self.stored.begin(body, items, owner, list(choices))
+            await self.stored.begin(body, items, owner, list(choices),
+                                    [events.state("queued")] if events else [])
         except BaseException:
             group.close()  # its engine requests end, and a record stored all the same goes
             self._spawn(self.stored.delete_quietly(response.id))
             raise
-        self._spawn(self._run(response, items, owner, group, choices, chat, timeout))
+        self._spawn(self._run(response, items, owner, group, choices, chat, timeout, events))
         return body
 
     def _spawn(self, coro) -> None:
@@ -54,22 +63,63 @@ class BackgroundResponses:
             task.cancel()
 
     async def _run(self, response: ResponseObject, items: list[dict], owner: str, group,
-                   choices, chat, timeout: float | None) -> None:
+                   choices, chat, timeout: float | None,
+                   events: ResponseEvents | None) -> None:
         try:
+            started = [events.state("in_progress")] if events else []
             if not await self.stored.update(response.body("in_progress", []), items, owner,
-                                            True):
+                                            True, started):
                 group.close()  # cancelled or deleted while queued
                 return
-            try:
-                await self.openai.collect(group, choices, chat, timeout)
-                body = response.final(next(iter(choices.values())))
-            except APIError as e:  # (OpenAI's codes: the cause is in the message)
-                body = response.body("failed", [], error={"code": "server_error",
-                                                          "message": e.message})
-            if not await self.stored.update(body, items, owner, False):
+            last: list[dict] = []  # the stream's events not stored yet
+            if events is not None:
+                ended = await self._stream(response.id, owner, group, choices, chat, timeout,
+                                           events)
+                if ended is None:  # it runs here no more
+                    group.close()
+                    return
+                body, last = ended
+            else:
+                try:
+                    await self.openai.collect(group, choices, chat, timeout)
+                    body = response.final(next(iter(choices.values())))
+                except APIError as e:  # (OpenAI's codes: the cause is in the message)
+                    body = response.body("failed", [], error={"code": "server_error",
+                                                              "message": e.message})
+            if not await self.stored.update(body, items, owner, False, last):
                 group.close()
         except Exception:
             logger.exception("background response %s failed", response.id)
             group.close()
             await self.stored.update(response.body("failed", [], error={
-                "code": "server_error", "message": "internal error"}), items, owner, False)
+                "code": "server_error", "message": INTERNAL_ERROR}), items, owner, False,
+                [events.error(INTERNAL_ERROR)] if events else [])
+
+    async def _stream(self, response_id: str, owner: str, group, choices, chat,
+                      timeout: float | None, events: ResponseEvents
+                      ) -> tuple[dict, list[dict]] | None:
+        """Run the stream and store its events as they come, one call at a time: those that
+        come meanwhile go together in the next. (Its final response, the events that end
+        it), or None once it runs here no more (cancelled, deleted)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def produce():
+            try:
+                async for event in self.openai.stream_events(group, choices, events, chat,
+                                                             timeout):
+                    queue.put_nowait(event)
+            finally:
+                queue.put_nowait(None)
+        producer = asyncio.get_running_loop().create_task(produce())
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                if batch[-1] is None:  # the end: it goes with the final state
+                    await producer  # (raises what the stream raised)
+                    return (events.final, batch[:-1]) if events.final else None
+                if not await self.stored.add_events(response_id, owner, batch):
+                    return None
+        finally:
+            producer.cancel()

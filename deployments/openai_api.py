@@ -178,7 +178,7 @@ class OpenAIRoutes:
     def stream_response(self, group, choices, writer, req, timeout: float | None):
         """The submitted request as server-sent events that `writer` (SSEWriter, or
         response_output.ResponseEvents) formats; its requests end however the response does."""
-        return SSEResponse(self._stream(group, choices, writer, req, timeout),
+        return SSEResponse(self.stream_events(group, choices, writer, req, timeout),
                            on_close=group.close)
 
     async def collect(self, group, choices, req, timeout: float | None) -> None:
@@ -208,7 +208,8 @@ class OpenAIRoutes:
         if all(c.finish_reason == "deadline" for c in choices.values()):
             raise deadline_error(req.deadline_ms)
 
-    async def _stream(self, group, choices, sse: StreamWriter, req, timeout: float | None):
+    async def stream_events(self, group, choices, sse: StreamWriter, req,
+                            timeout: float | None):
         try:
             for event in sse.start(choices):
                 yield event

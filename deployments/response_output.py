@@ -140,9 +140,11 @@ class ResponseEvents:
     arrive whole when the choice ends (deployments/tool_parsers.py holds them back), each
     an item with its arguments in one delta."""
 
-    def __init__(self, response: ResponseObject, save=None):
+    def __init__(self, response: ResponseObject, save=None, background: bool = False):
         self.response = response
         self.save = save  # an async function of the final response, to store it
+        self.is_background = background  # (its run sends its state's events: state())
+        self.final: dict | None = None  # the response as it ended, once it has
         self.num_events = 0  # the next sequence_number
         self.num_items = 0  # output items opened: the next one's output_index
         self.reasoning_index: int | None = None  # of the reasoning item, while open
@@ -156,9 +158,17 @@ class ResponseEvents:
         return {"event": kind, "data": json.dumps(data)}
 
     def start(self, choices: dict[str, Choice]) -> list[dict]:
+        if self.is_background:
+            return []
         body = self.response.body("in_progress", [])
         return [self._event("response.created", response=body),
                 self._event("response.in_progress", response=body)]
+
+    def state(self, status: str) -> dict:
+        """A background response's event as it is accepted ("queued": response.created)
+        and as it starts ("in_progress")."""
+        return self._event("response.created" if status == "queued" else
+                           "response.in_progress", response=self.response.body(status, []))
 
     def update(self, choice: Choice, delta: str) -> list[dict]:
         events = []
@@ -237,7 +247,7 @@ class ResponseEvents:
     async def finish(self, choices: dict[str, Choice]) -> list[dict]:
         if self.has_failed:
             return []
-        body = self.response.final(next(iter(choices.values())))
+        body = self.final = self.response.final(next(iter(choices.values())))
         if self.save is not None:  # before the client sees the end, and may continue from it
             await self.save(body)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
@@ -253,8 +263,8 @@ class ResponseEvents:
         """OpenAI's codes of a failed response name no timeouts or missed deadlines: every
         failure here is a "server_error" whose message says what happened."""
         self.has_failed = True
-        body = self.response.body("failed", [],
-                                  error={"code": "server_error", "message": message})
+        body = self.final = self.response.body("failed", [], error={"code": "server_error",
+                                                                    "message": message})
         return self._event("response.failed", response=body)
 
     @staticmethod

@@ -5,7 +5,7 @@ chat route's machinery (OpenAIRoutes: template, grammars and tool calls, submiss
 limits, disconnects, metrics); only the output differs: a `response` object, or its
 stream of typed events (response_output.py). Finished responses are stored unless the
 request says `"store": false` (stored_responses.py); `"background": true` answers at once
-and generates in a task (background_responses.py).
+and generates in a task (background_responses.py), streamed from the store with `stream`.
 """
 from __future__ import annotations
 
@@ -63,8 +63,11 @@ class ResponsesAPI:
                 response.id, chat, [(None, ids)], chat.max_tokens, info, chat=True,
                 arrival=arrival, grammar=grammar, tool_parser=parser)
             if req.background:
-                return JSONResponse(await self.background.start(response, items, group,
-                                                                choices, chat, timeout))
+                events = ResponseEvents(response, background=True) if chat.stream else None
+                body = await self.background.start(response, items, group, choices, chat,
+                                                   timeout, events)
+                return await self.stored.stream(response.id) if chat.stream \
+                    else JSONResponse(body)
             if chat.stream:
                 return self.openai.stream_response(
                     group, choices, ResponseEvents(response, save), chat, timeout)

@@ -6,7 +6,7 @@ a `function_call_output` a tool message), `tools` and `tool_choice` lose a level
 `text.format` is `response_format`. The chat route's machinery then serves it as it is.
 Items (responses_items.py) and tools are checked one at a time, so that an error names
 its place (`input.2.content.0`, `tools.1.type`). `conversation` (the Conversations API)
-is refused; `background` needs `store` and is not streamed (background_responses.py).
+is refused; `background` needs `store` (background_responses.py).
 """
 from __future__ import annotations
 
@@ -101,10 +101,6 @@ class ResponsesRequest(SamplingOptions):
         if self.background and not self.store:
             raise APIError(400, "background responses must be stored: set store to true "
                                 "(or leave it out)", "background", "invalid_value")
-        if self.background and self.stream:
-            raise APIError(400, "a background response is not streamed by this server: "
-                                "poll GET /v1/responses/{id} for it", "stream",
-                           "unsupported_parameter")
         if self.prompt is not None:
             raise APIError(400, "prompt (a stored prompt template) is not supported: this "
                                 "server stores none; send the text as input", "prompt",

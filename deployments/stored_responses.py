@@ -9,7 +9,9 @@ and what a response continues from is every earlier record's input then output i
 Responses are stored when they end (completed, or incomplete); one still generating, or
 one that failed, is not found, except background ones, stored as they start (with their
 state: background_responses.py), which POST /v1/responses/{id}/cancel cancels; a
-conversation continues from one once it has ended.
+conversation continues from one once it has ended. GET /v1/responses/{id}?stream=true
+(`starting_after`: the sequence number of the last event seen) streams the events of one
+made with `stream` too, live until it ends.
 Instructions are not carried over, as in OpenAI's API.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import json
 import logging
 
+from ray.exceptions import TaskCancelledError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -25,10 +28,12 @@ from starlette.routing import Route
 from deployments.frontend import Frontend
 from deployments.list_params import query_limit, query_order
 from deployments.protocol import APIError
+from deployments.responses import SSEResponse
 from deployments.responses_items import new_id
 from engine_actors.messages import page
 
 logger = logging.getLogger("orca_serve.ingress")
+WAIT_S = 10.0  # how long one call for a stream's next events waits for some
 
 
 def not_found(response_id: str) -> APIError:
@@ -46,6 +51,19 @@ def as_record(response: dict, items: list[dict]) -> tuple[str, list[str]]:
     JSON, ASCII, so its len is its bytes; the ids of its items)."""
     record = {"response": response, "input": items}
     return json.dumps(record), [item["id"] for item in record_items(record)]
+
+
+def starting_after(query) -> int:
+    """The sequence number of the last event a client saw (-1: none)."""
+    value = query.get("starting_after")
+    try:
+        after = -1 if value is None else int(value)
+    except ValueError:
+        after = -2
+    if after < -1:
+        raise APIError(400, f"starting_after must be an integer of at least 0, not {value!r}",
+                       "starting_after", "invalid_value")
+    return after
 
 
 class StoredResponses:
@@ -119,26 +137,71 @@ class StoredResponses:
             logger.warning("response %s not stored: %s", response["id"], e.message)
 
     async def begin(self, response: dict, items: list[dict], owner: str,
-                    request_ids: list[str]) -> None:
+                    request_ids: list[str], events: list[dict]) -> None:
         """Store a background response as it starts, run by this replica (`owner`: its
-        engine client's id, which the scheduler drops when the replica goes)."""
+        engine client's id, which the scheduler drops when the replica goes), with its
+        stream's first events if it is streamed."""
         data, ids = as_record(response, items)
         if not await self._call("put", response["id"], data, response["previous_response_id"],
-                                ids, owner, request_ids):
+                                ids, owner, request_ids, events):
             raise APIError(400, "the request is larger than this server's response store "
                                 "(response_store_mib): it cannot run in the background",
                            "background", "invalid_value")
 
-    async def update(self, response: dict, items: list[dict], owner: str,
-                     running: bool) -> bool:
-        """A background response's new state; False once it runs here no more (cancelled,
-        deleted, or too large to store). If the scheduler is gone, so is the record."""
+    async def update(self, response: dict, items: list[dict], owner: str, running: bool,
+                     events: list[dict]) -> bool:
+        """A background response's new state (and its stream's next events); False once it
+        runs here no more (cancelled, deleted, or too large to store). If the scheduler is
+        gone, so is the record."""
         data, ids = as_record(response, items)
         try:
-            return await self._call("update", response["id"], data, ids, owner, running)
+            return await self._call("update", response["id"], data, ids, owner, running,
+                                    events)
         except APIError as e:
             logger.warning("background response %s not updated: %s", response["id"], e.message)
             return False
+
+    async def add_events(self, response_id: str, owner: str, events: list[dict]) -> bool:
+        """A streamed background response's next events; False as update."""
+        try:
+            return await self._call("add_events", response_id, owner, events)
+        except APIError as e:
+            logger.warning("background response %s not updated: %s", response_id, e.message)
+            return False
+
+    async def stream(self, response_id: str, after: int = -1) -> SSEResponse:
+        """A streamed background response's events after the one numbered `after`, live
+        until it ends: the answer to its POST, and to GET ?stream=true from any replica."""
+        first = await self._call("events_after", response_id, after, 0.0)
+        if first is None:
+            raise not_found(response_id)
+        if first[2] == 0:
+            raise APIError(400, f"Response {response_id!r} was not created with background "
+                                "and stream: only those are streamed here", "stream",
+                           "invalid_value")
+
+        async def events():
+            nonlocal after
+            batch, ended, _ = first
+            while True:
+                for event in batch:
+                    yield event
+                after += len(batch)
+                if ended:
+                    return
+                try:
+                    got = await self._call("events_after", response_id, after, WAIT_S)
+                except APIError as e:  # the scheduler is gone, and the record with it
+                    yield {"event": "error", "data": json.dumps({
+                        "type": "error", "code": e.code, "message": e.message,
+                        "param": None, "sequence_number": after + 1})}
+                    return
+                except TaskCancelledError:  # the client left (Serve cancels its calls)
+                    return
+                if got is None:  # deleted, or evicted
+                    return
+                batch, ended, _ = got
+        return SSEResponse(events(), on_close=lambda: None)
 
     async def delete_quietly(self, response_id: str) -> None:
         """Forget a record; if the scheduler is gone, so is the record."""
@@ -150,9 +213,7 @@ class StoredResponses:
         try:
             response_id = request.path_params["response_id"]
             if request.query_params.get("stream") in ("true", "1"):
-                raise APIError(400, "stream is not supported here: poll this route for a "
-                                    "background response's state", "stream",
-                               "unsupported_parameter")
+                return await self.stream(response_id, starting_after(request.query_params))
             data = await self._call("get", response_id)
             if data is None:
                 raise not_found(response_id)

@@ -12,15 +12,22 @@ is not found, and a conversation that passes through it can not be continued.
 A background response is stored as it starts, with the replica that runs it as its owner,
 which replaces it as it ends. Until then any replica may cancel it: it is stored as
 cancelled and its engine requests end (`abort`: the scheduler tells the owner, whose own
-update is then refused); if its owner goes, it is stored as failed.
+update is then refused); if its owner goes, it is stored as failed. One made with
+`stream` also keeps its stream's events, which its owner adds as it runs: any replica
+reads them (`events_after`, waiting for new ones), from the start or after one already
+seen, while it runs and after it ends.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+TOO_LARGE = {"code": "server_error",
+             "message": "the response is larger than the response store (response_store_mib)"}
 ITEM_BYTES = 160  # what the store keeps per item id beside the record (measured: ~150 + id)
 
 
@@ -31,6 +38,8 @@ class Record:
     item_ids: list[str]  # the ids of its input and output items
     owner: str | None = None  # a running background response's replica (its client id)
     request_ids: tuple[str, ...] = ()  # and its engine requests
+    events: list = field(default_factory=list)  # a streamed background response's events
+    event_bytes: int = 0  # theirs: each {"event": its type, "data": its JSON}
 
 
 class ResponseStore:
@@ -40,12 +49,15 @@ class ResponseStore:
         self.records: OrderedDict[str, Record] = OrderedDict()  # oldest use first
         self.item_owner: dict[str, str] = {}  # item id -> the response that holds it
         self.num_bytes = 0
+        self._changed: dict[str, asyncio.Event] = {}  # set when a record changes or goes
 
     def put(self, response_id: str, data: str, previous_id: str | None, item_ids: list[str],
-            owner: str | None = None, request_ids: tuple[str, ...] = ()) -> bool:
+            owner: str | None = None, request_ids: tuple[str, ...] = (),
+            events: list[dict] = ()) -> bool:
         """Keep a response (its item ids are new: no other record has them); False if it
         alone is over the store's size. `owner`: a background response that starts."""
-        record = Record(data, previous_id, item_ids, owner, tuple(request_ids))
+        record = Record(data, previous_id, item_ids, owner, tuple(request_ids), list(events),
+                        sum(_event_bytes(e) for e in events))
         if _size(record) > self.max_bytes:
             return False
         self._remove(response_id)
@@ -57,18 +69,18 @@ class ResponseStore:
         return True
 
     def update(self, response_id: str, data: str, item_ids: list[str], owner: str,
-               running: bool) -> bool:
-        """A background response's new state, from the replica that runs it: False, and
-        nothing stored, once it runs there no more (cancelled, failed, deleted)."""
+               running: bool, events: list[dict] = ()) -> bool:
+        """A background response's new state, and its stream's next events, from the
+        replica that runs it: False, and nothing stored, once it runs there no more
+        (cancelled, failed, deleted)."""
         record = self.records.get(response_id)
         if record is None or record.owner != owner:
             return False
         if self.put(response_id, data, record.previous_id, item_ids,
-                    owner if running else None, record.request_ids):
+                    owner if running else None, record.request_ids,
+                    record.events + list(events)):
             return True
-        self._end(response_id, "failed", {"code": "server_error", "message": "the response "
-                                          "is larger than the response store "
-                                          "(response_store_mib)"})
+        self._end(response_id, "failed", TOO_LARGE)
         return not running  # (a run that cannot be stored stops)
 
     def cancel(self, response_id: str) -> str | None:
@@ -79,6 +91,44 @@ class ResponseStore:
             self._abort(list(record.request_ids), cancelled=True)
             self._end(response_id, "cancelled")
         return self.get(response_id)
+
+    def add_events(self, response_id: str, owner: str, events: list[dict]) -> bool:
+        """A running background response's next stream events, from its owner; False once
+        it runs there no more (and when they no longer fit the store: it failed)."""
+        record = self.records.get(response_id)
+        if record is None or record.owner != owner:
+            return False
+        added = sum(_event_bytes(e) for e in events)
+        if _size(record) + added > self.max_bytes:
+            self._end(response_id, "failed", TOO_LARGE)  # (its owner ends its run)
+            return False
+        record.events += events
+        record.event_bytes += added
+        self.num_bytes += added
+        self._notify(response_id)
+        self._evict()
+        return True
+
+    async def events_after(self, response_id: str, after: int, wait_s: float
+                           ) -> tuple[list[dict], bool, int] | None:
+        """A streamed background response's events after the first `after + 1` (`after`:
+        the sequence number of one seen), waiting up to wait_s for some while it runs;
+        whether it has ended; how many it has (0: it is not streamed). None if it is not
+        stored."""
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + wait_s
+        while True:
+            record = self._use(response_id)
+            if record is None:
+                return None
+            if len(record.events) > after + 1 or record.owner is None or not record.events:
+                return list(record.events[after + 1:]), record.owner is None, \
+                    len(record.events)
+            if clock() >= deadline:
+                return [], False, len(record.events)
+            changed = self._changed.setdefault(response_id, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), deadline - clock())
 
     def owner_gone(self, owner: str) -> None:
         """The replica that ran these background responses stopped: they failed."""
@@ -136,7 +186,13 @@ class ResponseStore:
         for item_id in record.item_ids:
             if self.item_owner.get(item_id) == response_id:
                 del self.item_owner[item_id]
+        self._notify(response_id)
         return record
+
+    def _notify(self, response_id: str) -> None:
+        changed = self._changed.pop(response_id, None)
+        if changed is not None:
+            changed.set()
 
     def _end(self, response_id: str, status: str, error: dict | None = None) -> None:
         """A running background response ends here, as `status`."""
@@ -146,6 +202,7 @@ class ResponseStore:
         self.num_bytes -= _size(record)
         record.data, record.owner = json.dumps(stored), None
         self.num_bytes += _size(record)
+        self._notify(response_id)
         self._evict()
 
     def stats(self) -> dict:
@@ -159,5 +216,11 @@ class ResponseStore:
 
 
 def _size(record: Record) -> int:
-    """Bytes counted for a record: its JSON (ASCII) and its item ids' bookkeeping."""
-    return len(record.data) + sum(ITEM_BYTES + len(i) for i in record.item_ids)
+    """Bytes counted for a record: its JSON (ASCII), its item ids' bookkeeping and its
+    stream's events."""
+    return len(record.data) + sum(ITEM_BYTES + len(i) for i in record.item_ids) + \
+        record.event_bytes
+
+
+def _event_bytes(event: dict) -> int:
+    return len(event["data"]) + len(event["event"])

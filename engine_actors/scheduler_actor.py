@@ -240,8 +240,9 @@ class SchedulerActor:
             return await self.finetuning.cancel(*args, self.engine.executor)
         return getattr(self.finetuning, method)(*args)
 
-    def response_call(self, method: str, *args):  # ResponseStore's put, get, cancel, ...
-        return getattr(self.responses, method)(*args)
+    async def response_call(self, method: str, *args):  # ResponseStore's put, get, ...
+        result = getattr(self.responses, method)(*args)  # (events_after waits for some)
+        return await result if asyncio.iscoroutine(result) else result
 
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
                            priority: int = 0) -> Refusal | None:
@@ -278,9 +279,8 @@ class SchedulerActor:
         return self.metrics.render()
 
     def http_metrics(self, replica: str, seq: int, snapshot: list) -> dict[str, list]:
-        """Keep an ingress replica's request metrics (deployments/http_metrics.py), numbered
-        by seq so that a late older one is dropped, and after it stops, so that totals never
-        go back; returns every replica's latest."""
+        """Keep a replica's request metrics (deployments/http_metrics.py), numbered by seq (a
+        late older one is dropped), also after it stops (totals never go back); all latest."""
         if seq > self._http_metrics.get(replica, (-1, None))[0]:
             self._http_metrics[replica] = (seq, snapshot)
         return {r: s for r, (_, s) in self._http_metrics.items()}

@@ -89,7 +89,6 @@ def test_input_items_become_chat_messages():
 @pytest.mark.parametrize("body,param", [
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True, "store": False}, "background"),
-    ({"background": True, "stream": True}, "stream"),
     ({"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what is it?"},
         {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
@@ -364,7 +363,6 @@ def test_truncation_auto_keeps_an_agents_task_and_its_latest_calls(url):
 @pytest.mark.parametrize("body,param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True, "store": False}, "background"),
-    ({"background": True, "stream": True}, "stream"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),

@@ -5,6 +5,7 @@ retrieval, input items and their pages, deletion, `store: false`, and background
 (polled, cancelled)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -109,6 +110,60 @@ def test_eviction_spares_running_background_responses():
     assert store.num_bytes <= store.max_bytes
 
 
+def event(n: int, kind: str = "response.output_text.delta") -> dict:
+    return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": n})}
+
+
+def test_a_streamed_background_response_keeps_its_events_for_any_reader():
+    """Its owner adds events as it runs (and the last with its final state); a reader gets
+    those after the one it saw, waits for new ones while it runs, and learns that it ended;
+    the events count in the store's size."""
+    async def scenario():
+        store = ResponseStore(max_bytes=10_000)
+        store.put("s", record("queued"), None, [], owner="r1", request_ids=("s-0",),
+                  events=(event(0, "response.created"),))
+        store.put("plain", record("queued"), None, [], owner="r1", request_ids=("p-0",))
+        assert await store.events_after("plain", -1, 0.0) == ([], False, 0)  # not streamed
+        assert await store.events_after("nope", -1, 0.0) is None
+        assert store.update("s", record("in_progress"), [], "r1", True,
+                            [event(1, "response.in_progress")])
+        assert not store.add_events("s", "r2", [event(2)])  # not its owner
+        assert await store.events_after("s", -1, 0.0) == \
+            ([event(0, "response.created"), event(1, "response.in_progress")], False, 2)
+        assert await store.events_after("s", 1, 0.0) == ([], False, 2)  # none new yet
+        waiting = asyncio.ensure_future(store.events_after("s", 1, 5.0))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        assert store.add_events("s", "r1", [event(2), event(3)])
+        assert await asyncio.wait_for(waiting, 1.0) == ([event(2), event(3)], False, 4)
+        waiting = asyncio.ensure_future(store.events_after("s", 3, 5.0))
+        await asyncio.sleep(0.01)
+        assert store.update("s", record("completed"), [], "r1", False,
+                            [event(4, "response.completed")])
+        assert await asyncio.wait_for(waiting, 1.0) == \
+            ([event(4, "response.completed")], True, 5)
+        assert not store.add_events("s", "r1", [event(5)])  # it ended
+        assert await store.events_after("s", -1, 5.0) == (
+            [event(0, "response.created"), event(1, "response.in_progress"), event(2),
+             event(3), event(4, "response.completed")], True, 5)  # all, after its end
+        assert store.num_bytes == sum(
+            len(r.data) + sum(ITEM_BYTES + len(i) for i in r.item_ids) +
+            sum(len(e["data"]) + len(e["event"]) for e in r.events)
+            for r in store.records.values())
+        store.put("t", record("in_progress"), None, [], owner="r1", request_ids=("t-0",),
+                  events=(event(0, "response.created"),))
+        waiting = asyncio.ensure_future(store.events_after("t", 0, 5.0))
+        await asyncio.sleep(0.01)
+        store.cancel("t")  # an end wakes a reader
+        assert await asyncio.wait_for(waiting, 1.0) == ([], True, 1)
+        # events past the store's size: it failed, and its run is told to stop (False)
+        store.put("u", record("in_progress"), None, [], owner="r1", request_ids=("u-0",),
+                  events=(event(0, "response.created"),))
+        assert not store.add_events("u", "r1", [{"event": "x", "data": "x" * 20_000}])
+        assert status(store, "u")[0] == "failed"
+    asyncio.run(scenario())
+
+
 def test_a_cancel_ends_the_owners_request_as_a_finish_it_receives():
     """SchedulerActor.abort(cancelled=True): the replica running the response gets its
     request's last update (a plain abort is one its caller made, and gets nothing)."""
@@ -130,7 +185,7 @@ def test_a_cancel_ends_the_owners_request_as_a_finish_it_receives():
     actor.engine = type("Engine", (), {"scheduler": Scheduler})()
     actor.responses.put("bg", record("in_progress"), None, [], owner="r1",
                         request_ids=("bg-0",))
-    actor.response_call("cancel", "bg")
+    asyncio.run(actor.response_call("cancel", "bg"))
     assert owner.pending["bg-0"].finish_reason == "abort" and "bg-0" not in owner.request_ids
     actor.abort(["plain-0"])
     assert "plain-0" not in owner.pending and "plain-0" not in owner.request_ids
@@ -300,6 +355,65 @@ def test_a_background_response_cancelled_stops_generating(client, url):
     assert r.status_code == 400 and r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/responses/resp_nope/cancel", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_a_background_stream_resumes_after_the_last_event_seen(client, tokenizer, url):
+    """`background` and `stream`: the client leaves after five events; the response is
+    generated all the same, and GET ?stream=true&starting_after=4 (the official client's
+    retrieve) gives the rest, live; together, one stream numbered without a gap whose text
+    is transformers' greedy text. After its end the whole stream is still there."""
+    stream = client.responses.create(model=MODEL, input="Count on.", max_output_tokens=8,
+                                     temperature=0, background=True, stream=True,
+                                     extra_body=NO_EOS)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if len(seen) == 5:
+            break
+    stream.close()
+    assert [e.type for e in seen[:2]] == ["response.created", "response.in_progress"]
+    assert (seen[0].response.status, seen[1].response.status) == ("queued", "in_progress")
+    response_id = seen[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=4))
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete"
+    prompt = template_ids(tokenizer, [{"role": "user", "content": "Count on."}])
+    ref = tokenizer.decode(hf_greedy(resolve_model_path(DEFAULT_MODEL), prompt, 8),
+                           skip_special_tokens=True)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == ref == events[-1].response.output_text
+    stored = client.responses.retrieve(response_id)
+    assert stored.status == "incomplete" and stored.output_text == ref
+    replay = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.model_dump() for e in replay] == [e.model_dump() for e in events]
+    # what cannot be streamed: a background response made without stream, any other
+    # response, a bad cursor, an unknown response
+    quiet = client.responses.create(model=MODEL, input="x", max_output_tokens=2,
+                                    background=True)
+    plain = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    for rid, query, code in [(quiet.id, "", 400), (plain.id, "", 400),
+                             (response_id, "&starting_after=x", 400),
+                             ("resp_nope", "", 404)]:
+        r = httpx.get(f"{url}/v1/responses/{rid}?stream=true{query}", timeout=30)
+        assert r.status_code == code and r.json()["error"]["message"], (rid, query, r.text)
+
+
+def test_a_cancelled_background_stream_ends_its_readers(client, url):
+    before = wait_idle(url)
+    stream = client.responses.create(model=MODEL, input="go on", max_output_tokens=3000,
+                                     background=True, stream=True, extra_body=NO_EOS)
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            client.responses.cancel(events[0].response.id)
+            break
+    rest = list(stream)  # the stream goes on from the record, and ends with the cancel
+    after = wait_idle(url, timeout=30)
+    assert after["num_steps"] - before["num_steps"] < 2500, (before, after)
+    assert len(events) + len(rest) < 2500
+    assert client.responses.retrieve(events[0].response.id).status == "cancelled"
 
 
 def test_store_false_keeps_nothing_and_a_stream_is_stored_before_it_ends(client):
