@@ -8,8 +8,10 @@ reranker. As in vLLM, the texts are taken as they come: a reranker's own prompt 
 write.
 
 - POST /score, /v1/score: `text_1` and `text_2` (a string or a list of strings each: one to
-  one, one to many, or many to many of the same length) -> {"id", "object": "list",
-  "created", "model", "data": [{"index", "object": "score", "score"}], "usage"}.
+  one, one to many, or many to many of the same length; or under vLLM's other names,
+  `queries` and `documents`, `queries` and `items`, `data_1` and `data_2`) -> {"id",
+  "object": "list", "created", "model", "data": [{"index", "object": "score", "score"}],
+  "usage"}.
 - POST /rerank, /v1/rerank, /v2/rerank: `query`, `documents`, `top_n` (0, less, or absent:
   all) -> {"id", "model", "usage", "results": [{"index", "document": {"text"},
   "relevance_score"}]}, best first.
@@ -35,22 +37,47 @@ from engine_actors.messages import EngineRequest
 from engine_actors.request import SamplingParams
 
 
+# the names of a score request's two sides, as vLLM takes them
+SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
+         ("data_1", "data_2"))
+Texts = str | list[str]
+
+
 class ScoreRequest(PoolingRequest):
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: Texts | None = None
+    text_2: Texts | None = None
+    queries: Texts | None = None
+    documents: Texts | None = None
+    items: Texts | None = None
+    data_1: Texts | None = None
+    data_2: Texts | None = None
+
+    def sides(self) -> tuple[str, str]:
+        """The names the request gives its two sides under (one pair of SIDES)."""
+        given = {name for pair in SIDES for name in pair if getattr(self, name) is not None}
+        for pair in SIDES:
+            if given == set(pair):
+                return pair
+        partial = next((pair for pair in SIDES if given & set(pair)), SIDES[0])
+        missing = [name for name in partial if name not in given]  # (none: one too many)
+        raise APIError(400, "give the two sides of the pairs as text_1 and text_2 (or as "
+                            "queries and documents, queries and items, or data_1 and "
+                            f"data_2); this request gives {', '.join(sorted(given)) or 'none'}",
+                       missing[0] if missing else sorted(given)[-1], "invalid_value")
 
     def pairs(self) -> list[tuple[str, str]]:
-        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
-        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        names = self.sides()
+        first, second = ([t] if isinstance(t, str) else t
+                         for t in (getattr(self, n) for n in names))
         if not first or not second:
-            raise APIError(400, "text_1 and text_2 must not be empty", "text_1" if not first
-                           else "text_2", "invalid_value")
+            raise APIError(400, f"{names[0]} and {names[1]} must not be empty",
+                           names[0] if not first else names[1], "invalid_value")
         if len(first) == 1:
             first = first * len(second)
         if len(first) != len(second):
-            raise APIError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: "
-                                "give one text_1, or as many as text_2", "text_2",
-                           "invalid_value")
+            raise APIError(400, f"{names[0]} has {len(first)} texts and {names[1]} "
+                                f"{len(second)}: give one {names[0]}, or as many as "
+                                f"{names[1]}", names[1], "invalid_value")
         return list(zip(first, second))
 
 
@@ -72,7 +99,7 @@ class ScoreAPI:
     async def score(self, request: Request):
         try:
             req = await self._parse(request, ScoreRequest)
-            scores, num_tokens = await self._scores(req, req.pairs(), "text_2")
+            scores, num_tokens = await self._scores(req, req.pairs(), req.sides()[1])
             return JSONResponse({
                 "id": f"score-{uuid.uuid4().hex}", "object": "list",
                 "created": int(time.time()), "model": self.frontend.reported_model(req),

@@ -103,6 +103,10 @@ def test_score_and_rerank_equal_transformers(url):
     np.testing.assert_allclose([d["score"] for d in one_to_many["data"]], refs, rtol=1e-5)
     tokens = sum(len(pair_ids(query, d)) for d in docs)
     assert one_to_many["usage"]["prompt_tokens"] == one_to_many["usage"]["total_tokens"] == tokens
+    for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
+        named = httpx.post(f"{url}/v1/score", timeout=60,  # vLLM's other names for the sides
+                           json={first: [query], second: docs}).json()
+        np.testing.assert_allclose([d["score"] for d in named["data"]], refs, rtol=1e-5)
     many = httpx.post(f"{url}/score", timeout=60,
                       json={"text_1": [query, docs[0]], "text_2": [docs[0], query]}).json()
     ref_many = hf_scores(path, [pair_ids(query, docs[0]), pair_ids(docs[0], query)], token_ids)
@@ -124,6 +128,9 @@ def test_score_and_rerank_equal_transformers(url):
 @pytest.mark.parametrize("path,body,param,code", [
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2", "invalid_value"),
     ("/v1/score", {"text_1": [], "text_2": "a"}, "text_1", "invalid_value"),
+    ("/v1/score", {"text_1": "a"}, "text_2", "invalid_value"),
+    ("/v1/score", {"text_1": "a", "documents": ["b"]}, "text_2", "invalid_value"),
+    ("/v1/score", {"queries": ["a", "b"], "items": ["a", "b", "c"]}, "items", "invalid_value"),
     ("/v1/score", {"text_1": "a", "text_2": "x" * 5000}, "text_2", "context_length_exceeded"),
     ("/v1/rerank", {"query": "a", "documents": []}, "documents", "invalid_value"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": "x"}, "top_n", None),
