@@ -26,6 +26,7 @@ from deployments.response_output import ResponseEvents, ResponseObject
 
 logger = logging.getLogger("orca_serve.ingress")
 INTERNAL_ERROR = "internal error"
+GATHER_S = 0.02  # a stream's events are stored together when they come this close
 
 
 class BackgroundResponses:
@@ -88,19 +89,19 @@ class BackgroundResponses:
                                                               "message": e.message})
             if not await self.stored.update(body, items, owner, False, last):
                 group.close()
-        except Exception:
+        except Exception:  # (a stream's last event, response.failed, is the store's)
             logger.exception("background response %s failed", response.id)
             group.close()
             await self.stored.update(response.body("failed", [], error={
-                "code": "server_error", "message": INTERNAL_ERROR}), items, owner, False,
-                [events.error(INTERNAL_ERROR)] if events else [])
+                "code": "server_error", "message": INTERNAL_ERROR}), items, owner, False, [])
 
     async def _stream(self, response_id: str, owner: str, group, choices, chat,
                       timeout: float | None, events: ResponseEvents
                       ) -> tuple[dict, list[dict]] | None:
         """Run the stream and store its events as they come, one call at a time: those that
-        come meanwhile go together in the next. (Its final response, the events that end
-        it), or None once it runs here no more (cancelled, deleted)."""
+        come within GATHER_S, or while a call is under way, go together. (Its final
+        response, the events that end it), or None once it runs here no more (cancelled,
+        deleted)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def produce():
@@ -108,16 +109,20 @@ class BackgroundResponses:
                 async for event in self.openai.stream_events(group, choices, events, chat,
                                                              timeout):
                     queue.put_nowait(event)
+            except Exception:  # its end is still an event of the stream, numbered in turn
+                logger.exception("background response %s failed", response_id)
+                queue.put_nowait(events.error(INTERNAL_ERROR))
             finally:
                 queue.put_nowait(None)
         producer = asyncio.get_running_loop().create_task(produce())
         try:
             while True:
                 batch = [await queue.get()]
+                if batch[0] is not None:
+                    await asyncio.sleep(GATHER_S)
                 while not queue.empty():
                     batch.append(queue.get_nowait())
                 if batch[-1] is None:  # the end: it goes with the final state
-                    await producer  # (raises what the stream raised)
                     return (events.final, batch[:-1]) if events.final else None
                 if not await self.stored.add_events(response_id, owner, batch):
                     return None

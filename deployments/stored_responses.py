@@ -53,6 +53,13 @@ def as_record(response: dict, items: list[dict]) -> tuple[str, list[str]]:
     return json.dumps(record), [item["id"] for item in record_items(record)]
 
 
+def error_event(sequence_number: int, code: str, message: str) -> dict:
+    """A stream's `error` event, when it cannot go on."""
+    return {"event": "error", "data": json.dumps({
+        "type": "error", "code": code, "message": message, "param": None,
+        "sequence_number": sequence_number})}
+
+
 def starting_after(query) -> int:
     """The sequence number of the last event a client saw (-1: none)."""
     value = query.get("starting_after")
@@ -192,13 +199,13 @@ class StoredResponses:
                 try:
                     got = await self._call("events_after", response_id, after, WAIT_S)
                 except APIError as e:  # the scheduler is gone, and the record with it
-                    yield {"event": "error", "data": json.dumps({
-                        "type": "error", "code": e.code, "message": e.message,
-                        "param": None, "sequence_number": after + 1})}
+                    yield error_event(after + 1, e.code, e.message)
                     return
                 except TaskCancelledError:  # the client left (Serve cancels its calls)
                     return
-                if got is None:  # deleted, or evicted
+                if got is None:
+                    yield error_event(after + 1, "not_found", f"Response {response_id!r} "
+                                      "is not stored any more (deleted, or evicted)")
                     return
                 batch, ended, _ = got
         return SSEResponse(events(), on_close=lambda: None)

@@ -15,7 +15,10 @@ cancelled and its engine requests end (`abort`: the scheduler tells the owner, w
 update is then refused); if its owner goes, it is stored as failed. One made with
 `stream` also keeps its stream's events, which its owner adds as it runs: any replica
 reads them (`events_after`, waiting for new ones), from the start or after one already
-seen, while it runs and after it ends.
+seen, while it runs and after it ends. Its stream always ends with its final state (added
+here when the response ends otherwise than by its owner's last update: cancelled, failed).
+Running responses are never evicted, but their events are bounded with the rest: one whose
+next events do not fit beside them fails.
 """
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ from dataclasses import dataclass, field
 TOO_LARGE = {"code": "server_error",
              "message": "the response is larger than the response store (response_store_mib)"}
 ITEM_BYTES = 160  # what the store keeps per item id beside the record (measured: ~150 + id)
+EVENT_BYTES = 400  # and per stream event beside its strings (a dict and two str objects)
+# the last event of a stream, by the response's final status (a cancelled one's: an error)
+FINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
+                "failed": "response.failed"}
 
 
 @dataclass(slots=True)
@@ -76,9 +83,11 @@ class ResponseStore:
         record = self.records.get(response_id)
         if record is None or record.owner != owner:
             return False
+        events = record.events + list(events)
+        if events and not running:
+            events = _closed(events, json.loads(data)["response"])
         if self.put(response_id, data, record.previous_id, item_ids,
-                    owner if running else None, record.request_ids,
-                    record.events + list(events)):
+                    owner if running else None, record.request_ids, events):
             return True
         self._end(response_id, "failed", TOO_LARGE)
         return not running  # (a run that cannot be stored stops)
@@ -99,14 +108,16 @@ class ResponseStore:
         if record is None or record.owner != owner:
             return False
         added = sum(_event_bytes(e) for e in events)
-        if _size(record) + added > self.max_bytes:
+        record.event_bytes += added
+        self.num_bytes += added
+        self._evict()
+        if self.num_bytes > self.max_bytes:  # beside the other running ones, it does not fit
+            record.event_bytes -= added
+            self.num_bytes -= added
             self._end(response_id, "failed", TOO_LARGE)  # (its owner ends its run)
             return False
         record.events += events
-        record.event_bytes += added
-        self.num_bytes += added
         self._notify(response_id)
-        self._evict()
         return True
 
     async def events_after(self, response_id: str, after: int, wait_s: float
@@ -201,6 +212,9 @@ class ResponseStore:
         stored["response"].update(status=status, error=error)
         self.num_bytes -= _size(record)
         record.data, record.owner = json.dumps(stored), None
+        if record.events:
+            record.events = _closed(record.events, stored["response"])
+            record.event_bytes = sum(_event_bytes(e) for e in record.events)
         self.num_bytes += _size(record)
         self._notify(response_id)
         self._evict()
@@ -223,4 +237,15 @@ def _size(record: Record) -> int:
 
 
 def _event_bytes(event: dict) -> int:
-    return len(event["data"]) + len(event["event"])
+    return EVENT_BYTES + len(event["data"]) + len(event["event"])
+
+
+def _closed(events: list[dict], response: dict) -> list[dict]:
+    """A streamed response's events, ending with one that gives its final state."""
+    if events[-1]["event"] in FINAL_EVENTS.values():
+        return events
+    kind = FINAL_EVENTS.get(response["status"])
+    data = {"type": kind, "sequence_number": len(events), "response": response} if kind \
+        else {"type": "error", "sequence_number": len(events), "code": response["status"],
+              "message": f"the response was {response['status']}", "param": None}
+    return events + [{"event": data["type"], "data": json.dumps(data)}]

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machin
 from deployments.responses_items import normalize_input  # noqa: E402
 from engine_actors.checkpoint import resolve_model_path  # noqa: E402
 from engine_actors.config import DEFAULT_MODEL  # noqa: E402
-from engine_actors.response_store import ITEM_BYTES, ResponseStore  # noqa: E402
+from engine_actors.response_store import EVENT_BYTES, ITEM_BYTES, ResponseStore  # noqa: E402
 from tests.engine_harness import hf_greedy  # noqa: E402
 from tests.serve_fixture import wait_idle  # noqa: E402
 from tests.test_responses_api import MODEL, TOOL  # noqa: E402
@@ -148,19 +148,93 @@ def test_a_streamed_background_response_keeps_its_events_for_any_reader():
              event(3), event(4, "response.completed")], True, 5)  # all, after its end
         assert store.num_bytes == sum(
             len(r.data) + sum(ITEM_BYTES + len(i) for i in r.item_ids) +
-            sum(len(e["data"]) + len(e["event"]) for e in r.events)
+            sum(EVENT_BYTES + len(e["data"]) + len(e["event"]) for e in r.events)
             for r in store.records.values())
-        store.put("t", record("in_progress"), None, [], owner="r1", request_ids=("t-0",),
-                  events=(event(0, "response.created"),))
+        # a stream that ends otherwise than by its owner's last event ends with one giving
+        # its final state, numbered in turn: a cancel (which wakes a reader), its owner's
+        # death, events past the store's size (its run is told to stop: False), a last
+        # update without its event
+        for rid in "tuvw":
+            store.put(rid, record("in_progress"), None, [], owner="r1",
+                      request_ids=(f"{rid}-0",), events=(event(0, "response.created"),))
         waiting = asyncio.ensure_future(store.events_after("t", 0, 5.0))
         await asyncio.sleep(0.01)
-        store.cancel("t")  # an end wakes a reader
-        assert await asyncio.wait_for(waiting, 1.0) == ([], True, 1)
-        # events past the store's size: it failed, and its run is told to stop (False)
-        store.put("u", record("in_progress"), None, [], owner="r1", request_ids=("u-0",),
-                  events=(event(0, "response.created"),))
+        store.cancel("t")
+        last, ended, count = await asyncio.wait_for(waiting, 1.0)
+        assert (len(last), ended, count) == (1, True, 2)
+        assert json.loads(last[0]["data"]) == {
+            "type": "error", "sequence_number": 1, "code": "cancelled",
+            "message": "the response was cancelled", "param": None}
+        assert not store.add_events("u", "r2", [event(1)])
+        store.owner_gone("r2")  # (not u's owner: nothing changes)
         assert not store.add_events("u", "r1", [{"event": "x", "data": "x" * 20_000}])
-        assert status(store, "u")[0] == "failed"
+        assert store.update("w", record("completed"), [], "r1", False, [event(1)])
+        store.owner_gone("r1")
+        for rid, kind in (("u", "response.failed"), ("v", "response.failed"),
+                          ("w", "response.completed")):
+            events, ended, count = await store.events_after(rid, -1, 0.0)
+            final = json.loads(events[-1]["data"])
+            assert (ended, count, final["type"], final["sequence_number"]) == \
+                (True, len(events), kind, len(events) - 1), rid
+            assert final["response"] == json.loads(store.get(rid))["response"]
+    asyncio.run(scenario())
+
+
+def test_running_streams_fail_when_their_events_do_not_fit_beside_each_other():
+    """Running responses are never evicted: one whose next events would take the store
+    past its size fails (its own stream says so), and the others go on."""
+    store = ResponseStore(max_bytes=10_000)
+    for rid in "ab":
+        store.put(rid, record("in_progress"), None, [], owner="r1", request_ids=(rid,),
+                  events=(event(0, "response.created"),))
+    big = {"event": "x", "data": "x" * 3_000}
+    assert store.add_events("a", "r1", [big]) and store.add_events("b", "r1", [big])
+    assert not store.add_events("b", "r1", [big])  # 3 x 3,000 and the rest: over 10,000
+    assert status(store, "b")[0] == "failed" and status(store, "a")[0] == "in_progress"
+    assert store.add_events("a", "r1", [event(2)])
+
+
+class FakeFrontend:
+    """The scheduler's side of StoredResponses' calls: a ResponseStore in this process."""
+    def __init__(self, store: ResponseStore):
+        self.store = store
+
+    async def ready(self):
+        return None
+
+    async def call(self, name: str, method: str, *args):
+        assert name == "response_call"
+        result = getattr(self.store, method)(*args)
+        return await result if asyncio.iscoroutine(result) else result
+
+
+def test_a_stream_reader_resumes_after_its_cursor_and_says_why_it_ends_early():
+    from deployments.stored_responses import StoredResponses
+
+    async def read(stored, rid, after=-1) -> list[dict]:
+        return [e async for e in (await stored.stream(rid, after)).body_iterator]
+
+    async def scenario():
+        store = ResponseStore(max_bytes=100_000)
+        stored = StoredResponses(FakeFrontend(store))
+        store.put("s", record("in_progress"), None, [], owner="r1", request_ids=("s",),
+                  events=[event(n) for n in range(4)])
+        reader = asyncio.ensure_future(read(stored, "s", 1))
+        await asyncio.sleep(0.05)
+        store.update("s", record("completed"), [], "r1", False,
+                     [event(4, "response.completed")])
+        got = await asyncio.wait_for(reader, 5.0)
+        assert [json.loads(e["data"])["sequence_number"] for e in got] == [2, 3, 4]
+        assert await read(stored, "s", 4) == []  # past the last: nothing more
+        store.put("d", record("in_progress"), None, [], owner="r1", request_ids=("d",),
+                  events=[event(0)])
+        reader = asyncio.ensure_future(read(stored, "d"))
+        await asyncio.sleep(0.05)
+        store.delete("d")  # while it is read
+        got = await asyncio.wait_for(reader, 5.0)
+        assert [json.loads(e["data"]) for e in got][-1]["type"] == "error"
+        assert json.loads(got[-1]["data"])["code"] == "not_found"
+        assert json.loads(got[-1]["data"])["sequence_number"] == 1
     asyncio.run(scenario())
 
 
@@ -360,11 +434,12 @@ def test_a_background_response_cancelled_stops_generating(client, url):
 def test_a_background_stream_resumes_after_the_last_event_seen(client, tokenizer, url):
     """`background` and `stream`: the client leaves after five events; the response is
     generated all the same, and GET ?stream=true&starting_after=4 (the official client's
-    retrieve) gives the rest, live; together, one stream numbered without a gap whose text
-    is transformers' greedy text. After its end the whole stream is still there."""
-    stream = client.responses.create(model=MODEL, input="Count on.", max_output_tokens=8,
+    retrieve) gives the rest, live (it is still running); together, one stream numbered
+    without a gap whose text is transformers' greedy text. After its end the whole stream
+    is still there."""
+    stream = client.responses.create(model=MODEL, input="Count on.", max_output_tokens=400,
                                      temperature=0, background=True, stream=True,
-                                     extra_body=NO_EOS)
+                                     extra_body=NO_EOS, timeout=60)
     seen = []
     for event in stream:
         seen.append(event)
@@ -374,18 +449,20 @@ def test_a_background_stream_resumes_after_the_last_event_seen(client, tokenizer
     assert [e.type for e in seen[:2]] == ["response.created", "response.in_progress"]
     assert (seen[0].response.status, seen[1].response.status) == ("queued", "in_progress")
     response_id = seen[0].response.id
-    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=4))
+    assert client.responses.retrieve(response_id).status == "in_progress"
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=4,
+                                          timeout=60))
     events = seen + rest
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].type == "response.incomplete"
     prompt = template_ids(tokenizer, [{"role": "user", "content": "Count on."}])
-    ref = tokenizer.decode(hf_greedy(resolve_model_path(DEFAULT_MODEL), prompt, 8),
+    ref = tokenizer.decode(hf_greedy(resolve_model_path(DEFAULT_MODEL), prompt, 400),
                            skip_special_tokens=True)
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == ref == events[-1].response.output_text
     stored = client.responses.retrieve(response_id)
     assert stored.status == "incomplete" and stored.output_text == ref
-    replay = list(client.responses.retrieve(response_id, stream=True))
+    replay = list(client.responses.retrieve(response_id, stream=True, timeout=60))
     assert [e.model_dump() for e in replay] == [e.model_dump() for e in events]
     # what cannot be streamed: a background response made without stream, any other
     # response, a bad cursor, an unknown response
@@ -402,7 +479,8 @@ def test_a_background_stream_resumes_after_the_last_event_seen(client, tokenizer
 def test_a_cancelled_background_stream_ends_its_readers(client, url):
     before = wait_idle(url)
     stream = client.responses.create(model=MODEL, input="go on", max_output_tokens=3000,
-                                     background=True, stream=True, extra_body=NO_EOS)
+                                     background=True, stream=True, extra_body=NO_EOS,
+                                     timeout=60)
     events = []
     for event in stream:
         events.append(event)
@@ -413,6 +491,7 @@ def test_a_cancelled_background_stream_ends_its_readers(client, url):
     after = wait_idle(url, timeout=30)
     assert after["num_steps"] - before["num_steps"] < 2500, (before, after)
     assert len(events) + len(rest) < 2500
+    assert rest[-1].type == "error" and rest[-1].code == "cancelled"
     assert client.responses.retrieve(events[0].response.id).status == "cancelled"
 
 
