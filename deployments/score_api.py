@@ -15,7 +15,8 @@ write.
 - POST /rerank, /v1/rerank, /v2/rerank: `query`, `documents`, `top_n` (0, less, or absent:
   all) -> {"id", "model", "usage", "results": [{"index", "document": {"text"},
   "relevance_score"}]}, best first.
-Both take `truncate_prompt_tokens` (a pair keeps its last n tokens) and `priority`.
+Both take `truncate_prompt_tokens` (a pair keeps its last n tokens), `priority` and
+`use_activation` (false: the raw logit, logit(yes) - logit(no), not its sigmoid).
 """
 from __future__ import annotations
 
@@ -37,13 +38,17 @@ from engine_actors.messages import EngineRequest
 from engine_actors.request import SamplingParams
 
 
+class ScoringRequest(PoolingRequest):
+    use_activation: bool | None = None  # vLLM's: null or true, the sigmoid of the logit
+
+
 # the names of a score request's two sides, as vLLM takes them
 SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
          ("data_1", "data_2"))
 Texts = str | list[str]
 
 
-class ScoreRequest(PoolingRequest):
+class ScoreRequest(ScoringRequest):
     text_1: Texts | None = None
     text_2: Texts | None = None
     queries: Texts | None = None
@@ -81,7 +86,7 @@ class ScoreRequest(PoolingRequest):
         return list(zip(first, second))
 
 
-class RerankRequest(PoolingRequest):
+class RerankRequest(ScoringRequest):
     query: str
     documents: list[str]
     top_n: int = 0
@@ -159,9 +164,10 @@ class ScoreAPI:
         requests = [EngineRequest(f"{base}-{i}", p, sampling,
                                   1 if req.priority is None else req.priority)
                     for i, p in enumerate(ids)]
-        scores = [float(np.frombuffer(s, dtype=np.float32)[0])
-                  for s in await run_pooling(frontend, requests, param)]
-        if not all(map(np.isfinite, scores)):  # (JSON has no NaN)
+        logits = np.array([np.frombuffer(s, dtype=np.float32)[0]
+                           for s in await run_pooling(frontend, requests, param)], np.float64)
+        if not np.isfinite(logits).all():  # (JSON has no NaN)
             raise APIError(500, "the model's score is not a finite number", None,
                            "internal_error", "server_error")
-        return scores, sum(map(len, ids))
+        scores = logits if req.use_activation is False else 0.5 * (1 + np.tanh(logits / 2))
+        return scores.tolist(), sum(map(len, ids))

@@ -68,7 +68,8 @@ class EngineConfig:
     runner: Literal["generate", "pooling"] = "generate"
     # vLLM's hf_overrides key for a causal LM served as a reranker (Qwen3-Reranker: ["no",
     # "yes"]): with runner pooling, a pair's score is sigmoid(logit(yes) - logit(no)) at its
-    # last token (one token: sigmoid(logit)); POST /v1/score and /v1/rerank serve it
+    # last token (one token: sigmoid(logit)); POST /v1/score and /v1/rerank serve it (the
+    # workers return the logit)
     classifier_from_token: list[str] | None = None
 
     # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.

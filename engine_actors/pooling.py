@@ -9,9 +9,9 @@ Normalize module after it means normalized embeddings. Without modules.json: the
 token, normalized (vLLM's default for a causal LM).
 
 A reranker made from a causal LM (vLLM's `classifier_from_token`, Qwen3-Reranker's ["no",
-"yes"]) returns a score instead: the LM head's rows of those tokens make a classifier of
-the last hidden state, sigmoid(logit(yes) - logit(no)), the probability of "yes" against
-"no" (one token: sigmoid(logit)).
+"yes"]) returns a logit instead: the LM head's rows of those tokens make a classifier of
+the last hidden state, logit(yes) - logit(no) (one token: its logit), whose sigmoid
+(deployments/score_api.py) is the probability of "yes" against "no".
 """
 from __future__ import annotations
 
@@ -71,12 +71,12 @@ def keep_classifier(pooling: Pooling | None, name: str, tensor: torch.Tensor, ti
 
 
 def embed(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """Final hidden states [N, H] -> embeddings [N, H], or a classifier's scores [N, 1];
+    """Final hidden states [N, H] -> embeddings [N, H], or a classifier's logits [N, 1];
     fp32."""
     out = hidden.float()
     if pooling.classifier is not None:
         logits = out @ pooling.classifier.T
-        return torch.sigmoid(logits[:, -1:] - logits[:, :1] if logits.shape[1] == 2 else logits)
+        return logits[:, -1:] - logits[:, :1] if logits.shape[1] == 2 else logits
     return F.normalize(out, dim=-1) if pooling.normalize else out
 
 

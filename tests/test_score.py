@@ -1,6 +1,7 @@
 """A causal LM served as a reranker (runner pooling, classifier_from_token): a pair's score is
-sigmoid(logit(yes) - logit(no)) at its last token, as transformers' logits give it (fp32),
-through the engine and through POST /v1/score and /v1/rerank."""
+sigmoid(logit(yes) - logit(no)) at its last token, as transformers' logits give it (fp32):
+the engine returns the logit, POST /v1/score and /v1/rerank its sigmoid (the logit itself
+with use_activation false)."""
 from __future__ import annotations
 
 import httpx
@@ -18,16 +19,18 @@ pytestmark = pytest.mark.own_server  # conftest runs these modules last
 TOKENS = ["n", "y"]  # single tokens of the byte-level test vocabulary (Qwen3-Reranker: no, yes)
 
 
-def hf_scores(model_dir: str, prompts: list[list[int]], tokens: list[int]) -> list[float]:
-    """transformers' next-token logits at each prompt's last token, one prompt at a time."""
+def hf_scores(model_dir: str, prompts: list[list[int]], tokens: list[int],
+              activation: bool = True) -> list[float]:
+    """From transformers' next-token logits at each prompt's last token, one prompt at a
+    time: logit(yes) - logit(no) (one token: its logit), or its sigmoid."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for p in prompts:
             logits = model(torch.tensor([p])).logits[0, -1, tokens]
-            out.append(torch.sigmoid(logits[-1] - logits[0] if len(tokens) == 2
-                                     else logits[0]).item())
+            logit = logits[-1] - logits[0] if len(tokens) == 2 else logits[0]
+            out.append((torch.sigmoid(logit) if activation else logit).item())
     return out
 
 
@@ -53,9 +56,9 @@ def test_scores_equal_transformers_logits(tmp_path, tied):
                            tie_word_embeddings=tied)
     ids = [load_tokenizer(str(tmp_path)).convert_tokens_to_ids(t) for t in TOKENS]
     for tokens, token_ids in ((TOKENS, ids), (TOKENS[1:], ids[1:])):
-        got = engine_scores(str(tmp_path), PROMPTS, tokens)
-        np.testing.assert_allclose(got, hf_scores(str(tmp_path), PROMPTS, token_ids),
-                                   rtol=1e-5, atol=1e-6)
+        got = engine_scores(str(tmp_path), PROMPTS, tokens)  # (the logits: no sigmoid)
+        np.testing.assert_allclose(got, hf_scores(str(tmp_path), PROMPTS, token_ids, False),
+                                   rtol=1e-5, atol=1e-5)
     assert len(set(np.round(got, 6))) == len(PROMPTS)  # (scores that tell prompts apart)
 
 
@@ -64,8 +67,8 @@ def test_scores_equal_transformers_on_gpu_fp32(tmp_path):
     save_random_checkpoint(str(tmp_path), "qwen3", seed=5, head_dim=32, tie_word_embeddings=True)
     ids = [load_tokenizer(str(tmp_path)).convert_tokens_to_ids(t) for t in TOKENS]
     got = engine_scores(str(tmp_path), PROMPTS, TOKENS, device="cuda", dtype="float32")
-    np.testing.assert_allclose(got, hf_scores(str(tmp_path), PROMPTS, ids), rtol=1e-4,
-                               atol=1e-5)
+    np.testing.assert_allclose(got, hf_scores(str(tmp_path), PROMPTS, ids, False), rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_a_token_that_is_not_in_the_vocabulary_is_refused_at_start(tmp_path):
@@ -103,6 +106,11 @@ def test_score_and_rerank_equal_transformers(url):
     np.testing.assert_allclose([d["score"] for d in one_to_many["data"]], refs, rtol=1e-5)
     tokens = sum(len(pair_ids(query, d)) for d in docs)
     assert one_to_many["usage"]["prompt_tokens"] == one_to_many["usage"]["total_tokens"] == tokens
+    raw = httpx.post(f"{url}/v1/score", timeout=60,
+                     json={"text_1": query, "text_2": docs, "use_activation": False}).json()
+    np.testing.assert_allclose([d["score"] for d in raw["data"]], hf_scores(
+        path, [pair_ids(query, d) for d in docs], token_ids, activation=False), rtol=1e-5,
+        atol=1e-5)
     for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
         named = httpx.post(f"{url}/v1/score", timeout=60,  # vLLM's other names for the sides
                            json={first: [query], second: docs}).json()
@@ -168,7 +176,7 @@ def test_a_pair_is_its_texts_joined_and_encoded_once(monkeypatch):
 
     async def run_pooling(frontend, requests, param):
         sent.extend(r.prompt_token_ids for r in requests)
-        return [np.float32(0.5).tobytes()] * len(requests)
+        return [np.float32(0.0).tobytes()] * len(requests)  # a logit of 0: a score of 0.5
 
     async def ready():
         return SimpleNamespace(max_model_len=64)
