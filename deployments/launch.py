@@ -110,8 +110,8 @@ class Drainer:
                 except ray.exceptions.RayActorError:  # it ended since: drain its successor
                     actor = ray.get_actor(name, namespace=NAMESPACE)
                     ray.get(actor.drain.remote(timeout_s), timeout=timeout_s + 10)
-            except ValueError:
-                pass  # no successor: nothing to drain
+            except ValueError:  # no successor: nothing to drain
+                continue
             except Exception as e:
                 print(f"orca-serve: drain did not complete: {e}", file=sys.stderr)
 

@@ -62,15 +62,11 @@ def error_event(sequence_number: int, code: str, message: str) -> dict:
 
 def starting_after(query) -> int:
     """The sequence number of the last event a client saw (-1: none)."""
-    value = query.get("starting_after")
-    try:
-        after = -1 if value is None else int(value)
-    except ValueError:
-        after = -2
-    if after < -1:
+    value = query.get("starting_after", "-1")
+    if not value.removeprefix("-").isdigit() or int(value) < -1:
         raise APIError(400, f"starting_after must be an integer of at least 0, not {value!r}",
                        "starting_after", "invalid_value")
-    return after
+    return int(value)
 
 
 class StoredResponses:
