@@ -157,17 +157,18 @@ class StoredResponses:
         runs here no more (cancelled, deleted, or too large to store). If the scheduler is
         gone, so is the record."""
         data, ids = as_record(response, items)
-        try:
-            return await self._call("update", response["id"], data, ids, owner, running,
+        return await self._run_call("update", response["id"], data, ids, owner, running,
                                     events)
-        except APIError as e:
-            logger.warning("background response %s not updated: %s", response["id"], e.message)
-            return False
 
     async def add_events(self, response_id: str, owner: str, events: list[dict]) -> bool:
         """A streamed background response's next events; False as update."""
+        return await self._run_call("add_events", response_id, owner, events)
+
+    async def _run_call(self, method: str, response_id: str, *args) -> bool:
+        """A call of the replica running a background response; False if the scheduler is
+        gone (and the record with it)."""
         try:
-            return await self._call("add_events", response_id, owner, events)
+            return await self._call(method, response_id, *args)
         except APIError as e:
             logger.warning("background response %s not updated: %s", response_id, e.message)
             return False
