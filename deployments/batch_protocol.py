@@ -29,7 +29,7 @@ class BatchSubmit(_Base):
     RUNNER: ClassVar[str | None] = "generate"
     model: str | None = None
     requests: Annotated[list[BatchItem], Field(min_length=1, max_length=MAX_BATCH)]
-    priority: Annotated[int, Field(ge=-100, le=100)] = 0
+    priority: Annotated[int, Field(ge=-100, le=100)] = 1
 
     def check_supported(self) -> None:
         pass

@@ -98,8 +98,8 @@ class EmbeddingsAPI:
                 raise PromptTooLong(len(p), limit, param)
         base = f"embd-{uuid.uuid4().hex}"
         sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        requests = [EngineRequest(f"{base}-{i}", p, sampling, 1 if req.priority is None
-                                  else req.priority, lora_name=frontend.adapter(req))
+        requests = [EngineRequest(f"{base}-{i}", p, sampling, req.priority or 0,
+                                  lora_name=frontend.adapter(req))
                     for i, p in enumerate(ids)]
         vectors = await run_pooling(frontend, requests, "input")
         if self.normalize is None:  # (the checkpoint's, as the workers read it)

@@ -121,7 +121,7 @@ class OpenAIRoutes:
             check_beam_search(req, grammar)
         bad_words = await bad_word_ids(self.frontend, req.bad_words, info.vocab_size) \
             if req.bad_words else None
-        priority = 1 if req.priority is None else req.priority  # interactive by default
+        priority = req.priority or 0  # interactive by default
         thinking = thinking_budget(req, self.frontend.cfg.reasoning_parser,
                                    self.frontend.tokenizer)
         subs = []  # (engine request, choice index, prompt text, prompt ids)

@@ -226,7 +226,7 @@ class SamplingFields(SamplingOptions):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # extension: scheduling priority (higher first; default 1 = interactive, batches get 0)
+    # vLLM's: scheduling priority, lower first (default 0 = interactive; batches get 1)
     priority: Annotated[int, Field(ge=-100, le=100)] | None = None
     # extension (vLLM): each choice also carries its prompt's and its output's token ids
     return_token_ids: bool = False

@@ -162,7 +162,7 @@ class ScoreAPI:
         base = f"score-{uuid.uuid4().hex}"
         sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         requests = [EngineRequest(f"{base}-{i}", p, sampling,
-                                  1 if req.priority is None else req.priority)
+                                  req.priority or 0)
                     for i, p in enumerate(ids)]
         logits = np.array([np.frombuffer(s, dtype=np.float32)[0]
                            for s in await run_pooling(frontend, requests, param)], np.float64)

@@ -106,7 +106,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    priority: int = 0  # higher runs first under the priority policy
+    priority: int = 0  # lower runs first (vLLM's convention); batches get 1
     deadline_ms: float | None = None  # must start within this long, else finish "deadline"
     lora_name: str | None = None  # a LoRA adapter (the request's `model`); None: the base
     continues: bool = False  # a step of a request already admitted (a beam search's): no

@@ -193,9 +193,10 @@ class FCFS(Policy):
     when KV runs out the latest-arrived such request is preempted and recomputed later, as
     vLLM does. Requests with reservations are never preempted.
 
-    Of the waiting requests, arrival order is kept within a `priority` class: a waiting
-    interactive request (1) starts before waiting background-batch requests (0), which would
-    otherwise hold it for as long as the batch runs. With one class (ORCA's setting) this is
+    Of the waiting requests, arrival order is kept within a `priority` class (lower first,
+    as vLLM orders them): a waiting interactive request (0) starts before waiting
+    background-batch requests (1), which would otherwise hold it for as long as the batch
+    runs. With one class (ORCA's setting) this is
     arrival order. Started requests still come first, whatever their class."""
 
     stop_at_first_misfit = True
@@ -203,7 +204,7 @@ class FCFS(Policy):
     def key(self, req):  # (a request's priority counts only while it waits)
         if req.is_admitted:
             return (False, 0, req.arrival_time)
-        return (True, -req.priority, req.arrival_time)
+        return (True, req.priority, req.arrival_time)
 
     def reservation(self, req):
         return req.max_num_tokens if req.sampling.max_tokens_given else 0
@@ -214,19 +215,20 @@ class FCFS(Policy):
 
 
 class PriorityPolicy(Policy):
-    """FineInfer: interactive requests (high `priority`) before submitted batches (low).
-    Ties in arrival order. A high-priority arrival runs at the next iteration even when the
-    batch or the KV is full of low-priority work: the latest low-priority request is
-    preempted and recomputed later."""
+    """FineInfer: interactive requests (`priority` 0) before submitted batches (1); a lower
+    value runs first, as in vLLM's priority scheduling. Ties in arrival order. An arrival
+    of a lower value runs at the next iteration even when the batch or the KV is full of
+    higher-valued work: the latest request of the highest value is preempted and
+    recomputed later."""
 
     def key(self, req):
-        return (-req.priority, req.arrival_time)
+        return (req.priority, req.arrival_time)
 
     def victim(self, admitted):
-        return min(admitted, key=lambda r: (r.priority, -r.arrival_time))
+        return max(admitted, key=lambda r: (r.priority, r.arrival_time))
 
     def outranks(self, a, b):
-        return (a.priority, -a.arrival_time) > (b.priority, -b.arrival_time)
+        return (a.priority, a.arrival_time) < (b.priority, b.arrival_time)
 
 
 class ShortestJobFirst(Policy):

@@ -80,7 +80,7 @@ class Request:
     sampling: SamplingParams
     arrival_time: float
     sink: Any = None  # who receives this request's outputs; opaque to the scheduler
-    priority: int = 0  # higher runs first under the priority policy
+    priority: int = 0  # lower runs first (vLLM's convention); batches get 1
     deadline: float = float("inf")  # absolute (arrival + deadline_ms); DAS/EDF order by it
     # prompt followed by the generated tokens received so far
     token_ids: list[int] = field(default_factory=list)

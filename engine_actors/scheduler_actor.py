@@ -245,7 +245,7 @@ class SchedulerActor:
         return await result if asyncio.iscoroutine(result) else result
 
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
-                           priority: int = 0) -> Refusal | None:
+                           priority: int = 1) -> Refusal | None:
         await self.ready()
         return await self.batches.submit(batch_id, requests, priority,
                                          self.cfg.max_queued_requests)

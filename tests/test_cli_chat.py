@@ -85,7 +85,7 @@ def test_chat_streams_keeps_the_conversation_and_ctrl_c_cancels(monkeypatch):
             "messages": [{"role": "user", "content": "hello"},
                          {"role": "assistant", "content": "t0 t1 t2 "},
                          {"role": "user", "content": "again"}],
-            "stream": True, "max_tokens": 3, "priority": 1}
+            "stream": True, "max_tokens": 3, "priority": 0}
         child.proc.stdin.close()  # Ctrl-D
         assert child.proc.wait(timeout=10) == 0
 

@@ -18,6 +18,9 @@ def make(policy, num_blocks=64, block_size=4, max_batch=4, max_tokens=64):
     return Scheduler(kv, make_policy(policy), Budget(max_batch, max_tokens), 4096, {198})
 
 
+BATCH = 1  # a background batch's priority; interactive requests have 0 (lower runs first)
+
+
 def req(rid, prompt_len, max_tokens, t=0.0, priority=0, deadline=float("inf"), token=1):
     return Request(rid, [token] * prompt_len, SamplingParams(max_tokens=max_tokens,
                                                               ignore_eos=True), t,
@@ -59,25 +62,38 @@ def ids(batch):
 
 def test_priority_arrival_takes_a_full_batch_at_the_next_iteration():
     sched, runner, outs = make("priority", max_batch=2), FakeRunner(4), {}
-    sched.add(req("low1", 3, 30, t=0, token=2))
-    sched.add(req("low2", 3, 30, t=1, token=3))
+    sched.add(req("low1", 3, 30, t=0, priority=BATCH, token=2))
+    sched.add(req("low2", 3, 30, t=1, priority=BATCH, token=3))
     assert ids(step(sched, runner, outs)) == ["low1", "low2"]
-    sched.add(req("chat", 3, 5, t=2, priority=1, token=4))
+    sched.add(req("chat", 3, 5, t=2, token=4))
     assert ids(step(sched, runner, outs)) == ["chat", "low1"]  # low2 sits this one out
     drain(sched, runner, outs)
     for rid, n, tok in [("low1", 30, 2), ("low2", 30, 3), ("chat", 5, 4)]:
         assert outs[rid] == expected_output([tok] * 3, n)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_lower_priority_values_start_first_as_in_vllm(policy):
+    """vLLM's convention: a lower `priority` runs first, arrival order within one value."""
+    sched, runner, outs = make(policy, max_batch=1), FakeRunner(4), {}
+    for rid, t, priority in [("batch", 0, BATCH), ("plain", 1, 0), ("urgent", 2, -5),
+                             ("plain2", 3, 0)]:
+        sched.add(req(rid, 3, 2, t=t, priority=priority))
+    started = []
+    while sched.pool:
+        started += [r for r in ids(step(sched, runner, outs)) if r not in started]
+    assert started == ["urgent", "plain", "plain2", "batch"]
+
+
 def test_fcfs_starts_a_waiting_interactive_request_before_waiting_batch_requests():
-    """A background batch (priority 0) queued ahead must not hold an interactive request
-    (1) for as long as the batch runs: it takes the first free row. The batch's running
+    """A background batch (priority 1) queued ahead must not hold an interactive request
+    (0) for as long as the batch runs: it takes the first free row. The batch's running
     requests go on (they hold their reservations)."""
     sched, runner, outs = make("fcfs", max_batch=2), FakeRunner(4), {}
     for i in range(4):
-        sched.add(req(f"batch{i}", 3, 4 + i, t=i, token=2))
+        sched.add(req(f"batch{i}", 3, 4 + i, t=i, priority=BATCH, token=2))
     assert ids(step(sched, runner, outs)) == ["batch0", "batch1"]
-    sched.add(req("chat", 3, 5, t=9, priority=1, token=4))
+    sched.add(req("chat", 3, 5, t=9, token=4))
     started = []
     while "chat" not in started:
         started += [r for r in ids(step(sched, runner, outs)) if r not in started]
@@ -93,10 +109,10 @@ def test_fcfs_keeps_running_batch_requests_going_beside_an_interactive_prefill()
     sched, runner, outs = make("fcfs", num_blocks=512, max_batch=8, max_tokens=16), \
         FakeRunner(4), {}
     for i in range(3):
-        sched.add(req(f"b{i}", 4, 200, t=i, token=2))
+        sched.add(req(f"b{i}", 4, 200, t=i, priority=BATCH, token=2))
     for _ in range(3):
         step(sched, runner, outs)
-    sched.add(req("chat", 160, 4, t=10, priority=1, token=3))
+    sched.add(req("chat", 160, 4, t=10, token=3))
     for _ in range(6):
         batch = step(sched, runner, outs)
         assert {"b0", "b1", "b2"} <= set(ids(batch)), ids(batch)
@@ -106,12 +122,12 @@ def test_fcfs_keeps_running_batch_requests_going_beside_an_interactive_prefill()
 def test_priority_arrival_preempts_the_latest_low_priority_request_when_kv_is_full():
     # 12 blocks of 4 tokens; two low-priority requests grow until the pool is full
     sched, runner, outs = make("priority", num_blocks=12, max_batch=4), FakeRunner(4), {}
-    sched.add(req("low1", 8, 30, t=0, token=2))
-    sched.add(req("low2", 8, 30, t=1, token=3))
+    sched.add(req("low1", 8, 30, t=0, priority=BATCH, token=2))
+    sched.add(req("low2", 8, 30, t=1, priority=BATCH, token=3))
     for _ in range(16):  # 8 + 16 tokens each: 6 blocks each, all 12 taken
         step(sched, runner, outs)
     assert sched.kv.num_free_blocks == 0
-    sched.add(req("chat", 4, 3, t=2, priority=1, token=4))
+    sched.add(req("chat", 4, 3, t=2, token=4))
     batch = step(sched, runner, outs)
     assert "chat" in ids(batch) and "low2" not in ids(batch)
     assert sched.num_preemptions == 1 and sched.pool["low2"].num_computed_tokens == 0
@@ -171,9 +187,9 @@ def test_deadline_missed_before_start_finishes_it_and_frees_kv(policy):
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "das", "sjf", "edf"])
 def test_chunked_prefill_keeps_decodes_going_within_the_token_budget(policy):
     sched, runner, outs = make(policy, max_tokens=8), FakeRunner(4), {}
-    sched.add(req("dec", 3, 20, t=0, priority=1))
+    sched.add(req("dec", 3, 20, t=0))
     step(sched, runner, outs)
-    sched.add(req("long", 29, 2, t=1))
+    sched.add(req("long", 29, 2, t=1, priority=BATCH))
     while "long" not in outs:
         batch = step(sched, runner, outs)
         assert batch.step.num_tokens <= 8 and "dec" in ids(batch)
@@ -243,9 +259,9 @@ def test_das_split_applies_when_batch_slots_bind_before_tokens():
 
 def test_a_request_preempted_after_starting_is_not_expired():
     sched, runner, outs = make("priority", num_blocks=4, max_batch=4), FakeRunner(4), {}
-    sched.add(req("low", 8, 8, t=0.0, priority=0, deadline=1.0))  # must start by t=1
+    sched.add(req("low", 8, 8, t=0.0, priority=BATCH, deadline=1.0))  # must start by t=1
     step(sched, runner, outs, now=0.0)  # it starts
-    sched.add(req("chat", 12, 4, t=0.5, priority=1, token=2))
+    sched.add(req("chat", 12, 4, t=0.5, token=2))
     step(sched, runner, outs, now=0.5)  # chat needs 3 blocks: low is preempted
     assert sched.num_preemptions == 1
     assert sched.expire(now=1.5) == []  # low started in time: it finishes normally
@@ -257,10 +273,10 @@ def test_preemption_happens_only_when_it_makes_room():
     """h2 needs 5 blocks; l1's 2 plus the 2 free are not enough and h0 outranks h2: nobody
     is preempted (before, l1 lost its work every other iteration for nothing)."""
     sched, runner, outs = make("priority", num_blocks=8, max_batch=4), FakeRunner(4), {}
-    sched.add(req("h0", 16, 8, t=0.0, priority=1))
-    sched.add(req("l1", 8, 8, t=1.0, priority=0, token=2))
+    sched.add(req("h0", 16, 8, t=0.0))
+    sched.add(req("l1", 8, 8, t=1.0, priority=BATCH, token=2))
     step(sched, runner, outs, now=0.0)  # h0 holds 4 blocks, l1 2: 2 free
-    sched.add(req("h2", 20, 4, t=2.0, priority=1, token=3))
+    sched.add(req("h2", 20, 4, t=2.0, token=3))
     batch = step(sched, runner, outs, now=2.0)
     assert ids(batch) == ["h0", "l1"] and sched.num_preemptions == 0
     assert not sched.pool["h2"].is_admitted
@@ -313,10 +329,10 @@ def test_a_policy_only_chooses_the_scheduler_alone_changes_kv(policy):
     sched = make(policy, num_blocks=12, block_size=4, max_batch=3, max_tokens=16)
     runner = FakeRunner(4)
     for i in range(3):
-        sched.add(req(f"old{i}", 6, 10, priority=1, deadline=100.0))
+        sched.add(req(f"old{i}", 6, 10, deadline=100.0))
     step(sched, runner, {})
     for i in range(3):
-        sched.add(req(f"new{i}", 5, 4, t=1.0, priority=0, deadline=1.5))
+        sched.add(req(f"new{i}", 5, 4, t=1.0, priority=BATCH, deadline=1.5))
     kv = sched.kv
 
     def state():

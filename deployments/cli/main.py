@@ -77,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=_positive, default=256,
                       help="longest answer in tokens (default %(default)s)")
     chat.add_argument("--temperature", type=float, help="sampling temperature (server default)")
-    chat.add_argument("--priority", type=int, default=1,
-                      help="scheduling priority sent with each message (default %(default)s, "
-                           "interactive; batches default to low)")
+    chat.add_argument("--priority", type=int, default=0,
+                      help="scheduling priority sent with each message, lower first "
+                           "(default %(default)s, interactive; batches default to 1)")
 
     batch = sub.add_parser("batch", parents=[common],
                            help="submit prompts as batches without waiting",
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for requests that do not set it (default %(default)s)")
     batch.add_argument("--batch-size", type=_positive,
                        help="split each source into batches of at most this many requests")
-    batch.add_argument("--priority", type=int, help="batch priority (default: the server's, low)")
+    batch.add_argument("--priority", type=int, help="batch priority, lower first (default: the server's, 1)")
     batch.add_argument("--model", help="model name to send")
     batch.add_argument("--wait", action="store_true",
                        help="follow the batches: progress bar, results as each batch finishes")
