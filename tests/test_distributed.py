@@ -281,6 +281,31 @@ def test_embeddings_over_tp_and_pp_equal_one_worker(ray_cluster, checkpoint, dev
                                        rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_scores_over_tp_and_pp_equal_one_worker(ray_cluster, checkpoint, device):
+    """A reranker (classifier_from_token): each rank keeps the LM head's rows of its tokens
+    from the whole checkpoint, whichever vocabulary shard they fall in; the logits from
+    two ranks, and on GPUs from two stages, equal one worker's."""
+    import numpy as np
+
+    from engine_actors.output_stream import run_requests
+    from tests.engine_harness import InProcessEngine
+    args = dict(runner="pooling", classifier_from_token=["n", "y"], dtype="float32")
+    requests = [(f"s{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                for i, (_, prompt, _) in enumerate(workload(seed=6))]
+    engine = InProcessEngine(device, model=checkpoint, max_batch_size=6,
+                             max_num_batched_tokens=40, max_num_tokens=2048, **args)
+    engine.run({0: requests})
+    want = [np.frombuffer(engine.embeddings[rid], np.float32)[0] for rid, _, _ in requests]
+    assert len(set(np.round(want, 5))) > 1  # (logits that tell prompts apart)
+    for tp, pp in [(2, 1)] + ([(1, 2)] if device == "cuda" else []):  # (CPU: the ranks)
+        actor = start_engine(checkpoint, tp, pp, device, **args)
+        got = asyncio.run(run_requests(actor, [EngineRequest(*r) for r in requests]))
+        stop_engine(actor)
+        np.testing.assert_allclose([np.frombuffer(got[rid].embedding, np.float32)[0]
+                                    for rid, _, _ in requests], want, rtol=1e-5, atol=1e-5)
+
+
 def test_tp_with_more_ranks_than_kv_heads(ray_cluster, tmp_path):
     """One KV head, two ranks: each rank holds the replicated head; outputs equal one
     worker's."""
