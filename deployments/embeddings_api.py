@@ -27,7 +27,7 @@ from deployments.frontend import Frontend, refusal_error, unavailable
 from deployments.openai_api import PromptTooLong, within
 from deployments.protocol import APIError, _Base, keep_last
 from deployments.responses import timeout_error
-from engine_actors.checkpoint import resolve_model_path
+from engine_actors.checkpoint import ModelInfo, resolve_model_path
 from engine_actors.messages import EngineRequest
 from engine_actors.pooling import read_pooling
 from engine_actors.request import SamplingParams
@@ -46,10 +46,9 @@ class PoolingRequest(_Base):
                            "truncate_prompt_tokens", "invalid_value")
 
 
-class EmbeddingRequest(PoolingRequest):
+class InputsRequest(PoolingRequest):
+    """A request of pooling routes that take `input` (embeddings, classify_api.py's)."""
     input: Prompt
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
     add_special_tokens: bool = True
 
@@ -59,6 +58,11 @@ class EmbeddingRequest(PoolingRequest):
         if not self.input:
             raise APIError(400, "input must not be empty", "input", "invalid_value")
         return list(self.input)
+
+
+class EmbeddingRequest(InputsRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
 
 
 class EmbeddingsAPI:
@@ -77,31 +81,11 @@ class EmbeddingsAPI:
 
     async def _create(self, request: Request) -> dict:
         frontend = self.frontend
-        frontend.refuse_if_draining()
-        req = await frontend.parse(request, EmbeddingRequest)
-        req.check_supported()
-        if frontend.cfg.classifier_from_token is not None:
-            raise APIError(400, "this server scores pairs (classifier_from_token): POST "
-                                "/v1/score or /v1/rerank", None, "unsupported_task")
-        info = await frontend.ready()
-        prompts = req.prompts()
-        frontend.refuse_over_queue(len(prompts), f"{len(prompts)} inputs", "input")
-        params = ["input"] if len(prompts) == 1 else [f"input.{i}" for i in range(len(prompts))]
-        ids = await frontend.prompt_ids(prompts, info, params, req.add_special_tokens)
-        limit = info.max_model_len
-        n = req.truncate_prompt_tokens
-        if n == limit:  # (keep limit - 1: room for the one step)
-            n = limit - 1
-        ids = [keep_last(p, n, limit) for p in ids]
-        for p, param in zip(ids, params):
-            if len(p) >= limit:
-                raise PromptTooLong(len(p), limit, param)
-        base = f"embd-{uuid.uuid4().hex}"
-        sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        requests = [EngineRequest(f"{base}-{i}", p, sampling, req.priority or 0,
-                                  lora_name=frontend.adapter(req))
-                    for i, p in enumerate(ids)]
-        vectors = await run_pooling(frontend, requests, "input")
+        req, info = await start_pooling(frontend, request, EmbeddingRequest)
+        if info.scores or info.labels:
+            raise APIError(400, "this server is a classifier: POST /classify" + (
+                ", /v1/score or /v1/rerank" if info.scores else ""), None, "unsupported_task")
+        ids, vectors = await pool_inputs(frontend, req, info, "embd")
         if self.normalize is None:  # (the checkpoint's, as the workers read it)
             self.normalize = read_pooling(resolve_model_path(frontend.cfg.model)).normalize
         size = len(vectors[0]) // 4
@@ -115,6 +99,40 @@ class EmbeddingsAPI:
                                               self.normalize)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+async def start_pooling(frontend: Frontend, request: Request, schema: type[InputsRequest]
+                        ) -> tuple[InputsRequest, ModelInfo]:
+    """A pooling route's request, parsed and checked (not while draining), and the model's
+    info."""
+    frontend.refuse_if_draining()
+    req = await frontend.parse(request, schema)
+    req.check_supported()
+    return req, await frontend.ready()
+
+
+async def pool_inputs(frontend: Frontend, req: InputsRequest, info: ModelInfo, kind: str
+                      ) -> tuple[list[list[int]], list[bytes]]:
+    """Each input's token ids (tokenized, truncated, checked) and its pooled output (float32
+    bytes); `kind` starts the engine requests' ids."""
+    prompts = req.prompts()
+    frontend.refuse_over_queue(len(prompts), f"{len(prompts)} inputs", "input")
+    params = ["input"] if len(prompts) == 1 else [f"input.{i}" for i in range(len(prompts))]
+    ids = await frontend.prompt_ids(prompts, info, params, req.add_special_tokens)
+    limit = info.max_model_len
+    n = req.truncate_prompt_tokens
+    if n == limit:  # (keep limit - 1: room for the one step)
+        n = limit - 1
+    ids = [keep_last(p, n, limit) for p in ids]
+    for p, param in zip(ids, params):
+        if len(p) >= limit:
+            raise PromptTooLong(len(p), limit, param)
+    base = f"{kind}-{uuid.uuid4().hex}"
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    requests = [EngineRequest(f"{base}-{i}", p, sampling, req.priority or 0,
+                              lora_name=frontend.adapter(req))
+                for i, p in enumerate(ids)]
+    return ids, await run_pooling(frontend, requests, "input")
 
 
 async def run_pooling(frontend: Frontend, requests: list[EngineRequest],

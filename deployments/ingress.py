@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from deployments.auth import APIKeyMiddleware
 from deployments.batch_api import BatchAPI
+from deployments.classify_api import ClassifyAPI
 from deployments.embeddings_api import EmbeddingsAPI
 from deployments.finetune_api import FineTuningAPI
 from deployments.frontend import Frontend
@@ -77,7 +78,7 @@ class OpenAIIngress:
         routes += BatchAPI(self.frontend).routes()
         routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
         routes += TokenizeAPI(self.frontend).routes() + EmbeddingsAPI(self.frontend).routes()
-        routes += ScoreAPI(self.frontend).routes()
+        routes += ScoreAPI(self.frontend).routes() + ClassifyAPI(self.frontend).routes()
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
         # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
         handlers = {HTTPException: self._http_error, Exception: self._internal_error,

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from deployments.classify_api import sigmoid
 from deployments.embeddings_api import PoolingRequest, run_pooling
 from deployments.frontend import Frontend
 from deployments.openai_api import PromptTooLong
@@ -136,10 +137,10 @@ class ScoreAPI:
     async def _parse(self, request: Request, schema):
         self.frontend.refuse_if_draining()
         req = await self.frontend.parse(request, schema)
-        if self.frontend.cfg.classifier_from_token is None:
+        if not (await self.frontend.ready()).scores:
             raise APIError(400, "this server does not score pairs: serve a reranker with "
-                                "runner pooling and classifier_from_token", None,
-                           "unsupported_task")
+                                "runner pooling (with classifier_from_token, or a sequence "
+                                "classifier of one label)", None, "unsupported_task")
         return req
 
     async def _scores(self, req, pairs: list[tuple[str, str]], param: str
@@ -169,5 +170,5 @@ class ScoreAPI:
         if not np.isfinite(logits).all():  # (JSON has no NaN)
             raise APIError(500, "the model's score is not a finite number", None,
                            "internal_error", "server_error")
-        scores = logits if req.use_activation is False else 0.5 * (1 + np.tanh(logits / 2))
+        scores = logits if req.use_activation is False else sigmoid(logits)
         return scores.tolist(), sum(map(len, ids))

@@ -16,6 +16,7 @@ from engine_actors.config import DEFAULT_MODEL, EngineConfig
 from engine_actors.lora_files import target_shapes
 from engine_actors.model_checks import check_model, moe_layers
 from engine_actors.plain_config import config_data
+from engine_actors.pooling import as_causal_lm, classifier_labels
 from engine_actors.request import SamplingParams
 
 # Bump when the built-in model changes so stale copies are not reused.
@@ -195,9 +196,12 @@ def load_hf_config(path: str):
         text.eos_token_id = sorted(_as_ids(text.eos_token_id) | top_eos)
         text.quantization_config = getattr(cfg, "quantization_config", None)
         cfg = text
+    as_causal_lm(cfg)  # (a sequence classifier: pooling.py)
     if architecture(cfg) not in ARCHITECTURES.values():
-        raise ValueError(f"architecture {architecture(cfg)!r} is not supported; supported: "
-                         f"{', '.join([*ARCHITECTURES.values(), *TEXT_MODELS])}")
+        name = getattr(cfg, "sequence_classifier", None) or architecture(cfg)
+        raise ValueError(f"architecture {name!r} is not supported; supported: "
+                         f"{', '.join([*ARCHITECTURES.values(), *TEXT_MODELS])} (and "
+                         "their *ForSequenceClassification)")
     return cfg
 
 
@@ -262,6 +266,8 @@ class ModelInfo:
     lora_shapes: dict = field(default_factory=dict)  # LoRA target -> (in, out) features
     moe_layers: tuple[int, ...] = ()  # layers whose MLP (experts) takes no LoRA adapter
     config: dict = field(default_factory=dict)  # transformers' config (plain_config.py)
+    scores: bool = False  # a reranker: its pooling gives a pair's logit (pooling.py)
+    labels: tuple[str, ...] = ()  # a sequence classifier's, in order (its logits')
 
 
 def model_info(cfg: EngineConfig) -> ModelInfo:
@@ -272,6 +278,7 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
         raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
                          f"max_position_embeddings {limit}")
     check_model(hf, cfg, architecture(hf))
+    labels = classifier_labels(hf, cfg.runner, cfg.classifier_from_token)
     eos = _as_ids(hf.eos_token_id)
     defaults = {}
     generation_config = os.path.join(path, "generation_config.json")
@@ -288,7 +295,8 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
             raise ValueError(f"{generation_config}: unusable sampling defaults: {e}") from None
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
                      hf.vocab_size, architecture(hf), defaults, hf.num_hidden_layers,
-                     target_shapes(hf), moe_layers(hf, architecture(hf)), config_data(hf))
+                     target_shapes(hf), moe_layers(hf, architecture(hf)), config_data(hf),
+                     cfg.classifier_from_token is not None or len(labels) == 1, labels)
 
 
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",

@@ -12,6 +12,11 @@ A reranker made from a causal LM (vLLM's `classifier_from_token`, Qwen3-Reranker
 "yes"]) returns a logit instead: the LM head's rows of those tokens make a classifier of
 the last hidden state, logit(yes) - logit(no) (one token: its logit), whose sigmoid
 (deployments/score_api.py) is the probability of "yes" against "no".
+
+A sequence classifier (`*ForSequenceClassification`: a reranker converted to one, a reward
+model, a text classifier) is the same decoder with a head of its own (`score`): it returns
+that head's logits, one per label (deployments/classify_api.py); with one label, it scores
+pairs as a reranker does.
 """
 from __future__ import annotations
 
@@ -29,11 +34,43 @@ from engine_actors.messages import StepResult
 class Pooling:
     normalize: bool = True
     token_ids: tuple[int, ...] = ()  # a classifier's tokens (their LM head rows score)
+    score_head: bool = False  # a sequence classifier: its head `score.weight` scores
     classifier: torch.Tensor | None = field(default=None, repr=False)  # [k, hidden], fp32
 
 
-def read_pooling(path: str, classifier_tokens: list[str] | None = None) -> Pooling:
+CLASSIFIER = "ForSequenceClassification"
+
+
+def as_causal_lm(hf_config) -> None:
+    """A sequence classifier's config names the causal LM of the same decoder (the model
+    class that serves it), and keeps its own name in `sequence_classifier`."""
+    name = (getattr(hf_config, "architectures", None) or [""])[0]
+    if name.endswith(CLASSIFIER):
+        hf_config.architectures = [name.removesuffix(CLASSIFIER) + "ForCausalLM"]
+        hf_config.sequence_classifier = name
+
+
+def classifier_labels(hf_config, runner: str, classifier_tokens: list[str] | None
+                      ) -> tuple[str, ...]:
+    """A sequence classifier's labels, in order (none: it is no sequence classifier);
+    ValueError for one that this engine cannot serve as given."""
+    name = getattr(hf_config, "sequence_classifier", None)
+    if name is None:
+        return ()
+    if runner != "pooling":
+        raise ValueError(f"{name} is a sequence classifier: serve it with runner: pooling, "
+                         "for /classify (and, with one label, /v1/score and /v1/rerank)")
+    if classifier_tokens:
+        raise ValueError(f"{name} scores with its own head: classifier_from_token is for a "
+                         "causal LM's")
+    return tuple(str(hf_config.id2label[i]) for i in range(hf_config.num_labels))
+
+
+def read_pooling(path: str, classifier_tokens: list[str] | None = None,
+                 score_head: bool = False) -> Pooling:
     """The checkpoint's pooling (ValueError for one this engine does not do)."""
+    if score_head:
+        return Pooling(normalize=False, score_head=True)
     if classifier_tokens:
         from tokenizers import Tokenizer  # (the Rust library: no transformers import here)
         vocab = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
@@ -63,20 +100,25 @@ def read_pooling(path: str, classifier_tokens: list[str] | None = None) -> Pooli
 
 def keep_classifier(pooling: Pooling | None, name: str, tensor: torch.Tensor, tied: bool,
                     device: torch.device) -> None:
-    """As the checkpoint loads: a classifier's rows of the LM head (of the embeddings, when
-    the head is tied to them; a multimodal checkpoint's names end the same)."""
+    """As the checkpoint loads: a sequence classifier's head, or a classifier's rows of the
+    LM head (of the embeddings, when the head is tied to them; a multimodal checkpoint's
+    names end the same)."""
     head = "embed_tokens.weight" if tied else "lm_head.weight"
-    if pooling is not None and pooling.token_ids and name.endswith(head):
+    if pooling is None:
+        return
+    if pooling.score_head and name == "score.weight":
+        pooling.classifier = tensor.float().to(device)
+    elif pooling.token_ids and name.endswith(head):
         pooling.classifier = tensor[list(pooling.token_ids)].float().to(device)
 
 
 def embed(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """Final hidden states [N, H] -> embeddings [N, H], or a classifier's logits [N, 1];
-    fp32."""
+    """Final hidden states [N, H] -> embeddings [N, H], or a classifier's logits [N, labels]
+    (classifier_from_token's: [N, 1]); fp32."""
     out = hidden.float()
     if pooling.classifier is not None:
         logits = out @ pooling.classifier.T
-        return logits[:, -1:] - logits[:, :1] if logits.shape[1] == 2 else logits
+        return logits[:, -1:] - logits[:, :1] if len(pooling.token_ids) == 2 else logits
     return F.normalize(out, dim=-1) if pooling.normalize else out
 
 

@@ -106,11 +106,12 @@ def write_config(path, **changes):
 
 def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(tmp_path):
     save_random_checkpoint(str(tmp_path), "llama")
-    write_config(tmp_path, architectures=["LlamaForSequenceClassification"])
-    with pytest.raises(ValueError) as e:
-        model_info(EngineConfig.from_args({"model": str(tmp_path)}))
-    message = str(e.value)
-    assert "LlamaForSequenceClassification" in message
+    for name in ["FalconForCausalLM", "FalconForSequenceClassification"]:
+        write_config(tmp_path, architectures=[name])
+        with pytest.raises(ValueError) as e:
+            model_info(EngineConfig.from_args({"model": str(tmp_path), "runner": "pooling"}))
+        message = str(e.value)
+        assert f"architecture {name!r} is not supported" in message
     assert all(a in message for a in ["LlamaForCausalLM", "MistralForCausalLM",
                                       "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                       "Phi3ForCausalLM", "Gemma2ForCausalLM",

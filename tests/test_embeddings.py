@@ -169,6 +169,7 @@ def test_embeddings_through_http_with_the_openai_client(url):
     ("/v1/completions", {"prompt": "x", "max_tokens": 2}, 400, "unsupported_runner"),
     ("/v1/score", {"text_1": "x", "text_2": "y"}, 400, "unsupported_task"),  # (no classifier)
     ("/v1/rerank", {"query": "x", "documents": ["y"]}, 400, "unsupported_task"),
+    ("/classify", {"input": "x"}, 400, "unsupported_task"),  # (no sequence classifier)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400,
      "unsupported_runner"),
 ])

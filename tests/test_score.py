@@ -34,7 +34,7 @@ def hf_scores(model_dir: str, prompts: list[list[int]], tokens: list[int],
     return out
 
 
-def engine_scores(model_dir: str, prompts: list[list[int]], tokens: list[str],
+def engine_scores(model_dir: str, prompts: list[list[int]], tokens: list[str] | None,
                   **args) -> list[float]:
     engine = InProcessEngine(model=model_dir, runner="pooling", classifier_from_token=tokens,
                              max_batch_size=4, block_size=4, max_num_batched_tokens=24,
@@ -69,6 +69,60 @@ def test_scores_equal_transformers_on_gpu_fp32(tmp_path):
     got = engine_scores(str(tmp_path), PROMPTS, TOKENS, device="cuda", dtype="float32")
     np.testing.assert_allclose(got, hf_scores(str(tmp_path), PROMPTS, ids, False), rtol=1e-4,
                                atol=1e-4)
+
+
+def save_sequence_classifier(path, model_type: str, labels: list[str] | None = None) -> None:
+    """A random *ForSequenceClassification checkpoint (as rerankers converted to one are
+    published; one label unless `labels` are given) in path/cls, with the byte tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    save_random_checkpoint(str(path / "lm"), model_type, seed=5, head_dim=32)
+    labels = labels or ["LABEL_0"]
+    config = AutoConfig.from_pretrained(str(path / "lm"), num_labels=len(labels),
+                                        id2label=dict(enumerate(labels)))
+    torch.manual_seed(6)
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.score.weight.data.normal_(0.0, 1.0)  # (logits that tell prompts apart)
+    model.save_pretrained(str(path / "cls"))
+    load_tokenizer(str(path / "lm")).save_pretrained(str(path / "cls"))
+
+
+def hf_classifier_logits(model_dir: str, prompts: list[list[int]]) -> np.ndarray:
+    """[prompts, labels]: transformers' logits at each prompt's last token."""
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir,
+                                                               dtype=torch.float32).eval()
+    with torch.no_grad():
+        return np.array([model(torch.tensor([p])).logits[0].tolist() for p in prompts])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_a_sequence_classifier_scores_with_its_own_head_as_transformers(tmp_path, model_type):
+    """Qwen3ForSequenceClassification (a converted Qwen3-Reranker's architecture) and
+    Llama's: the logit of the `score` head at the last token, in fp32."""
+    save_sequence_classifier(tmp_path, model_type)
+    got = engine_scores(str(tmp_path / "cls"), PROMPTS, None)
+    want = hf_classifier_logits(str(tmp_path / "cls"), PROMPTS)[:, 0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert len(set(np.round(want, 4))) == len(PROMPTS)
+
+
+def test_a_sequence_classifier_scores_pairs_only_with_one_label(tmp_path):
+    from engine_actors.checkpoint import model_info
+    from engine_actors.config import EngineConfig
+    save_sequence_classifier(tmp_path, "qwen3")
+    model = str(tmp_path / "cls")
+    with pytest.raises(ValueError, match="Qwen3ForSequenceClassification is a sequence "
+                                         "classifier: serve it with runner: pooling"):
+        model_info(EngineConfig.from_args({"model": model}))
+    with pytest.raises(ValueError, match="classifier_from_token is for a causal LM"):
+        model_info(EngineConfig.from_args({"model": model, "runner": "pooling",
+                                           "classifier_from_token": TOKENS}))
+    one = model_info(EngineConfig.from_args({"model": model, "runner": "pooling"}))
+    assert one.scores and one.labels == ("LABEL_0",)
+    save_sequence_classifier(tmp_path / "two", "qwen3", ["no", "yes"])
+    two = model_info(EngineConfig.from_args({"model": str(tmp_path / "two" / "cls"),
+                                             "runner": "pooling"}))
+    assert not two.scores and two.labels == ("no", "yes")  # (/classify only)
 
 
 def test_a_token_that_is_not_in_the_vocabulary_is_refused_at_start(tmp_path):
