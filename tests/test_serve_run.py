@@ -92,7 +92,7 @@ def test_sigterm_drains_then_stops(tmp_path):
 
     try:
         stream = start_long_stream(url, "keep going", events)
-        time.sleep(2.0)  # the launcher is connected to Ray by now (it tries every second)
+        time.sleep(2.0)  # the launcher has found the engine by now (at the ready line)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         while httpx.post(f"{url}/v1/completions", json={"prompt": "late", "max_tokens": 1},
