@@ -25,7 +25,8 @@ class BatchItem(SamplingOptions):
 
 
 class BatchSubmit(_Base):
-    """A background batch (native endpoint): scheduled per request, at low priority."""
+    """A background batch (native endpoint): scheduled per request, at priority 1 (after
+    interactive requests' 0) unless it gives its own."""
     RUNNER: ClassVar[str | None] = "generate"
     model: str | None = None
     requests: Annotated[list[BatchItem], Field(min_length=1, max_length=MAX_BATCH)]

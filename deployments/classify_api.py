@@ -7,7 +7,8 @@ Request: `input` (a string, a list of strings, token ids, or a list of token-id 
 Answer: {"id", "object": "list", "created", "model", "data": [{"index", "label", "probs",
 "num_classes"}], "usage": {"prompt_tokens", "total_tokens", "completion_tokens": 0,
 "prompt_tokens_details": null}}. `probs` is the softmax of the logits over the labels (with
-one label: its sigmoid), and `label` the name (the checkpoint's id2label) of the likeliest.
+one label, or the checkpoint's `problem_type` multi_label_classification: a sigmoid each;
+regression: the logits), and `label` the name (the checkpoint's id2label) of the likeliest.
 """
 from __future__ import annotations
 
@@ -33,9 +34,13 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1 + np.tanh(x / 2))  # (no overflow for any float)
 
 
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """Softmax over the labels (one label: sigmoid), in float64."""
-    if logits.shape[-1] == 1:
+def activation(logits: np.ndarray, problem_type: str | None) -> np.ndarray:
+    """[inputs, labels] logits (float64) as the checkpoint's `problem_type` reads them, as
+    vLLM does: regression (a reward model) as they are, multi-label with a sigmoid each,
+    else a softmax over the labels (one label: its sigmoid)."""
+    if problem_type == "regression":
+        return logits
+    if problem_type == "multi_label_classification" or logits.shape[-1] == 1:
         return sigmoid(logits)
     e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
@@ -67,7 +72,8 @@ class ClassifyAPI:
         if not np.isfinite(logits).all():  # (JSON has no NaN)
             raise APIError(500, "the model's logits are not finite numbers", None,
                            "internal_error", "server_error")
-        values = logits if req.use_activation is False else probabilities(logits)
+        values = logits if req.use_activation is False else \
+            activation(logits, info.config.get("problem_type"))
         num_tokens = sum(map(len, ids))
         return {"id": f"classify-{uuid.uuid4().hex}", "object": "list",
                 "created": int(time.time()), "model": frontend.reported_model(req),

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from deployments.classify_api import sigmoid
+from deployments.classify_api import activation
 from deployments.embeddings_api import PoolingRequest, run_pooling
 from deployments.frontend import Frontend
 from deployments.openai_api import PromptTooLong
@@ -170,5 +170,6 @@ class ScoreAPI:
         if not np.isfinite(logits).all():  # (JSON has no NaN)
             raise APIError(500, "the model's score is not a finite number", None,
                            "internal_error", "server_error")
-        scores = logits if req.use_activation is False else sigmoid(logits)
+        scores = logits if req.use_activation is False else \
+            activation(logits[:, None], info.config.get("problem_type"))[:, 0]
         return scores.tolist(), sum(map(len, ids))

@@ -69,8 +69,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.hf_config = plain_config(config or config_data(load_hf_config(model_path)))
         self.fp8 = read_format(self.hf_config, quantization)
-        self.pooling = read_pooling(model_path, classifier_tokens, hasattr(
-            self.hf_config, "sequence_classifier")) if pooling else None
+        labels = len(self.hf_config.id2label) \
+            if hasattr(self.hf_config, "sequence_classifier") else 0
+        self.pooling = read_pooling(model_path, classifier_tokens, labels) if pooling else None
         self.model = self._load_model(model_path)
         self.row_lora = None  # host: each table row's adapter slot (-1: the base model)
         self.lora_slots = lora[0] if lora is not None else 0
@@ -129,9 +130,9 @@ class ModelRunner:
             keys = model.load_weight(name, loaded_dtype(name, tensor, self.dtype))
             loaded.update(keys if isinstance(keys, list) else [keys])  # (a list: experts')
         if self.pooling is not None and self.pooling.classifier is None and \
-                (self.pooling.token_ids or self.pooling.score_head):
+                (self.pooling.token_ids or self.pooling.num_labels):
             raise ValueError(f"checkpoint {path} has no classifier head (score.weight)"
-                             if self.pooling.score_head else
+                             if self.pooling.num_labels else
                              f"classifier_from_token: checkpoint {path} has no LM head (nor "
                              "embedding table) to take the tokens' rows from")
         missing = model.weight_keys() - loaded
@@ -139,6 +140,8 @@ class ModelRunner:
             missing = {k for k in missing if not k.startswith("lm_head.")}
         if missing:
             raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")
+        if self.pooling is not None and not self.hf_config.tie_word_embeddings:
+            model.lm_head = None  # never read: its memory goes to the KV cache
         return model.eval()
 
     # ---- KV cache -----------------------------------------------------------------------

@@ -34,19 +34,22 @@ from engine_actors.messages import StepResult
 class Pooling:
     normalize: bool = True
     token_ids: tuple[int, ...] = ()  # a classifier's tokens (their LM head rows score)
-    score_head: bool = False  # a sequence classifier: its head `score.weight` scores
+    num_labels: int = 0  # a sequence classifier's: its head `score.weight` gives the logits
     classifier: torch.Tensor | None = field(default=None, repr=False)  # [k, hidden], fp32
 
 
 CLASSIFIER = "ForSequenceClassification"
+CAUSAL_NAMES = {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
 
 def as_causal_lm(hf_config) -> None:
     """A sequence classifier's config names the causal LM of the same decoder (the model
-    class that serves it), and keeps its own name in `sequence_classifier`."""
+    class that serves it), and keeps its own name in `sequence_classifier`. A multimodal
+    one (its text model under `text_config`) is left as it is: not served."""
     name = (getattr(hf_config, "architectures", None) or [""])[0]
-    if name.endswith(CLASSIFIER):
-        hf_config.architectures = [name.removesuffix(CLASSIFIER) + "ForCausalLM"]
+    if name.endswith(CLASSIFIER) and not hasattr(hf_config, "text_config"):
+        causal = CAUSAL_NAMES.get(name, name.removesuffix(CLASSIFIER) + "ForCausalLM")
+        hf_config.architectures = [causal]
         hf_config.sequence_classifier = name
 
 
@@ -67,10 +70,11 @@ def classifier_labels(hf_config, runner: str, classifier_tokens: list[str] | Non
 
 
 def read_pooling(path: str, classifier_tokens: list[str] | None = None,
-                 score_head: bool = False) -> Pooling:
-    """The checkpoint's pooling (ValueError for one this engine does not do)."""
-    if score_head:
-        return Pooling(normalize=False, score_head=True)
+                 num_labels: int = 0) -> Pooling:
+    """The checkpoint's pooling (`num_labels`: a sequence classifier's; ValueError for one
+    this engine does not do)."""
+    if num_labels:
+        return Pooling(normalize=False, num_labels=num_labels)
     if classifier_tokens:
         from tokenizers import Tokenizer  # (the Rust library: no transformers import here)
         vocab = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
@@ -106,7 +110,13 @@ def keep_classifier(pooling: Pooling | None, name: str, tensor: torch.Tensor, ti
     head = "embed_tokens.weight" if tied else "lm_head.weight"
     if pooling is None:
         return
-    if pooling.score_head and name == "score.weight":
+    if pooling.num_labels and name == "score.weight":
+        if tensor.dtype.itemsize == 1:
+            raise ValueError(f"the classifier head (score.weight) is in {tensor.dtype}: a "
+                             "quantized head is not served")
+        if tensor.shape[0] != pooling.num_labels:
+            raise ValueError(f"the classifier head (score.weight) has {tensor.shape[0]} rows "
+                             f"for the config's {pooling.num_labels} labels (id2label)")
         pooling.classifier = tensor.float().to(device)
     elif pooling.token_ids and name.endswith(head):
         pooling.classifier = tensor[list(pooling.token_ids)].float().to(device)

@@ -29,19 +29,48 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_each_labels_logit_equals_transformers(classifier, device):
-    engine = InProcessEngine(device, model=classifier, runner="pooling", max_batch_size=4,
+def engine_logits(model: str, device: str = "cpu") -> tuple[InProcessEngine, np.ndarray]:
+    engine = InProcessEngine(device, model=model, runner="pooling", max_batch_size=4,
                              block_size=4, max_num_batched_tokens=24, max_num_tokens=2048,
                              dtype="float32")
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.run({0: [(f"r{i}", p, sampling) for i, p in enumerate(PROMPTS)]})
-    got = np.array([np.frombuffer(engine.embeddings[f"r{i}"], dtype=np.float32)
-                    for i in range(len(PROMPTS))])
+    return engine, np.array([np.frombuffer(engine.embeddings[f"r{i}"], dtype=np.float32)
+                             for i in range(len(PROMPTS))])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_each_labels_logit_equals_transformers(classifier, device):
+    engine, got = engine_logits(classifier, device)
     want = hf_classifier_logits(classifier, PROMPTS)
     assert got.shape == want.shape == (len(PROMPTS), len(LABELS))
+    assert engine.worker.runner.model.lm_head is None  # (untied: its memory went to KV)
     tolerance = 1e-5 if device == "cpu" else 1e-4  # (GPU kernels sum in another order)
     np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_two_labels_are_two_logits_not_a_difference(tmp_path):
+    """(classifier_from_token's two tokens give logit(yes) - logit(no); two labels do not)"""
+    save_sequence_classifier(tmp_path, "qwen3", ["no", "yes"])
+    _, got = engine_logits(str(tmp_path / "cls"))
+    np.testing.assert_allclose(got, hf_classifier_logits(str(tmp_path / "cls"), PROMPTS),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("problem_type", [None, "single_label_classification",
+                                          "multi_label_classification", "regression"])
+def test_probabilities_follow_the_checkpoints_problem_type_as_vllm(problem_type):
+    import torch
+
+    from deployments.classify_api import activation
+    logits = np.array([[2.0, -1.0, 0.5], [0.0, 3.0, -2.0]])
+    want = {"regression": torch.tensor(logits),
+            "multi_label_classification": torch.sigmoid(torch.tensor(logits))}.get(
+        problem_type, torch.softmax(torch.tensor(logits), -1)).numpy()
+    np.testing.assert_allclose(activation(logits, problem_type), want, rtol=1e-12)
+    one = np.array([[0.3], [-2.0]])  # one label: a sigmoid unless regression
+    np.testing.assert_allclose(activation(one, problem_type), one if problem_type ==
+                               "regression" else torch.sigmoid(torch.tensor(one)).numpy())
 
 
 # ---- through HTTP --------------------------------------------------------------------------

@@ -284,13 +284,16 @@ def test_embeddings_over_tp_and_pp_equal_one_worker(ray_cluster, checkpoint, dev
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
 def test_scores_over_tp_and_pp_equal_one_worker(ray_cluster, checkpoint, device):
     """A reranker (classifier_from_token): each rank keeps the LM head's rows of its tokens
-    from the whole checkpoint, whichever vocabulary shard they fall in; the logits from
-    two ranks, and on GPUs from two stages, equal one worker's."""
+    from the whole checkpoint, whichever vocabulary shard they fall in (of 258 rows over
+    two ranks, "n" is 110 and the other 200); the logits from two ranks, and on GPUs from
+    two stages, equal one worker's."""
     import numpy as np
 
+    from engine_actors.checkpoint import load_tokenizer
     from engine_actors.output_stream import run_requests
     from tests.engine_harness import InProcessEngine
-    args = dict(runner="pooling", classifier_from_token=["n", "y"], dtype="float32")
+    tokens = ["n", load_tokenizer(checkpoint).convert_ids_to_tokens(200)]
+    args = dict(runner="pooling", classifier_from_token=tokens, dtype="float32")
     requests = [(f"s{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
                 for i, (_, prompt, _) in enumerate(workload(seed=6))]
     engine = InProcessEngine(device, model=checkpoint, max_batch_size=6,

@@ -346,3 +346,34 @@ def test_a_policy_only_chooses_the_scheduler_alone_changes_kv(policy):
                                     sched.budget, sched.loras)
     assert selection.batch  # it planned something
     assert state() == before
+
+
+def test_requests_default_to_priority_0_and_background_batches_to_1():
+    """vLLM's default for a request that gives none (0), and a batch after it (1)."""
+    import asyncio
+    import types
+
+    from deployments.batch_protocol import BatchSubmit
+    from deployments.completion_protocol import CompletionRequest
+    from deployments.frontend import Frontend
+    from deployments.openai_api import OpenAIRoutes
+    from engine_actors.checkpoint import load_tokenizer, resolve_model_path
+    from engine_actors.config import DEFAULT_MODEL, EngineConfig
+
+    class Client:  # what the routes submit to the engine
+        sent = []
+
+        async def submit(self, requests, wake_each_update):
+            self.sent += requests
+            return types.SimpleNamespace(close=lambda: None)
+    frontend = Frontend(EngineConfig())
+    frontend.tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    frontend.client = Client()
+    info = types.SimpleNamespace(max_model_len=64, sampling_defaults={}, vocab_size=258,
+                                 eos_token_ids=(1,))
+    for fields in ({}, {"priority": None}, {"priority": -3}):
+        req = CompletionRequest(prompt="ab", max_tokens=2, **fields)
+        asyncio.run(OpenAIRoutes(frontend).submit("cmpl-x", req, [("ab", [97, 98])], 2, info,
+                                                  False, 0.0))
+    assert [r.priority for r in Client.sent] == [0, 0, -3]
+    assert BatchSubmit.model_validate({"requests": [{"prompt": "x"}]}).priority == BATCH

@@ -165,7 +165,7 @@ def test_small_pool_evicts_and_preempted_request_hits_its_own_blocks():
         prompts[rid] = system[:rng.choice([4, 5, 8, 10])] + [rng.randrange(50)
                                                             for _ in range(rng.randint(1, 9))]
         r = req(rid, prompts[rid], max_tokens=rng.randint(6, 20), t=float(i))
-        r.priority = 1 if i % 3 == 2 else 0
+        r.priority = 0 if i % 3 == 2 else 1  # (one in three interactive)
         d.sched.add(r)
         d.step()
         d.step()

@@ -95,10 +95,11 @@ def hf_classifier_logits(model_dir: str, prompts: list[list[int]]) -> np.ndarray
         return np.array([model(torch.tensor([p])).logits[0].tolist() for p in prompts])
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "gemma3_text"])
 def test_a_sequence_classifier_scores_with_its_own_head_as_transformers(tmp_path, model_type):
-    """Qwen3ForSequenceClassification (a converted Qwen3-Reranker's architecture) and
-    Llama's: the logit of the `score` head at the last token, in fp32."""
+    """Qwen3ForSequenceClassification (a converted Qwen3-Reranker's architecture), Llama's
+    and Gemma3TextForSequenceClassification: the logit of the `score` head at the last
+    token, in fp32."""
     save_sequence_classifier(tmp_path, model_type)
     got = engine_scores(str(tmp_path / "cls"), PROMPTS, None)
     want = hf_classifier_logits(str(tmp_path / "cls"), PROMPTS)[:, 0]
@@ -123,6 +124,23 @@ def test_a_sequence_classifier_scores_pairs_only_with_one_label(tmp_path):
     two = model_info(EngineConfig.from_args({"model": str(tmp_path / "two" / "cls"),
                                              "runner": "pooling"}))
     assert not two.scores and two.labels == ("no", "yes")  # (/classify only)
+    from transformers import Gemma3Config  # multimodal: its text model is not classified
+    Gemma3Config(architectures=["Gemma3ForSequenceClassification"]).save_pretrained(
+        str(tmp_path / "vision"))
+    with pytest.raises(ValueError, match="'Gemma3ForSequenceClassification' is not supported"):
+        model_info(EngineConfig.from_args({"model": str(tmp_path / "vision"),
+                                           "runner": "pooling"}))
+
+
+def test_a_classifier_head_that_cannot_be_served_is_refused_as_it_loads():
+    from engine_actors.pooling import Pooling, keep_classifier
+    with pytest.raises(ValueError, match="2 rows for the config's 3 labels"):
+        keep_classifier(Pooling(normalize=False, num_labels=3), "score.weight",
+                        torch.zeros(2, 8), False, torch.device("cpu"))
+    with pytest.raises(ValueError, match="float8_e4m3fn: a quantized head is not served"):
+        keep_classifier(Pooling(normalize=False, num_labels=3), "score.weight",
+                        torch.zeros(3, 8, dtype=torch.float8_e4m3fn), False,
+                        torch.device("cpu"))
 
 
 def test_a_token_that_is_not_in_the_vocabulary_is_refused_at_start(tmp_path):
@@ -233,7 +251,7 @@ def test_a_pair_is_its_texts_joined_and_encoded_once(monkeypatch):
         return [np.float32(0.0).tobytes()] * len(requests)  # a logit of 0: a score of 0.5
 
     async def ready():
-        return SimpleNamespace(max_model_len=64)
+        return SimpleNamespace(max_model_len=64, config={})
 
     async def tokenize(fn, chars):
         return fn(tokenizer)
