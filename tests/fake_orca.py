@@ -143,8 +143,8 @@ class FakeOrca:
         # results here): a client must read both.
         async def events():
             for i in range(body["max_tokens"]):
-                # slow: 2 s between tokens, room for a Ctrl-C on a loaded machine
-                await asyncio.sleep((2.0 if i else 0.2) if slow else self.token_delay_s)
+                # slow: 5 s between tokens, room for a Ctrl-C on a loaded machine
+                await asyncio.sleep((5.0 if i else 0.2) if slow else self.token_delay_s)
                 chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
                 yield f"data: {json.dumps(chunk)}\r\n\r\n"
                 if fail:  # an error event, as the server sends when a request fails mid-way
