@@ -6,10 +6,10 @@
     DELETE /orca/v1/batches/{id}          cancel what has not finished
 
 A batch is scheduled request by request at its priority (default 1, after interactive
-requests' 0: lower runs first, as in vLLM), not as a block, and lives in the scheduler actor, so any ingress replica can
-answer for it. Requests are validated as the OpenAI routes validate theirs (`Frontend`).
-Texts are decoded here from the token ids the scheduler kept; a request with stop strings
-was ended there at the first match.
+requests' 0: lower runs first, as in vLLM), not as a block, and lives in the scheduler
+actor, so any ingress replica can answer for it. Requests are validated as the OpenAI
+routes validate theirs (`Frontend`). Texts are decoded here from the token ids the
+scheduler kept; a request with stop strings was ended there at the first match.
 """
 from __future__ import annotations
 

@@ -82,9 +82,11 @@ class EmbeddingsAPI:
     async def _create(self, request: Request) -> dict:
         frontend = self.frontend
         req, info = await start_pooling(frontend, request, EmbeddingRequest)
-        if info.scores or info.labels:
-            raise APIError(400, "this server is a classifier: POST /classify" + (
-                ", /v1/score or /v1/rerank" if info.scores else ""), None, "unsupported_task")
+        if info.scores or info.labels:  # (a reranker, a sequence classifier or both)
+            routes = (["/classify"] if info.labels else []) + \
+                (["/v1/score", "/v1/rerank"] if info.scores else [])
+            raise APIError(400, "this server classifies or scores, it does not embed: POST "
+                                + " or ".join(routes), None, "unsupported_task")
         ids, vectors = await pool_inputs(frontend, req, info, "embd")
         if self.normalize is None:  # (the checkpoint's, as the workers read it)
             self.normalize = read_pooling(resolve_model_path(frontend.cfg.model)).normalize

@@ -1,10 +1,11 @@
 """`orca-serve chat`: an interactive conversation, streamed as the tokens arrive.
 
 Chat requests carry `"priority": 0` (interactive; lower runs first, as in vLLM), so the
-server schedules them ahead of batch work submitted with `orca-serve batch` (1). The conversation is kept client-side and sent
-in full with every turn (the server is stateless). Ctrl-C while an answer streams closes the
-HTTP stream, which makes the server abort the request at once; the unfinished turn is then
-dropped from the conversation, so the next question does not build on half an answer.
+server schedules them ahead of batch work submitted with `orca-serve batch` (1). The
+conversation is kept client-side and sent in full with every turn (the server is
+stateless). Ctrl-C while an answer streams closes the HTTP stream, which makes the server
+abort the request at once; the unfinished turn is then dropped from the conversation, so
+the next question does not build on half an answer.
 """
 from __future__ import annotations
 

@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for requests that do not set it (default %(default)s)")
     batch.add_argument("--batch-size", type=_positive,
                        help="split each source into batches of at most this many requests")
-    batch.add_argument("--priority", type=int, help="batch priority, lower first (default: the server's, 1)")
+    batch.add_argument("--priority", type=int,
+                       help="batch priority, lower first (default: the server's, 1)")
     batch.add_argument("--model", help="model name to send")
     batch.add_argument("--wait", action="store_true",
                        help="follow the batches: progress bar, results as each batch finishes")
