@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import tempfile
@@ -13,11 +12,11 @@ from pathlib import Path
 import torch
 
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
+from engine_actors.generation_config import as_ids, read_generation_config
 from engine_actors.lora_files import target_shapes
 from engine_actors.model_checks import check_model, moe_layers
 from engine_actors.plain_config import config_data
 from engine_actors.pooling import as_causal_lm, classifier_labels
-from engine_actors.request import SamplingParams
 
 # Bump when the built-in model changes so stale copies are not reused.
 _DEFAULT_VERSION = 2
@@ -192,8 +191,8 @@ def load_hf_config(path: str):
         text = cfg.text_config  # (transformers ties lm_head by the top level's field)
         text.architectures = [TEXT_MODELS[architecture(cfg)]]
         text.tie_word_embeddings = cfg.tie_word_embeddings
-        top_eos = _as_ids(getattr(cfg, "eos_token_id", None))
-        text.eos_token_id = sorted(_as_ids(text.eos_token_id) | top_eos)
+        top_eos = as_ids(getattr(cfg, "eos_token_id", None))
+        text.eos_token_id = sorted(as_ids(text.eos_token_id) | top_eos)
         text.quantization_config = getattr(cfg, "quantization_config", None)
         cfg = text
     as_causal_lm(cfg)  # (a sequence classifier: pooling.py)
@@ -279,29 +278,9 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
                          f"max_position_embeddings {limit}")
     check_model(hf, cfg, architecture(hf))
     labels = classifier_labels(hf, cfg.runner, cfg.classifier_from_token)
-    eos = _as_ids(hf.eos_token_id)
-    defaults = {}
-    generation_config = os.path.join(path, "generation_config.json")
-    if os.path.isfile(generation_config):
-        with open(generation_config) as f:
-            gen = json.load(f)
-        eos |= _as_ids(gen.get("eos_token_id"))
-        defaults = {k: gen[k] for k in SAMPLING_DEFAULTS if gen.get(k) is not None}
-        try:  # each request would fail on a default that SamplingParams refuses
-            SamplingParams(1, **{**defaults, "top_k": max(defaults.get("top_k", 0), 0)})
-            if gen.get("max_new_tokens") is not None:  # (vLLM's default max_tokens)
-                defaults["max_tokens"] = SamplingParams(gen["max_new_tokens"]).max_tokens
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{generation_config}: unusable sampling defaults: {e}") from None
+    more_eos, defaults = read_generation_config(path)
+    eos = as_ids(hf.eos_token_id) | more_eos
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
                      hf.vocab_size, architecture(hf), defaults, hf.num_hidden_layers,
                      target_shapes(hf), moe_layers(hf, architecture(hf)), config_data(hf),
                      cfg.classifier_from_token is not None or len(labels) == 1, labels)
-
-
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty")
-
-
-def _as_ids(value) -> set[int]:
-    return set() if value is None else {value} if isinstance(value, int) else set(value)
