@@ -136,12 +136,12 @@ class ModelRunner:
                              f"classifier_from_token: checkpoint {path} has no LM head (nor "
                              "embedding table) to take the tokens' rows from")
         missing = model.weight_keys() - loaded
-        if self.pooling is not None:  # it never reads the LM head (a classifier has none)
+        if self.pooling is not None:  # it never reads the LM head (a classifier has none):
             missing = {k for k in missing if not k.startswith("lm_head.")}
+            if not self.hf_config.tie_word_embeddings:  # its memory goes to the KV cache
+                model.lm_head = None
         if missing:
             raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")
-        if self.pooling is not None and not self.hf_config.tie_word_embeddings:
-            model.lm_head = None  # never read: its memory goes to the KV cache
         return model.eval()
 
     # ---- KV cache -----------------------------------------------------------------------
