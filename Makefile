@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(PY) -m deployments.launch serve_config.yaml
 
+# Two workers: the tests with in-process servers in one, every other module in either
+# (tests/conftest.py); they leave each other's ports and processes alone.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadgroup tests
 
 # On the GPU machine (torch and triton preinstalled there): GPU tests only.
 gpu-test:

@@ -34,6 +34,26 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PORT_TAKEN = re.compile(r"cannot bind socket \(Address already in use\) for \[[^\]]*:(\d+)\]")
 
 
+def cluster_address(pid: int | None) -> str | None:
+    """The GCS address of the Ray cluster that process `pid` started: its raylet runs in that
+    process's session (`serve run` runs in a session of its own). None where /proc cannot
+    say; "auto" then finds the latest cluster started on this machine, maybe another one."""
+    if pid is None or not os.path.isdir("/proc"):
+        return None
+    for entry in os.listdir("/proc"):
+        try:
+            if not entry.isdigit() or os.getsid(int(entry)) != pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if os.path.basename(args[0]) == "raylet":
+            return next((a.split("=", 1)[1] for a in args if a.startswith("--gcs-address=")),
+                        None)
+    return None
+
+
 class Drainer:
     """Asks the scheduler actor of every application in the config to drain. It connects to
     the Ray cluster of `serve run` as soon as that is up, and finds each engine as soon as it
@@ -48,8 +68,8 @@ class Drainer:
         self.engines: dict[str, tuple] = {}  # actor name: (handle, drain_timeout_s)
 
     def connect(self, quiet: bool = True) -> bool:
-        """Connect to the cluster whose driver is our `serve run` (address "auto" may name
-        another local cluster, or a stale one, while ours is starting)."""
+        """Connect to the cluster whose driver is our `serve run` (without /proc, address
+        "auto" may name another local cluster, or a stale one, while ours is starting)."""
         import ray
 
         from engine_actors.scheduler_actor import NAMESPACE
@@ -57,8 +77,8 @@ class Drainer:
             return True
         handler = signal.getsignal(signal.SIGTERM)
         try:
-            ray.init(address="auto", namespace=NAMESPACE, logging_level="ERROR",
-                     log_to_driver=False)
+            ray.init(address=cluster_address(self.serve_run_pid) or "auto",
+                     namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
             jobs = ray._private.worker.global_worker.gcs_client.get_all_job_info()
             self.connected = any(j.driver_pid == self.serve_run_pid and not j.is_dead
                                  for j in jobs.values())

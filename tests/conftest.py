@@ -33,17 +33,29 @@ def server_group(item) -> int:
     return 1 if item.get_closest_marker("own_server") else 0
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # The tests with servers run last, one module after another, the shared server's last:
-    # start_app's Ray and Serve instance stays up from the first to the end of the session
-    # (a start costs ~12 s), and no other Ray cluster of an earlier test runs beside it.
+    # start_app's Ray and Serve instance stays up from the first to the last of them (a
+    # start costs ~12 s). Under pytest-xdist (`make test` runs two workers) they run as one
+    # unit in one worker, and every other module runs whole in one worker (its module
+    # fixtures once).
     items.sort(key=server_group)
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        item.add_marker(pytest.mark.xdist_group("servers" if server_group(item)
+                                                else item.module.__name__))
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test with servers, their Ray and Serve instance ends: a later test of
+    this worker may start a Ray cluster of its own."""
+    if server_group(item) and (nextitem is None or not server_group(nextitem)):
+        from tests.serve_fixture import shutdown
+        shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)

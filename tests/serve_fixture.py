@@ -1,6 +1,7 @@
 """Start the application of serve_config.yaml with serve.run (same builder, same args)."""
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
 import time
@@ -33,6 +34,20 @@ def write_config(tmp_path, **args) -> tuple[pathlib.Path, int]:
     config_file = tmp_path / "serve_config.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
     return config_file, port
+
+
+def own_ports_env() -> dict:
+    """This environment, with ports of its own for the Serve of a `serve run` that a test
+    starts: the in-process Serve of start_app (maybe another test worker's, beside it) keeps
+    HAProxy's fixed statistics, metrics and fallback proxy ports, and the ingress replicas'
+    first ports."""
+    env = dict(os.environ)
+    for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
+        env.setdefault(key, str(free_port()))
+    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "31000")
+    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "32000")
+    return env
 
 
 _serve_url: str | None = None  # of the Ray and Serve instance that start_app keeps up
@@ -87,7 +102,10 @@ def wait_idle(url: str, timeout: float = 20.0, headers: dict | None = None) -> d
 
 def stop_app(timeout: float = 60.0):
     """Delete every application and wait until their engines are gone (their workers'
-    placement groups free the CPUs the next application's workers need)."""
+    placement groups free the CPUs the next application's workers need). Nothing to do once
+    shutdown has ended the instance."""
+    if _serve_url is None:
+        return
     import ray
     from ray import serve
     from ray.util import placement_group_table

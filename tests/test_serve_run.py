@@ -13,20 +13,20 @@ import httpx
 import psutil
 import pytest
 
-from tests.serve_fixture import ROOT, start_long_stream, wait_healthy, write_config
+from tests.serve_fixture import (ROOT, own_ports_env, start_long_stream, wait_healthy,
+                                 write_config)
 
-RAY_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "dashboard", "haproxy")
 
-
-def ray_processes() -> set[int]:
+def session_processes(sessions: set[int]) -> set[int]:
+    """The processes left in these sessions (the launcher's, and `serve run`'s with its
+    Ray cluster's); other tests' Ray clusters may run beside, in sessions of their own."""
     found = set()
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+    for p in psutil.process_iter(["pid"]):
         try:
-            text = " ".join([p.info["name"] or ""] + (p.info["cmdline"] or []))
-        except psutil.Error:
+            if os.getsid(p.info["pid"]) in sessions:
+                found.add(p.info["pid"])
+        except OSError:
             continue
-        if any(m in text for m in RAY_PROCESS_MARKERS):
-            found.add(p.info["pid"])
     return found
 
 
@@ -44,27 +44,31 @@ def as_background_job():
 
 
 def start_server(tmp_path, preexec_fn=None, **args):
+    """The launcher on serve_config.yaml with these args; (its process, the URL, the port,
+    its output lines, the sessions of its processes)."""
     config_file, port = write_config(tmp_path, **args)
     proc = subprocess.Popen([sys.executable, "-m", "deployments.launch", str(config_file)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, preexec_fn=preexec_fn)
+                            text=True, start_new_session=True, preexec_fn=preexec_fn,
+                            env=own_ports_env())
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)
-    return proc, url, port, lines
+    serve_run = next(c for c in psutil.Process(proc.pid).children()
+                     if "ray.serve.scripts" in c.cmdline())  # in a session of its own
+    return proc, url, port, lines, {proc.pid, serve_run.pid}
 
 
-def wait_gone(before: set[int], timeout=40.0):
+def wait_gone(sessions: set[int], timeout=40.0):
     deadline = time.monotonic() + timeout
-    while ray_processes() - before and time.monotonic() < deadline:
+    while session_processes(sessions) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not ray_processes() - before, "Ray processes left behind"
+    assert not session_processes(sessions), "processes left behind"
 
 
 def test_serve_run_config_then_ctrl_c(tmp_path):
-    before = ray_processes()
-    proc, url, port, lines = start_server(tmp_path)
+    proc, url, port, lines, sessions = start_server(tmp_path)
     try:
         r = httpx.post(f"{url}/v1/completions", timeout=30,
                        json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
@@ -79,15 +83,14 @@ def test_serve_run_config_then_ctrl_c(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
         proc.wait(timeout=60)
-    wait_gone(before)
+    wait_gone(sessions)
 
 
 def test_sigterm_drains_then_stops(tmp_path):
     """Also when started in the background, where `serve run` would inherit SIGINT ignored
     and never stop."""
-    before = ray_processes()
-    proc, url, _, lines = start_server(tmp_path, preexec_fn=as_background_job,
-                                       drain_timeout_s=2.0)
+    proc, url, _, lines, sessions = start_server(tmp_path, preexec_fn=as_background_job,
+                                                 drain_timeout_s=2.0)
     events: list[dict] = []
 
     try:
@@ -116,7 +119,24 @@ def test_sigterm_drains_then_stops(tmp_path):
         if proc.poll() is None:  # the launcher forwards Ctrl-C to `serve run`, in its session
             os.killpg(proc.pid, signal.SIGINT)
             proc.wait(timeout=60)
-    wait_gone(before)
+    wait_gone(sessions)
+
+
+def test_the_launcher_finds_the_cluster_that_its_serve_run_started():
+    """Address "auto" finds the latest cluster started on this machine (another server, or
+    a test beside this one): the launcher must drain the engines of its own."""
+    from deployments.launch import cluster_address
+    script = ("import sys, ray; ray.init(address='local', include_dashboard=False); "
+              "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()")
+    driver = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = driver.stdout.readline().strip()
+        assert address and cluster_address(driver.pid) == address
+    finally:
+        driver.stdin.close()
+        driver.wait(timeout=60)
+    assert cluster_address(driver.pid) is None
 
 
 def test_serve_env_prints_shell_exports_of_every_setting():

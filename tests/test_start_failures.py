@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve_fixture import ROOT, write_config
+from tests.serve_fixture import ROOT, own_ports_env, write_config
 
 TIME_LIMIT_S = 150
 
@@ -24,7 +24,7 @@ def serve_run(tmp_path, **args) -> tuple[subprocess.Popen, str, list[str]]:
     config_file, port = write_config(tmp_path, **args)
     proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", str(config_file)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=own_ports_env())
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
     return proc, f"http://127.0.0.1:{port}", stderr
@@ -61,7 +61,7 @@ def test_an_unplaceable_placement_group_ends_make_serve_with_the_cause_as_its_la
                                      num_cpus_per_worker=1, placement_timeout_s=8)
     proc = subprocess.Popen([sys.executable, "-m", "deployments.launch", str(config_file)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=own_ports_env())
     stderr: list[str] = []
     reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
     reader.start()
@@ -94,7 +94,7 @@ def test_a_port_that_haproxy_finds_taken_is_named_last(tmp_path):
         config_file, _ = write_config(tmp_path)
         proc = subprocess.Popen([sys.executable, "-m", "deployments.launch", str(config_file)],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, env={**os.environ,
+                                text=True, env={**own_ports_env(),
                                                 "RAY_SERVE_HAPROXY_STATS_PORT": str(port)})
         stderr: list[str] = []
         reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
