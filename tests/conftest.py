@@ -35,11 +35,11 @@ def server_group(item) -> int:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # The tests with servers run last, one module after another, the shared server's last:
+    # The tests with servers run one module after another, the shared server's last:
     # start_app's Ray and Serve instance stays up from the first to the last of them (a
-    # start costs ~12 s). Under pytest-xdist (`make test` runs two workers) they run as one
-    # unit in one worker, and every other module runs whole in one worker (its module
-    # fixtures once).
+    # start costs ~12 s). In one process they run last; under pytest-xdist (`make test` runs
+    # two workers) they run as one unit in one worker (the largest unit goes first), and
+    # every other module runs whole in either worker (its module fixtures once).
     items.sort(key=server_group)
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
