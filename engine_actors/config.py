@@ -75,6 +75,10 @@ class EngineConfig:
     # KV cache: a pool of `max_num_tokens` token slots, allocated in blocks of `block_size`.
     max_num_tokens: PositiveInt | None = None  # default: 16384 on CPU, sized from free GPU memory
     block_size: PositiveInt = 16
+    # vLLM's: "auto" keeps keys/values in the model's dtype; "fp8" (= "fp8_e4m3") and
+    # "fp8_e5m2" store them in 8 bits (twice the tokens in the same memory), divided by the
+    # checkpoint's per-layer k_scale/v_scale if it has them, else by 1.0 (kernels/kv_write.py)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     # Reuse the KV of full blocks of a prompt prefix computed before (the system prompt,
     # a conversation's earlier turns) instead of recomputing it.
     enable_prefix_caching: bool = True

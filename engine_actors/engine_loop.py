@@ -96,9 +96,9 @@ class EngineLoop:
             raise
         info = dataclasses.replace(info, max_model_len=scheduler.max_model_len)
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items())
-        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens; started in %.1f s (%s)",
-                    info.name, device, num_blocks, cfg.block_size, sum(clock.phases.values()),
-                    phases)
+        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens (kv_cache_dtype %s); "
+                    "started in %.1f s (%s)", info.name, device, num_blocks, cfg.block_size,
+                    cfg.kv_cache_dtype, sum(clock.phases.values()), phases)
         return cls(cfg, info, executor, scheduler, metrics, deliver)
 
     def queue_full(self) -> Refusal | None:

@@ -143,7 +143,7 @@ class KVMemory:
             for i, n in enumerate(self.sizes):
                 self.handles[-1].append(self.driver.map(ptr + i * self.chunk, n))
             flat = torch.as_tensor(_Array(ptr, size), device="cuda")
-            views.append(flat.view(dtype).view(shape).zero_())
+            views.append(flat.zero_().view(dtype).view(shape))
         self.tensors = list(zip(views[0::2], views[1::2]))
 
     def lendable(self) -> tuple[int, int, int]:
@@ -182,9 +182,9 @@ class KVMemory:
                     if handles[i] is None:
                         handles[i] = self.driver.map(ptr + i * self.chunk, self.chunk)
                 lo, hi = (n * self.unit_blocks * self.block_size for n in (i, i + 1))
-                for k, v in self.tensors:
-                    k[lo:hi].zero_()
-                    v[lo:hi].zero_()
+                for k, v in self.tensors:  # (as bytes: an FP8 pool's too)
+                    k[lo:hi].view(torch.uint8).zero_()
+                    v[lo:hi].view(torch.uint8).zero_()
         self.num_lent = 0
 
     def free(self) -> None:

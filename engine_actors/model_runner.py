@@ -30,7 +30,8 @@ from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.plain_config import config_data, plain_config
 from engine_actors.pooling import embed, embeddings_result, keep_classifier, read_pooling
-from engine_actors.quantization import check_device, fp8_weights, loaded_dtype, read_format
+from engine_actors.quantization import (check_device, check_kv_device, fp8_weights,
+                                        loaded_dtype, read_format)
 from engine_actors.sampler import Sampler
 from engine_actors.sampling_head import SamplingHead
 from engine_actors.stage_link import StageLink, TokenLink
@@ -41,6 +42,8 @@ from engine_actors.transfer import PendingStep, Staging
 from kernels.lora import max_tiles
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -54,16 +57,20 @@ class ModelRunner:
                  block_size: int, max_num_seqs: int, seed: int, use_cuda_graphs: bool = True,
                  parallel: ParallelGroup = SINGLE, lora: tuple[int, int] | None = None,
                  pooling: bool = False, quantization: str | None = None,
-                 config: dict | None = None, classifier_tokens: list[str] | None = None):
+                 config: dict | None = None, classifier_tokens: list[str] | None = None,
+                 kv_cache_dtype: str = "auto"):
         """lora: (slots, max rank) to serve LoRA adapters; None: the base model only.
         pooling: each sampling row's embedding instead of a token (runner "pooling").
         quantization: "fp8" to quantize an unquantized checkpoint's projections as they load
         (an FP8 checkpoint's own format is read from its config either way).
         config: the checkpoint's config as plain data (ModelInfo.config); read from the
-        checkpoint if not given. classifier_tokens: a pooling runner scores (pooling.py)."""
+        checkpoint if not given. classifier_tokens: a pooling runner scores (pooling.py).
+        kv_cache_dtype: "auto" (the model's dtype) or an FP8 format (EngineConfig's)."""
         self.device = torch.device(device)
         self.parallel = parallel
         self.dtype = dtype
+        self.kv_dtype = KV_DTYPES.get(kv_cache_dtype, dtype)
+        check_kv_device(self.kv_dtype, self.device)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -146,7 +153,7 @@ class ModelRunner:
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * len(self.model.layers) * self.block_size * self.num_kv_heads \
             * self.head_dim * elem
 
@@ -156,7 +163,7 @@ class ModelRunner:
         if self.kv_memory is not None:
             self.kv_memory.free()
         shape = ((num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_memory = KVMemory(len(self.model.layers), shape, self.block_size, self.dtype,
+        self.kv_memory = KVMemory(len(self.model.layers), shape, self.block_size, self.kv_dtype,
                                   self.device, lendable)
         self.kv_caches = self.kv_memory.tensors
         self.block_table[self.pad_row] = num_blocks

@@ -27,6 +27,13 @@ from kernels.fp8 import FP8, FP8_MAX, GROUP
 
 SCALE_NAMES = {"weight_scale": "weight_scale", "weight_scale_inv": "weight_scale"}
 UNUSED = ("input_scale",)  # a static activation scale: activations are quantized per token
+# an FP8 KV cache's per-tensor scales (kernels/kv_write.py): `self_attn.k_scale` and
+# `v_scale` (compressed-tensors' kv_cache_scheme), `k_proj`/`v_proj.output_scale`, or one
+# `kv_scale` for both (an older format, as vLLM reads it)
+KV_SCALE = re.compile(r"(.*self_attn)\.(?:(k|v|kv)_scale|(k|v)_proj\.output_scale)")
+# scales of FP8 attention arithmetic (queries, probabilities): attention runs in the model's
+# dtype here
+UNUSED_ATTENTION = re.compile(r".*self_attn\.(?:q_scale|prob_scale)")
 # what an ignore list may name: modules that are never quantized here, or not served
 NEVER_QUANTIZED = re.compile(r"lm_head|embed|mlp\.gate$|shared_expert_gate|vision|multi_modal")
 
@@ -73,11 +80,27 @@ def read_format(hf_config, requested: str | None) -> Fp8Format | None:
     return Fp8Format(block)
 
 
+def kv_scale_name(name: str) -> tuple[str, list[str]] | None:
+    """(attention module path, the scales it sets: "k_scale", "v_scale" or both) if `name`
+    is a KV cache scale."""
+    m = KV_SCALE.fullmatch(name)
+    return (m[1], [f"{c}_scale" for c in m[2] or m[3]]) if m else None
+
+
+def check_kv_cache_scheme(config: dict) -> None:
+    """compressed-tensors' kv_cache_scheme: per-tensor FP8 scales are served (by an FP8 pool,
+    kv_cache_dtype "fp8"; other pools ignore them)."""
+    scheme = config.get("kv_cache_scheme")
+    if scheme and ((scheme.get("num_bits"), scheme.get("type")) != (8, "float")
+                   or scheme.get("strategy", "tensor") != "tensor"
+                   or scheme.get("dynamic", False) or not scheme.get("symmetric", True)):
+        raise ValueError(f"kv_cache_scheme {scheme} is not supported; served: static "
+                         "symmetric 8-bit float scales per tensor (strategy \"tensor\")")
+
+
 def _compressed_tensors(config: dict) -> tuple[int, int] | None:
     """The weight blocks of an FP8 compressed-tensors config (None: per channel or tensor)."""
-    if config.get("kv_cache_scheme"):
-        raise ValueError("checkpoints with a quantized KV cache (kv_cache_scheme) are not "
-                         "supported")
+    check_kv_cache_scheme(config)
     groups = list((config.get("config_groups") or {}).values())
     if not groups:
         raise ValueError("compressed-tensors checkpoint without config_groups")
@@ -120,6 +143,14 @@ def check_device(fmt: Fp8Format | None, device: torch.device) -> None:
                          "GPU (a power of two from 32 to 256)")
 
 
+def check_kv_device(kv_dtype: torch.dtype, device: torch.device) -> None:
+    """An FP8 KV pool's conversions in Triton need compute capability 8.9 or later."""
+    if kv_dtype.itemsize == 1 and device.type == "cuda" and \
+            torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or later "
+                         "(Ada, Hopper)")
+
+
 def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3 [N, K], fp32 scales [N]): each row's absolute maximum maps to 448."""
     scales = w.abs().amax(dim=1).float().clamp(min=1e-12) / FP8_MAX
@@ -129,7 +160,8 @@ def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def loaded_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor as the model takes it: e4m3 weights and their fp32 scales as
     stored, everything else in the model's dtype."""
-    if tensor.dtype == FP8 or name.rpartition(".")[2] in (*SCALE_NAMES, *UNUSED):
+    if tensor.dtype == FP8 or name.rpartition(".")[2] in (*SCALE_NAMES, *UNUSED) \
+            or kv_scale_name(name):
         return tensor
     return tensor.to(dtype)
 

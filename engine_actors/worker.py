@@ -69,12 +69,12 @@ class Worker:
                                  cfg.distributed_timeout_s,
                                  0 if cfg.disable_custom_all_reduce else ONE_SHOT_MAX_BYTES) \
             if cfg.num_workers > 1 else SINGLE
+        lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.lora_enabled else None
         self.runner = ModelRunner(resolve_model_path(cfg.model), self.device,
                                   resolve_dtype(cfg.dtype, self.device), self.max_model_len,
-                                  cfg.block_size, cfg.max_num_seqs, cfg.seed,
-                                  cfg.uses_cuda_graphs, parallel, (cfg.max_loras, cfg.max_lora_rank)
-                                  if cfg.lora_enabled else None, cfg.runner == "pooling",
-                                  cfg.quantization, config, cfg.classifier_from_token)
+                                  cfg.block_size, cfg.max_num_seqs, cfg.seed, cfg.uses_cuda_graphs,
+                                  parallel, lora, cfg.runner == "pooling", cfg.quantization,
+                                  config, cfg.classifier_from_token, cfg.kv_cache_dtype)
         self.runner.allocate_stage_buffers(max(cfg.max_num_batched_tokens, cfg.max_batch_size),
                                            cfg.max_steps_in_flight, cfg.async_scheduling)
 

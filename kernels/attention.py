@@ -13,7 +13,9 @@ position seq_lens[i] - q_len_i + j and attends causally to positions 0..that pos
 a sliding `window` W > 0, only to the last W of them, itself included, as transformers'
 sliding-window layers). Prefill, chunked prefill and decode (q_len 1) are the same case.
 GQA: Hq % Hkv == 0. With a `softcap` c > 0 (Gemma 2's attention logit soft-capping), scores
-s become c * tanh(s / c) before the softmax.
+s become c * tanh(s / c) before the softmax. An FP8 pool (kernels/kv_write.py) holds keys
+and values divided by `k_scale` and `v_scale`: they are read as q's dtype, and the scales
+multiply the scores' scale and the output (no multiply per element).
 
 The Triton kernel runs every request in one launch (ORCA fuses the per-request attention
 blocks into one kernel): program (i, j, h) takes query tile j of request i for KV head h,
@@ -35,7 +37,8 @@ import triton.language as tl
 def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                         block_size: int, scale: float, max_query_len: int = 0,
                         work: torch.Tensor | None = None, window: int = 0,
-                        softcap: float = 0.0) -> torch.Tensor:
+                        softcap: float = 0.0, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """Per-request attention in plain torch (ORCA's split -> attention -> merge)."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -46,8 +49,8 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
         q_len = end - start
         pos = torch.arange(seq_len, device=q.device)
         slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
-        k = k_cache[slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = v_cache[slots].repeat_interleave(group, dim=1)
+        k = k_cache[slots].to(q.dtype).repeat_interleave(group, dim=1) * k_scale  # [L, Hq, D]
+        v = v_cache[slots].to(q.dtype).repeat_interleave(group, dim=1) * v_scale
         scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * scale  # [Hq, q_len, L]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
@@ -64,12 +67,12 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        block_tables_ptr, work_ptr, scale_log2e, cap_log2e,
+        block_tables_ptr, work_ptr, scale_log2e, cap_log2e, v_scale,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WORK: tl.constexpr,
-        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT: tl.constexpr):
     if WORK:  # program i takes the (request, tile) of work item i
         req = tl.load(work_ptr + 2 * tl.program_id(0))
         tile = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
@@ -94,7 +97,7 @@ def _paged_attention_kernel(
     dims = tl.arange(0, DIM_P2)
     dim_ok = dims < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [R, D]
+                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT)
     q_pos = first_pos + tok
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -113,7 +116,7 @@ def _paged_attention_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_offs = slot[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
         kv_ok = n_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0)  # [N, D]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [R, N]
         if SOFTCAP:  # c log2(e) tanh(s / (c log2(e))), in the log2 domain; tanh(x) = 2 / (1
             s = cap_log2e * (2.0 / (1.0 + tl.exp(-2.0 * s / cap_log2e)) - 1.0)  # + e^-2x) - 1
@@ -127,10 +130,10 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
              + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -162,10 +165,28 @@ def work_list(cu_seqlens_q: torch.Tensor, block_m: int, num_work: int) -> torch.
     return torch.stack([torch.where(real, req, -1), torch.where(real, tile, 0)], 1).int()
 
 
+def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype):
+    """The products' input type: q's, except fp16 for 16-bit queries over an FP8 pool (e4m3
+    and e5m2 widen to fp16 in one conversion, to bf16 in several; bf16 queries widen to
+    fp16 exactly within its range)."""
+    if q_dtype == torch.float32:
+        return tl.float32
+    return tl.float16 if q_dtype == torch.float16 or kv_dtype.itemsize == 1 else tl.bfloat16
+
+
+def block_n(dim_p2: int, kv_dtype: torch.dtype, max_query_len: int) -> int:
+    """Keys per loop iteration. An FP8 pool's decode steps take twice as many: as many bytes
+    per iteration as a 16-bit pool's (BENCHMARKS.md, 2026-11-29: 1.3x faster at 4,096
+    tokens of context than 64 keys)."""
+    keys = 64 if dim_p2 <= 128 else 32
+    return keys * 2 if kv_dtype.itemsize == 1 and max_query_len == 1 else keys
+
+
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                            block_size: int, scale: float, max_query_len: int,
                            work: torch.Tensor | None = None, window: int = 0,
-                           softcap: float = 0.0) -> torch.Tensor:
+                           softcap: float = 0.0, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """work: a work list made by work_list with the block_m of tile_shape(..., max_query_len)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -181,19 +202,21 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         grid = (work.shape[0], 1, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        cu_seqlens_q if work is None else work, scale * 1.4426950408889634,
-        softcap * 1.4426950408889634,
+        cu_seqlens_q if work is None else work, scale * k_scale * 1.4426950408889634,
+        softcap * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_M=block_m,
-        ROWS=rows, BLOCK_N=64 if dim_p2 <= 128 else 32,
+        ROWS=rows, BLOCK_N=block_n(dim_p2, k_cache.dtype, max_query_len),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WORK=work is not None,
-        WINDOW=window, SOFTCAP=softcap > 0)
+        WINDOW=window, SOFTCAP=softcap > 0, DOT=dot_dtype(q.dtype, k_cache.dtype),
+        num_stages=2 if k_cache.dtype.itemsize == 1 and max_query_len > 1 else 3)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size,
-                    scale, max_query_len, work=None, window: int = 0, softcap: float = 0.0):
+                    scale, max_query_len, work=None, window: int = 0, softcap: float = 0.0,
+                    k_scale: float = 1.0, v_scale: float = 1.0):
     fn = paged_attention_triton if q.is_cuda else paged_attention_ref
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size, scale,
-              max_query_len, work, window, softcap)
+              max_query_len, work, window, softcap, k_scale, v_scale)

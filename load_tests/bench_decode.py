@@ -2,6 +2,7 @@
 
     python -m load_tests.bench_decode --model llama-8b --batch-size 64 --context-len 512
     python -m load_tests.bench_decode --model llama-8b --batch-size 64 --tp 2   # via Ray
+    python -m load_tests.bench_decode --context-len 4096 --kv-cache-dtype fp8 --variants
 
 A decode step must read every weight once and every cached key/value of the batch once,
 so (weight bytes + KV bytes) / measured copy bandwidth is its floor. Steps are launched
@@ -184,13 +185,14 @@ def _bench_worker_class():
 
     class DecodeBenchWorker(Worker):
         grammar_threads: list[int] = []
+        variants: list[str] | None = None  # those to time beside plain (None: all)
 
         def run_decode(self, batch: int, context_len: int, iters: int) -> dict:
             runner = self.runner
             runner.allocate_kv_cache(batch * cdiv(context_len + iters + 8, runner.block_size))
-            for k, v in runner.kv_caches:
-                k.normal_()
-                v.normal_()
+            for k, v in runner.kv_caches:  # (an FP8 pool takes them converted)
+                k.copy_(torch.randn(k.shape, device=k.device))
+                v.copy_(torch.randn(v.shape, device=v.device))
             eager = time_decode(runner, batch, context_len, iters)
             runner.capture_cuda_graphs(graph_size(batch))
             graph = time_decode(runner, batch, context_len, iters)
@@ -199,7 +201,8 @@ def _bench_worker_class():
             # grammar masks against a realistic vocabulary, not the byte tokenizer
             runner.head.grammars.model_path = bpe_tokenizer_dir(runner.hf_config.vocab_size)
             variants, spent = {}, {}
-            for v in [v for v in VARIANTS if v != "plain"]:
+            for v in [v for v in VARIANTS if v != "plain" and (
+                    self.variants is None or v in self.variants)]:
                 if v == "json_half":  # the grammar variants' steps count in the host times
                     spent = _time_grammar_host(runner.head)
                 for key in spent:  # each variant's own
@@ -227,7 +230,8 @@ def _bench_worker_class():
 
 
 def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int,
-                        nccl_only: bool = False, quantization: str | None = None) -> dict:
+                        nccl_only: bool = False, quantization: str | None = None,
+                        kv_cache_dtype: str = "auto") -> dict:
     import os
 
     import ray
@@ -241,7 +245,7 @@ def run_tensor_parallel(model: str, batch: int, ctx: int, iters: int, tp: int,
     cfg = EngineConfig.from_args(dict(model=model, device="cuda", tensor_parallel_size=tp,
                                       max_batch_size=graph_size(batch),
                                       disable_custom_all_reduce=nccl_only,
-                                      quantization=quantization))
+                                      quantization=quantization, kv_cache_dtype=kv_cache_dtype))
     pg = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
     ray.get(pg.ready())
     cls = ray.remote(_bench_worker_class())
@@ -276,21 +280,28 @@ def main(argv=None) -> dict:
                    help="also json_half with xgrammar filling masks on this many threads")
     p.add_argument("--quantization", choices=["fp8"],
                    help="the engine arg: the projections quantized as they load")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"],
+                   help="the engine arg: keys and values stored in 8 bits")
+    p.add_argument("--variants", nargs="*", choices=sorted(VARIANTS),
+                   help="time only these beside plain (given without names: none)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     bandwidth = copy_bandwidth_gbs()
     batch, ctx = args.batch_size, args.context_len
     if args.tp > 1:
         r = run_tensor_parallel(args.model, batch, ctx, args.iters, args.tp,
-                                args.disable_custom_all_reduce, args.quantization)
+                                args.disable_custom_all_reduce, args.quantization,
+                                args.kv_cache_dtype)
     else:
         runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
-                             graph_size(batch), 0, quantization=args.quantization)
+                             graph_size(batch), 0, quantization=args.quantization,
+                             kv_cache_dtype=args.kv_cache_dtype)
         holder = _Holder(runner)
-        holder.grammar_threads = args.grammar_threads
+        holder.grammar_threads, holder.variants = args.grammar_threads, args.variants
         r = _bench_worker_class().run_decode.__get__(holder)(batch, ctx, args.iters)
     floor_ms = (r["weight_bytes"] + r["kv_bytes"]) / (bandwidth * 1e9) * 1e3
-    report = {"model": args.model, "quantization": args.quantization, "batch_size": batch,
+    report = {"model": args.model, "quantization": args.quantization,
+              "kv_cache_dtype": args.kv_cache_dtype, "batch_size": batch,
               "context_len": ctx, "tp": args.tp,
               "custom_all_reduce": args.tp > 1 and not args.disable_custom_all_reduce,
               "copy_gbs": bandwidth, "weight_gb_per_rank": r["weight_bytes"] / 1e9,

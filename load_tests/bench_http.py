@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import yaml
 
@@ -231,12 +232,15 @@ def run_http(engine_args: dict, trace, warmup, modes: list[tuple[bool, str]], re
     with launched(engine_args, replicas, port, server_env):
         runs = asyncio.run(_replay(f"http://127.0.0.1:{port}", trace, warmup, modes,
                                    profile_dirs or [None] * len(modes), cold_connections))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
+            health = json.load(resp)  # the KV pool's size, as the server sized it
         stopping = time.perf_counter()
     print(f"server up and runs {stopping - started:.0f} s, stop "
           f"{time.perf_counter() - stopping:.0f} s", file=sys.stderr)
     return [{"elapsed_s": elapsed, "client_cpu_s": cpu, "replicas": replicas, "stream": stream,
              "route": route, "server_env": server_env or {},
-             "cold_connections": cold_connections}
+             "cold_connections": cold_connections, "kv_blocks": health["num_blocks"],
+             "kv_cache_dtype": engine_args.get("kv_cache_dtype", "auto")}
             for (stream, route), (elapsed, cpu) in zip(modes, runs)]
 
 
@@ -261,6 +265,8 @@ def main(argv=None) -> dict:
     p.add_argument("--profile", metavar="DIR", help="py-spy the server processes during the "
                    "timed runs (DIR/<system>-<process>.txt, collapsed stacks)")
     p.add_argument("--quantization", choices=["fp8"], help="the engine arg")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"],
+                   help="the engine arg")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -274,6 +280,8 @@ def main(argv=None) -> dict:
         engine_args["max_num_tokens"] = 200_000
     if args.quantization:
         engine_args["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        engine_args["kv_cache_dtype"] = args.kv_cache_dtype
     results = []
     systems = args.systems.split(",")
     if "orca" in systems:

@@ -201,8 +201,6 @@ def test_blocks_that_straddle_shards_are_refused(tmp_path):
     (ct_config("channel") | {"config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "int", "strategy": "channel"}}}}, {}, "int weights of 8 bits"),
     (ct_config("group"), {}, "FP8 weights by 'group' are not supported"),
-    (ct_config("channel") | {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, {},
-     "quantized KV cache"),
     (ct_config("channel") | {"config_groups": {"g": {
         **ct_config("channel")["config_groups"]["group_0"], "targets": ["Embedding"]}}}, {},
      r"groups targeting \['Embedding'\] are not supported"),

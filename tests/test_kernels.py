@@ -312,6 +312,67 @@ def test_kv_write_kernel(device, dtype, num_tokens, heads, dim):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+# An FP8 pool (kv_cache_dtype "fp8", "fp8_e5m2"): the GPU only (the interpreter's FP8
+# conversions do not round as the device does)
+FP8_POOLS = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2,
+                                                                         id="e5m2")]
+
+
+def test_kv_write_ref_into_an_fp8_pool_divides_and_saturates():
+    k = torch.tensor([[[1.0, -3.0, 1e6, -1e6]]])
+    k_cache, v_cache = torch.zeros(4, 1, 4, dtype=torch.float8_e5m2), torch.zeros(4, 1, 4)
+    kv_write_ref(k, k, k_cache, v_cache, torch.tensor([2]), k_scale=0.5)
+    assert k_cache[2].float().tolist() == [[2.0, -6.0, 57344.0, -57344.0]]  # e5m2's largest
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_POOLS)
+def test_paged_attention_ref_reads_an_fp8_pool(kv_dtype):
+    seq_lens, query_lens = [1, 33, 50], [1, 5, 50]
+    q, k_cache, v_cache, tables, cu, ks, vs = random_paged_batch(seq_lens, query_lens, 8, 2,
+                                                                 16, 4)
+    k8, v8 = (k_cache * 2).to(kv_dtype), (v_cache / 3).to(kv_dtype)  # stored: k / 0.5, v / 3
+    out = paged_attention_ref(q, k8, v8, torch.tensor(cu), torch.tensor(seq_lens), tables, 4,
+                              0.25, k_scale=0.5, v_scale=3.0)
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        k, v = (k * 2).to(kv_dtype).float() / 2, (v / 3).to(kv_dtype).float() * 3
+        ref = dense_causal_attention(q[cu[i]:cu[i + 1]], k, v, 0.25)
+        torch.testing.assert_close(out[cu[i]:cu[i + 1]], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_dtype", FP8_POOLS)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (24, 0.0), (0, 30.0)])
+def test_paged_attention_kernel_on_an_fp8_pool(dtype, kv_dtype, window, softcap):
+    q_lens, s_lens = [1, 7, 130, 1], [90, 7, 200, 24]
+    q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, q_lens, 8, 2, 128, 16)
+    k8, v8 = (k_cache * 4).to(kv_dtype).cuda(), (v_cache * 0.5).to(kv_dtype).cuda()
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    lens = torch.tensor(s_lens, dtype=torch.int32, device="cuda")
+    tables = tables.cuda()
+    out = paged_attention_triton(q.cuda().to(dtype), k8, v8, cu_t, lens, tables, 16, 0.125,
+                                 max(q_lens), window=window, softcap=softcap, k_scale=0.25,
+                                 v_scale=2.0)
+    ref = paged_attention_ref(q.cuda().to(dtype).float(), k8.float() * 0.25, v8.float() * 2.0,
+                              cu_t, lens, tables, 16, 0.125, window=window, softcap=softcap)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_dtype", FP8_POOLS)
+def test_kv_write_kernel_into_an_fp8_pool(dtype, kv_dtype):
+    k = (torch.randn(13, 2, 64, device="cuda") * 200).to(dtype)  # some beyond e4m3's 448
+    v = torch.randn(13, 2, 64, device="cuda").to(dtype)
+    slots = torch.randperm(64, device="cuda")[:13]
+    caches = [torch.zeros(64, 2, 64, device="cuda").to(kv_dtype) for _ in range(4)]
+    kv_write_triton(k, v, caches[0], caches[1], slots, k_scale=0.5, v_scale=0.01)
+    kv_write_ref(k, v, caches[2], caches[3], slots, k_scale=0.5, v_scale=0.01)
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert caches[0].float().isfinite().all()
+
+
 @pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (9, 100), (33, 2048)])
 def test_rmsnorm_kernel(device, dtype, num_tokens, hidden):

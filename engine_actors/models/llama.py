@@ -24,7 +24,7 @@ from engine_actors.layers.norm import RMSNorm
 from engine_actors.layers.rotary import RotaryEmbedding
 from engine_actors.model_checks import layer_window
 from engine_actors.parallel import SINGLE, ParallelGroup, stage_layers
-from engine_actors.quantization import SCALE_NAMES, UNUSED
+from engine_actors.quantization import SCALE_NAMES, UNUSED, UNUSED_ATTENTION, kv_scale_name
 from kernels.act_mul import act_mul
 
 
@@ -190,7 +190,15 @@ class LlamaForCausalLM(nn.Module):
         returns the key it filled, or None if it is not for this worker."""
         if name.startswith("model."):
             name = name[len("model."):]
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or UNUSED_ATTENTION.fullmatch(name):
+            return None
+        if kv_scale := kv_scale_name(name):  # (optional: an FP8 KV pool defaults to 1.0)
+            try:
+                attn = self.get_submodule(kv_scale[0]).attn
+            except AttributeError:
+                return None  # another stage's layer
+            for scale in kv_scale[1]:
+                attn.load_scale(scale, tensor)
             return None
         module_path, _, param = name.rpartition(".")
         if param in UNUSED:
