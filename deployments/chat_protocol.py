@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, PrivateAttr, field_validator
 from pydantic_core import PydanticCustomError
 
-from deployments.protocol import MAX_LOGPROBS, APIError, SamplingFields, _Base
+from deployments.protocol import APIError, SamplingFields, _Base
 
 
 class FunctionDefinition(_Base):
@@ -159,7 +159,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=-1)] | None = None  # -1: max_logprobs (vLLM's)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

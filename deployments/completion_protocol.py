@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from deployments.protocol import CHAT_ONLY, MAX_LOGPROBS, APIError, SamplingFields
+from deployments.protocol import CHAT_ONLY, APIError, SamplingFields
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -20,7 +20,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False
     # per generated token (and prompt token, with echo): its logprob and k alternatives
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=-1)] | None = None  # -1: max_logprobs (vLLM's)
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's own (a BOS) around text prompts

@@ -2,7 +2,8 @@
 
     python -m deployments.launch [serve_config.yaml]
 
-Ctrl-C is passed on to `serve run`, which shuts Serve and the local Ray instance down.
+Ctrl-C is passed on to `serve run`, which shuts Serve and the local Ray instance down; what
+that leaves running in its session is killed after REAP_GRACE_S.
 SIGTERM (what a process supervisor sends) is handled here first: each application's engine
 drains (new requests get 503, running ones get drain_timeout_s to finish, the rest end with
 finish_reason "abort"), then `serve run` gets SIGINT and shuts everything down. `serve run`
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import yaml
 
@@ -28,23 +30,33 @@ from engine_actors.config import EngineConfig
 # up, and lets go of it when a start failure is reported (the ingress, or the application's
 # build, ends `serve run` 3 s after it logs that: deployments.serve_run_stop)
 CONNECT_EVERY_S = 1.0
+REAP_GRACE_S = 10.0  # what `serve run` leaves running gets this long to go (reap_session)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # HAProxy's own words when a port it must listen on is taken (Serve's error then ends
 # `serve run` after a traceback that buries them)
 PORT_TAKEN = re.compile(r"cannot bind socket \(Address already in use\) for \[[^\]]*:(\d+)\]")
 
 
+def session_pids(sid: int) -> list[int]:
+    """The processes of session `sid` (`serve run` and its Ray cluster: it runs in a
+    session of its own); [] where /proc cannot say."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            if entry.isdigit() and os.getsid(int(entry)) == sid:
+                pids.append(int(entry))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
 def cluster_address(pid: int | None) -> str | None:
     """The GCS address of the Ray cluster that process `pid` started: its raylet runs in that
-    process's session (`serve run` runs in a session of its own). None where /proc cannot
-    say; "auto" then finds the latest cluster started on this machine, maybe another one."""
-    if pid is None or not os.path.isdir("/proc"):
-        return None
-    for entry in os.listdir("/proc"):
+    process's session. None where /proc cannot say; "auto" then finds the latest cluster
+    started on this machine, maybe another one."""
+    for member in session_pids(pid) if pid is not None else ():
         try:
-            if not entry.isdigit() or os.getsid(int(entry)) != pid:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{member}/cmdline", "rb") as f:
                 args = f.read().decode(errors="replace").split("\0")
         except OSError:  # gone meanwhile, or not ours to read
             continue
@@ -52,6 +64,20 @@ def cluster_address(pid: int | None) -> str | None:
             return next((a.split("=", 1)[1] for a in args if a.startswith("--gcs-address=")),
                         None)
     return None
+
+
+def reap_session(sid: int, grace_s: float = REAP_GRACE_S) -> None:
+    """Once `serve run` has ended: what its Ray cluster left in its session gets grace_s to
+    go, then SIGKILL. Under load, Ray's dashboard and runtime-env agents were seen to
+    outlive their raylet by over 40 s."""
+    deadline = time.monotonic() + grace_s
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone meanwhile
+            continue
 
 
 class Drainer:
@@ -201,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
     finally:
         drainer.disconnect()
+    reap_session(child.pid)
     relay.join(timeout=5)
     relayed.close()  # a process of the dying cluster may still hold the pipe open
     if code != 0 and relayed.taken_ports:  # the cause, as the last line

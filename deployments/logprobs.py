@@ -12,7 +12,25 @@ each prompt token and its k likeliest alternatives (ranked 1 to k).
 """
 from __future__ import annotations
 
+from deployments.protocol import APIError
 from engine_actors.messages import TokenLogprobs
+
+LOGPROB_FIELDS = {"logprobs": "sample", "top_logprobs": "sample", "prompt_logprobs": "prompt"}
+
+
+def resolve_logprobs(req, max_logprobs: int, vocab_size: int) -> None:
+    """A request's logprob fields within vLLM's max_logprobs (-1: the vocabulary): -1 asks
+    for that many, more is a 400 in vLLM's words. Sets the fields of `req`."""
+    limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    for name, kind in LOGPROB_FIELDS.items():
+        value = getattr(req, name, None)
+        if value is None or isinstance(value, bool):  # (chat's logprobs is a switch)
+            continue
+        if value == -1:
+            setattr(req, name, limit)
+        elif value > limit:
+            raise APIError(400, f"Requested {kind} logprobs of {value}, which is greater than "
+                                f"max allowed: {limit}", name, "invalid_value")
 
 
 class LogprobsWriter:

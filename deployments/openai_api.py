@@ -22,6 +22,7 @@ from deployments.completion_protocol import CompletionRequest
 from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, bad_word_ids, refusal_error, unavailable
 from deployments.http_metrics import RequestTimer
+from deployments.logprobs import resolve_logprobs
 from deployments.protocol import APIError
 from deployments.reasoning import output_parser, think_token_ids, thinking_budget
 from deployments.responses import (SSEResponse, SSEWriter, StreamWriter, deadline_error,
@@ -117,6 +118,7 @@ class OpenAIRoutes:
         """Submit the request's choices to the engine: (their RequestGroup, their Choice
         by engine request id, the time limit in s or None)."""
         limit = info.max_model_len
+        resolve_logprobs(req, self.frontend.cfg.max_logprobs, info.vocab_size)
         if beams := getattr(req, "use_beam_search", False):
             check_beam_search(req, grammar)
         bad_words = await bad_word_ids(self.frontend, req.bad_words, info.vocab_size) \

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
-from engine_actors.request import MAX_LOGPROBS, MAX_SEED as MAX_SEED_ENGINE, SamplingParams
+from engine_actors.request import MAX_SEED as MAX_SEED_ENGINE, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16  # stop strings per request, each at most MAX_STOP_CHARS (OpenAI allows 4)
@@ -241,7 +241,7 @@ class SamplingFields(SamplingOptions):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None  # -1: max_logprobs
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
     cache_salt: CacheSalt | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"

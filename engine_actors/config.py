@@ -53,6 +53,10 @@ class EngineConfig:
     # A request still unfinished after this many seconds ends with HTTP 408 (or an SSE error
     # event once streaming began); requests may set a shorter `timeout_s`. None: no limit.
     request_timeout_s: PositiveFloat | None = None
+    # vLLM's: the most log-probabilities per token a request may ask for (logprobs,
+    # top_logprobs, prompt_logprobs); a request's -1 asks for this many. -1 here: the whole
+    # vocabulary (then prompt_logprobs of a long prompt can take gigabytes on the device).
+    max_logprobs: Annotated[int, Field(ge=-1)] = 20
     # The Responses API's stored responses (`store`, `previous_response_id`), kept in the
     # scheduler actor's memory up to this size (least recently used go first); 0: none.
     response_store_mib: NonNegativeInt = 256

@@ -10,27 +10,29 @@ from engine_actors.kv_cache import cdiv
 from engine_actors.messages import NewRequest, StepInput
 
 
-def profile_kv_blocks(runner, memory_fraction: float, max_step_tokens: int, graph_batch: int,
-                      max_batch_size: int) -> int:
-    """KV blocks that fit in `memory_fraction` of the GPU beside the weights, the
+def profile_kv_blocks(runner, cfg, graph_batch: int) -> int:
+    """KV blocks that fit in cfg.gpu_memory_utilization of the GPU beside the weights, the
     activations of the largest eager step, and the CUDA graphs' memory pool (bounded by
     one eager decode step of graph_batch requests, or one eager step of the largest
     mixed-step graph's tokens; graph_batch 0: no graphs).
 
-    The largest eager step is max_step_tokens tokens of max_batch_size requests that all
-    sample, with top-p and 20 log-probabilities: the logits and sampling buffers of the
-    last stage count as much as the layers' activations. A step that needs more than the
+    The largest eager step is max_num_batched_tokens tokens of max_batch_size requests that
+    all sample, with top-p and as many log-probabilities as max_logprobs allows (at least
+    20; -1: the vocabulary): the logits and sampling buffers of the last stage count as
+    much as the layers' activations. A step that needs more than the
     profile saw makes the allocator free its cache, which waits for the device: the host
     stops running ahead of the GPU (with pipeline stages, the stages take turns)."""
     free, total = torch.cuda.mem_get_info()
     used = total - free  # weights, the CUDA context and anything else on the GPU
-    step_tokens = min(max_step_tokens, runner.max_model_len)
-    num_reqs = max(1, min(max_batch_size, runner.max_num_seqs, step_tokens))
-    activations = _profile_peak_bytes(runner, step_tokens // num_reqs, num_reqs, sampled=True)
+    step_tokens = min(cfg.max_num_batched_tokens, runner.max_model_len)
+    num_reqs = max(1, min(cfg.max_batch_size, runner.max_num_seqs, step_tokens))
+    vocab = runner.hf_config.vocab_size
+    logprobs = vocab if cfg.max_logprobs == -1 else min(max(cfg.max_logprobs, 20), vocab)
+    activations = _profile_peak_bytes(runner, step_tokens // num_reqs, num_reqs, logprobs)
     graphs = _profile_peak_bytes(runner, 1, graph_batch) if graph_batch else 0
     if graph_batch and runner.parallel.tp_size == runner.parallel.pp_size == 1:
         graphs = max(graphs, _profile_peak_bytes(runner, max(token_buckets(step_tokens)), 1))
-    budget = total * memory_fraction - used - activations - graphs
+    budget = total * cfg.gpu_memory_utilization - used - activations - graphs
     blocks = int(budget // runner.kv_bytes_per_block())
     if blocks < 1:
         raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} "
@@ -39,17 +41,17 @@ def profile_kv_blocks(runner, memory_fraction: float, max_step_tokens: int, grap
 
 
 def _profile_peak_bytes(runner, tokens_per_request: int, num_requests: int,
-                        sampled: bool = False) -> int:
-    """Peak memory of one eager step of num_requests prompts of tokens_per_request
-    (sampled: with the costliest sampling settings, not greedy)."""
+                        logprobs: int | None = None) -> int:
+    """Peak memory of one eager step of num_requests prompts of tokens_per_request (with
+    `logprobs`: the costliest sampling settings with that many alternatives; else greedy)."""
     blocks_each = cdiv(tokens_per_request, runner.block_size)
     runner.allocate_kv_cache(blocks_each * num_requests, lendable=False)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     rows = list(range(num_requests))
-    new = [NewRequest(r, temperature=1.0, top_p=0.9, top_k=0, seed=None, logprobs=20)
-           for r in rows] if sampled else []
+    new = [NewRequest(r, temperature=1.0, top_p=0.9, top_k=0, seed=None, logprobs=logprobs)
+           for r in rows] if logprobs is not None else []
     step = StepInput(new_requests=new, rows=rows, context_lens=[0] * num_requests,
                      query_lens=[tokens_per_request] * num_requests,
                      sample=[True] * num_requests,

@@ -9,7 +9,7 @@ import pydantic
 from pydantic import ConfigDict, Field
 
 MAX_SEED = 2**63 - 1
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows (the default max_logprobs)
 
 
 # Validated on construction (pydantic), so the engine never holds parameters that could take a
@@ -42,9 +42,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words: tuple[tuple[int, ...], ...] | None = None  # never complete these (token ids)
     # log-probabilities of the model's distribution (log-softmax of the raw logits): of each
-    # sampled token plus this many top alternatives; of each prompt token (None: none)
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # sampled token plus this many top alternatives; of each prompt token (None: none). The
+    # ingress bounds them by EngineConfig.max_logprobs; the workers by the vocabulary.
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
     # structured output: (kind, spec) for engine_actors/grammar.py: "json_schema" (the
     # schema as JSON), "json_object", "regex", "structural_tag" (xgrammar's, as JSON)
     grammar: tuple[str, str] | None = None

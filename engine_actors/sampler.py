@@ -74,7 +74,7 @@ class Sampler:
         if grammar_mask is not None:
             processed = apply_bitmask(processed, grammar_mask)
         ids = self(processed, rows, idx)
-        k = max((self.num_logprobs[r] for r in rows), default=-1)
+        k = min(max((self.num_logprobs[r] for r in rows), default=-1), logits.shape[-1])
         packed = top_logprobs(logits, ids, k) if k >= 0 else None
         if processed is not logits:  # a row its masks left no token: NO_TOKEN, not token 0
             ids = torch.where(processed.amax(dim=-1) == float("-inf"), NO_TOKEN, ids)

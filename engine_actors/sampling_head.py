@@ -38,7 +38,7 @@ class SamplingHead:
         last_sampled[inputs.sample_rows] = sampled.clamp(min=0).to(torch.int32)
         out, parse, kp = sampled, None, -1
         if step.prompt_logprobs:
-            kp = max(k for _, k, _ in step.prompt_logprobs)
+            kp = min(max(k for _, k, _ in step.prompt_logprobs), logits.shape[-1])
             prompt = top_logprobs(logits[num_sample:], inputs.prompt_targets, kp, rank=True)
             packed = stack(sampled, packed, k, prompt, kp)
         if packed is not None:  # ids and log-probabilities in one copy to the host

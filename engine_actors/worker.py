@@ -87,8 +87,7 @@ class Worker:
         if self.device == "cpu":
             return cdiv(CPU_KV_TOKENS, cfg.block_size)
         graph_batch = min(cfg.max_batch_size, cfg.max_num_seqs, 512) if cfg.uses_cuda_graphs else 0
-        return profile_kv_blocks(self.runner, cfg.gpu_memory_utilization,
-                                 cfg.max_num_batched_tokens, graph_batch, cfg.max_batch_size)
+        return profile_kv_blocks(self.runner, cfg, graph_batch)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

@@ -320,3 +320,18 @@ def test_detokenize_and_bad_token_bodies(url):
         route = "/detokenize" if "tokens" in body else "/tokenize"
         r = httpx.post(f"{url}{route}", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_minus_one_asks_for_max_logprobs_and_more_is_a_400(client):
+    """The server's max_logprobs is vLLM's default, 20."""
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=-1, extra_body=NO_EOS)
+    assert [len(c.top_logprobs) for c in chat.choices[0].logprobs.content] == [20] * 3
+    res = client.completions.create(model=MODEL, prompt=[72, 101, 108], max_tokens=1,
+                                    extra_body={"prompt_logprobs": -1})
+    alternatives = [len(p) for p in res.choices[0].model_extra["prompt_logprobs"][1:]]
+    assert all(20 <= n <= 21 for n in alternatives), alternatives  # (and the prompt's token)
+    with pytest.raises(openai.BadRequestError, match="Requested sample logprobs of 21, which "
+                                                     "is greater than max allowed: 20"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, logprobs=21)

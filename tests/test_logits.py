@@ -266,3 +266,18 @@ def test_bad_words_look_back_at_a_recomputed_requests_tokens():
     assert out[0, 7] == 0 and out[0, 9] == float("-inf") and out[1, 7] == float("-inf")
     processors.add(1, None)  # the row's next request has no bad words
     assert processors.apply(torch.zeros(2, 10), [1, 2], rows)[0].isfinite().all()
+
+
+def test_more_logprobs_than_the_vocabulary_give_the_whole_vocabulary():
+    """The workers' bound (max_logprobs -1 lets a request ask for up to the vocabulary; the
+    ingress stops anything past it): every token's alternatives, none more."""
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1000,
+                              prompt_logprobs=1000)
+    engine = InProcessEngine(model=DEFAULT_MODEL, max_batch_size=4)
+    prompt = [72, 101, 108, 108]
+    outputs = engine.run({0: [("r", prompt, sampling)]})
+    ref = hf_logprobs(prompt + outputs["r"])
+    vocab = ref.shape[-1]
+    for j, (_, ids, values, _) in enumerate(engine.logprobs["r"]):
+        assert ids == ref[len(prompt) - 1 + j].topk(vocab).indices.tolist()
+    assert all(len(ids) == vocab for _, ids, _, _ in engine.prompt_logprobs["r"])

@@ -145,7 +145,7 @@ def test_a_max_tokens_cut_to_the_context_reserves_no_kv(tokenizer):
         return SimpleNamespace(close=lambda: None)
 
     cfg = SimpleNamespace(reasoning_parser="deepseek_r1", request_timeout_s=None,
-                          fingerprint=lambda: "0")
+                          fingerprint=lambda: "0", max_logprobs=20)
     frontend = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, metrics=None,
                                refuse_if_draining=lambda: None, adapter=lambda req: None,
                                client=SimpleNamespace(submit=submit))

@@ -206,7 +206,8 @@ def test_vllm_fields_this_server_does_not_follow_are_refused_not_ignored(fields,
     ({"allowed_token_ids": [-1]}, C, "allowed_token_ids"),
     ({"min_p": 1.5}, C, "min_p"), ({"truncate_prompt_tokens": -2}, C, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 0}, C, "truncate_prompt_tokens"),
-    ({"prompt_logprobs": 21}, C, "prompt_logprobs"),
+    ({"prompt_logprobs": -2}, C, "prompt_logprobs"), ({"logprobs": -2}, C, "logprobs"),
+    ({"top_logprobs": -2}, CHAT, "top_logprobs"),
     ({"prompt_logprobs": 1, "stream": True}, C, "prompt_logprobs"),
     ({"continue_final_message": True}, CHAT, "continue_final_message"),
     ({"bad_words": "abc"}, C, "bad_words"),
@@ -319,3 +320,31 @@ def test_tool_choice_none_renders_the_tools_unless_the_server_excludes_them():
     assert prompt(False, "none") == list(with_tools)
     assert prompt(True, "none") == list(without)
     assert prompt(True, "auto") == list(with_tools)
+
+
+@pytest.mark.parametrize("max_logprobs,fields,resolved", [
+    (20, {"logprobs": -1, "prompt_logprobs": 3}, {"logprobs": 20, "prompt_logprobs": 3}),
+    (5, {"logprobs": 5, "prompt_logprobs": -1}, {"logprobs": 5, "prompt_logprobs": 5}),
+    (-1, {"logprobs": -1, "prompt_logprobs": 258}, {"logprobs": 258, "prompt_logprobs": 258}),
+    (1000, {"logprobs": -1}, {"logprobs": 258})])  # (the tiny model's vocabulary: 258)
+def test_minus_one_asks_for_as_many_logprobs_as_max_logprobs_allows(max_logprobs, fields,
+                                                                    resolved):
+    from deployments.logprobs import resolve_logprobs
+    req = parse_body(json.dumps({"prompt": "a", **fields}).encode(), C)
+    resolve_logprobs(req, max_logprobs, 258)
+    assert {name: getattr(req, name) for name in resolved} == resolved
+
+
+@pytest.mark.parametrize("max_logprobs,fields,message", [
+    (20, {"logprobs": 21}, "Requested sample logprobs of 21, which is greater than max "
+                           "allowed: 20"),
+    (5, {"top_logprobs": 6, "logprobs": True}, "sample logprobs of 6, .* allowed: 5"),
+    (-1, {"prompt_logprobs": 259}, "Requested prompt logprobs of 259, .* allowed: 258")])
+def test_more_logprobs_than_max_logprobs_is_a_400_in_vllms_words(max_logprobs, fields, message):
+    from deployments.logprobs import resolve_logprobs
+    schema = CHAT if "top_logprobs" in fields else C
+    body = {"prompt": "a"} if schema is C else {"messages": [{"role": "user", "content": "a"}]}
+    req = parse_body(json.dumps({**body, **fields}).encode(), schema)
+    with pytest.raises(APIError, match=message) as info:
+        resolve_logprobs(req, max_logprobs, 258)
+    assert (info.value.status, info.value.param) == (400, next(iter(fields)))

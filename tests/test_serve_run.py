@@ -54,7 +54,16 @@ def start_server(tmp_path, preexec_fn=None, **args):
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
+    try:
+        wait_healthy(url)
+    except TimeoutError:  # stop it (its drain stops serve run's processes), say what it said
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise TimeoutError(f"{url} not healthy; the launcher's last output:\n"
+                           + "".join(lines[-40:])) from None
     serve_run = next(c for c in psutil.Process(proc.pid).children()
                      if "ray.serve.scripts" in c.cmdline())  # in a session of its own
     return proc, url, port, lines, {proc.pid, serve_run.pid}
@@ -64,7 +73,13 @@ def wait_gone(sessions: set[int], timeout=40.0):
     deadline = time.monotonic() + timeout
     while session_processes(sessions) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not session_processes(sessions), "processes left behind"
+    left = {}
+    for pid in session_processes(sessions):
+        try:
+            left[pid] = " ".join(psutil.Process(pid).cmdline())[:160]
+        except psutil.Error:
+            continue  # (gone meanwhile)
+    assert not left, f"processes left behind: {left}"
 
 
 def test_serve_run_config_then_ctrl_c(tmp_path):
@@ -195,3 +210,20 @@ def test_sigterm_drains_the_engine_that_replaced_the_one_found(tmp_path, monkeyp
     assert found == [7.0]
     assert replacement == ([7.0] if successor else [])
     assert "did not complete" not in capsys.readouterr().err
+
+
+def test_what_serve_run_leaves_in_its_session_is_killed_after_a_grace():
+    """The launcher's last step (deployments.launch.reap_session): a process that outlives
+    `serve run` in its session (as Ray's agents were seen to), and its child, are killed."""
+    from deployments.launch import reap_session
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; "
+                               "time.sleep(120)']); time.sleep(120)"], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while len(session_processes({leader.pid})) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(session_processes({leader.pid})) == 2  # the leader and its child
+    start = time.monotonic()
+    reap_session(leader.pid, grace_s=0.5)
+    assert leader.wait(timeout=10) == -signal.SIGKILL and time.monotonic() - start < 10
+    wait_gone({leader.pid}, timeout=10)
