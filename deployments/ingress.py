@@ -37,6 +37,7 @@ from deployments.messages_api import MessagesAPI
 from deployments.models_api import ModelsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
+from deployments.pooling_api import PoolingAPI
 from deployments.responses_api import ResponsesAPI
 from deployments.score_api import ScoreAPI
 from deployments.serve_run_stop import READY, stop_serve_run
@@ -79,6 +80,7 @@ class OpenAIIngress:
         routes += ModelsAPI(self.frontend).routes() + FineTuningAPI(self.frontend).routes()
         routes += TokenizeAPI(self.frontend).routes() + EmbeddingsAPI(self.frontend).routes()
         routes += ScoreAPI(self.frontend).routes() + ClassifyAPI(self.frontend).routes()
+        routes += PoolingAPI(self.frontend).routes()
         # a specific class is handled (and not re-raised) by Starlette's ExceptionMiddleware;
         # `Exception` goes to ServerErrorMiddleware, which logs and re-raises
         handlers = {HTTPException: self._http_error, Exception: self._internal_error,

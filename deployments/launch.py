@@ -217,17 +217,21 @@ def main(argv: list[str] | None = None) -> int:
                 code = child.wait(timeout=CONNECT_EVERY_S)
                 break
             except subprocess.TimeoutExpired:
-                if failure:  # `serve run` is about to take its cluster down: let go of it
-                    drainer.disconnect()
-                elif not stopping and (drainer.connected or drainer.connect()) and \
-                        relayed.ready.is_set():
+                if not (failure or stopping) and (drainer.connected or drainer.connect()) \
+                        and relayed.ready.is_set():
                     relayed.ready.clear()
                     drainer.find_engines()
+                # `serve run` is about to take its cluster down (a signal that came while
+                # connecting left the connection made): let go of it, or Ray ends this process
+                if failure or stopping:
+                    drainer.disconnect()
             except InterruptedError:
                 continue
     finally:
-        drainer.disconnect()
-    reap_session(child.pid)
+        try:
+            drainer.disconnect()
+        finally:
+            reap_session(child.pid)
     relay.join(timeout=5)
     relayed.close()  # a process of the dying cluster may still hold the pipe open
     if code != 0 and relayed.taken_ports:  # the cause, as the last line

@@ -105,6 +105,21 @@ def test_classify_gives_transformers_probabilities_and_the_likeliest_label(url, 
                                atol=1e-5)
 
 
+def test_pooling_gives_a_classifiers_probabilities_or_its_logits(url, classifier):
+    texts = ["orcas hunt in pods", "bread"]
+    tokenizer = load_tokenizer(classifier)
+    logits = hf_classifier_logits(classifier, [tokenizer.encode(t) for t in texts])
+    r = httpx.post(f"{url}/pooling", json={"input": texts}, timeout=60)
+    body = r.json()
+    assert r.status_code == 200, body
+    assert [d["object"] for d in body["data"]] == ["pooling", "pooling"]
+    np.testing.assert_allclose([d["data"] for d in body["data"]], softmax(logits), rtol=1e-5,
+                               atol=1e-5)
+    raw = httpx.post(f"{url}/pooling", json={"input": texts, "use_activation": False},
+                     timeout=60).json()
+    np.testing.assert_allclose([d["data"] for d in raw["data"]], logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("path,body,param,code", [
     ("/classify", {"input": []}, "input", "invalid_value"),
     ("/classify", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",

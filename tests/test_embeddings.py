@@ -99,6 +99,7 @@ def test_the_routes_of_the_other_runner_are_refused():
     from deployments.completion_protocol import CompletionRequest
     from deployments.embeddings_api import EmbeddingRequest
     from deployments.messages_protocol import CountTokensRequest, MessagesRequest
+    from deployments.pooling_api import PoolingRequest
     from deployments.protocol import APIError, check_runner
     from deployments.tokenize_api import TokenizeRequest
     with pytest.raises(APIError, match="needs runner pooling; this server was started with "
@@ -110,6 +111,8 @@ def test_the_routes_of_the_other_runner_are_refused():
     with pytest.raises(APIError, match="needs runner generate"):
         check_runner(MessagesRequest, "pooling")
     check_runner(EmbeddingRequest, "pooling")
+    with pytest.raises(APIError, match="needs runner pooling"):
+        check_runner(PoolingRequest, "generate")
     for route in (TokenizeRequest, CountTokensRequest):  # (they only tokenize)
         check_runner(route, "pooling")
 
@@ -158,8 +161,31 @@ def test_embeddings_through_http_with_the_openai_client(url):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_pooling_gives_each_inputs_embedding(url):
+    """vLLM's /pooling on an embedding model: what /v1/embeddings gives, in its shape."""
+    path = resolve_model_path(DEFAULT_MODEL)
+    texts = ["The quick brown fox", "orca " * 30]
+    ids = [load_tokenizer(path).encode(t) for t in texts]
+    refs = [F.normalize(h, dim=-1) for h in hf_last_hidden(path, ids)]
+    r = httpx.post(f"{url}/pooling", timeout=60, json={"input": texts})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["id"].startswith("pool-") and body["object"] == "list"
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "pooling"), (1, "pooling")]
+    for d, ref in zip(body["data"], refs):
+        torch.testing.assert_close(torch.tensor(d["data"]), ref, rtol=1e-5, atol=1e-5)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == sum(map(len, ids))
+    packed = httpx.post(f"{url}/v1/pooling", timeout=60, json={
+        "input": ids[0], "encoding_format": "base64"}).json()
+    vector = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), dtype="<f4")
+    torch.testing.assert_close(torch.tensor(vector), refs[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("path,body,status,code", [
     ("/v1/embeddings", {"input": ""}, 400, "invalid_value"),
+    ("/pooling", {"input": []}, 400, "invalid_value"),
+    ("/pooling", {"messages": [{"role": "user", "content": "x"}]}, 400,
+     "missing_required_parameter"),
     ("/v1/embeddings", {"input": []}, 400, "invalid_value"),
     ("/v1/embeddings", {"input": [[1, 2], [99999]]}, 400, "invalid_value"),
     ("/v1/embeddings", {"input": "x" * 5000}, 400, "context_length_exceeded"),

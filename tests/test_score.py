@@ -205,6 +205,21 @@ def test_score_and_rerank_equal_transformers(url):
         assert [r["index"] for r in every["results"]] == sorted(range(3), key=lambda i: -refs[i])
 
 
+def test_pooling_gives_a_rerankers_score_of_each_input(url):
+    """vLLM's /pooling on a reranker: [the sigmoid of its logit] per input (a prompt the
+    client formatted), or the logit itself with use_activation false."""
+    path = resolve_model_path(DEFAULT_MODEL)
+    token_ids = [load_tokenizer(path).convert_tokens_to_ids(t) for t in TOKENS]
+    prompts = [pair_ids("orca whales", "orcas hunt"), pair_ids("orca", "bread")]
+    for activation in (True, False):
+        r = httpx.post(f"{url}/pooling", timeout=60,
+                       json={"input": prompts, "use_activation": activation})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose([d["data"] for d in r.json()["data"]],
+                                   [[s] for s in hf_scores(path, prompts, token_ids, activation)],
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("path,body,param,code", [
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2", "invalid_value"),
     ("/v1/score", {"text_1": [], "text_2": "a"}, "text_1", "invalid_value"),
