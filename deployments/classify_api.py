@@ -34,6 +34,16 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1 + np.tanh(x / 2))  # (no overflow for any float)
 
 
+def logits_of(outputs: list[bytes]) -> np.ndarray:
+    """The workers' pooled outputs (float32 bytes) as [inputs, labels] float64 logits;
+    APIError 500 if they are not finite (JSON has no NaN)."""
+    logits = np.array([np.frombuffer(o, dtype="<f4") for o in outputs], np.float64)
+    if not np.isfinite(logits).all():
+        raise APIError(500, "the model's logits are not finite numbers", None,
+                       "internal_error", "server_error")
+    return logits
+
+
 def activation(logits: np.ndarray, problem_type: str | None) -> np.ndarray:
     """[inputs, labels] logits (float64) as the checkpoint's `problem_type` reads them, as
     vLLM does: regression (a reward model) as they are, multi-label with a sigmoid each,
@@ -68,10 +78,7 @@ class ClassifyAPI:
                                 "(*ForSequenceClassification) with runner pooling", None,
                            "unsupported_task")
         ids, outputs = await pool_inputs(frontend, req, info, "classify")
-        logits = np.array([np.frombuffer(o, dtype=np.float32) for o in outputs], np.float64)
-        if not np.isfinite(logits).all():  # (JSON has no NaN)
-            raise APIError(500, "the model's logits are not finite numbers", None,
-                           "internal_error", "server_error")
+        logits = logits_of(outputs)
         values = logits if req.use_activation is False else \
             activation(logits, info.config.get("problem_type"))
         num_tokens = sum(map(len, ids))

@@ -19,12 +19,11 @@ import time
 import uuid
 from typing import Literal
 
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from deployments.classify_api import activation, sigmoid
+from deployments.classify_api import activation, logits_of, sigmoid
 from deployments.embeddings_api import InputsRequest, encode, pool_inputs, start_pooling
 from deployments.frontend import Frontend
 from deployments.protocol import APIError
@@ -55,10 +54,7 @@ class PoolingAPI:
         frontend = self.frontend
         ids, outputs = await pool_inputs(frontend, req, info, "pool")
         if info.labels or info.scores:  # a classifier's logits, or a reranker's one logit
-            logits = np.array([np.frombuffer(o, dtype="<f4") for o in outputs], np.float64)
-            if not np.isfinite(logits).all():  # (JSON has no NaN)
-                raise APIError(500, "the model's logits are not finite numbers", None,
-                               "internal_error", "server_error")
+            logits = logits_of(outputs)
             if req.use_activation is not False:
                 logits = sigmoid(logits) if info.scores and not info.labels else \
                     activation(logits, info.config.get("problem_type"))
