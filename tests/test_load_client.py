@@ -98,7 +98,9 @@ def test_load_client_paces_requests_at_the_offered_rate():
     expected = [t for t in arrival_times(9, 10.0, seed=7) if t <= 0.9]
     assert res["completed"] == len(server.arrivals) == len(expected) and res["rate"] == 10.0
     sent = [t - server.arrivals[0] for t in server.arrivals]
-    assert max(abs(a - b) for a, b in zip(sent, expected)) < 0.03
+    # (within 80 ms: sent all at once, or at a uniform 10/s, they would be off by 370 ms or
+    # 430 ms; 30 ms was once missed by 5 ms under two busy test workers)
+    assert max(abs(a - b) for a, b in zip(sent, expected)) < 0.08
 
 
 def test_load_client_processes_share_one_start_and_merge_their_outcomes(monkeypatch):
