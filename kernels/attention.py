@@ -26,8 +26,16 @@ attention), up to the causal limit of its tile.
 Inside a CUDA graph the launch grid cannot follow the step: there the kernel takes a work
 list instead (`work_list`), one (request, tile) per program over a fixed grid that any step
 of the graph's token and request counts fits, with (-1, 0) for programs left over.
+
+A decode step of too few (request, KV head) programs to fill the GPU splits each request's
+keys into `splits` chunks (flash decoding): program (i, s, h) takes chunk s, keeps
+its unnormalised output with its running max and sum, and a second kernel merges the chunks.
+The chunks follow each request's length on the device, so a CUDA graph's fixed grid serves
+any context.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -67,17 +75,20 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        block_tables_ptr, work_ptr, scale_log2e, cap_log2e, v_scale,
+        block_tables_ptr, work_ptr, part_ptr, scale_log2e, cap_log2e, v_scale,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WORK: tl.constexpr,
-        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+        WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr):
     if WORK:  # program i takes the (request, tile) of work item i
         req = tl.load(work_ptr + 2 * tl.program_id(0))
         tile = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
         if req < 0:
             return
+    elif SPLITS > 1:  # decode: program (i, s, h) takes chunk s of request i's keys
+        req = tl.program_id(0)
+        tile = 0
     else:
         req = tl.program_id(0)
         tile = tl.program_id(1)
@@ -109,6 +120,10 @@ def _paged_attention_kernel(
     kv_begin = 0
     if WINDOW > 0:
         kv_begin = tl.maximum(first_pos + tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    if SPLITS > 1:  # whole loop iterations per chunk; the last chunks may be empty
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, SPLITS), BLOCK_N) * BLOCK_N
+        kv_begin += tl.program_id(1) * chunk
+        kv_end = tl.minimum(kv_end, kv_begin + chunk)
     for start in range(kv_begin, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
@@ -133,10 +148,55 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
         m_i = m_new
+    if SPLITS > 1:  # [request, q head, split] of the partial sums: m, l, then acc
+        at = (req * tl.num_programs(2) * GROUP + head) * SPLITS + tl.program_id(1)
+        count = tl.num_programs(0) * tl.num_programs(2) * GROUP * SPLITS
+        tl.store(part_ptr + at, m_i, mask=row_ok)
+        tl.store(part_ptr + count + at, l_i, mask=row_ok)
+        tl.store(part_ptr + 2 * count + at[:, None] * DIM_P2 + dims[None, :], acc,
+                 mask=row_ok[:, None])
+        return
     out = acc * (v_scale / l_i)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
              + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, out_ptr, cu_seqlens_q_ptr, v_scale, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS: tl.constexpr):
+    """Program (i, h): request i's output for query head h from its chunks' partial sums."""
+    req, head = tl.program_id(0), tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + req)
+    if tl.load(cu_seqlens_q_ptr + req + 1) == q_start:
+        return  # a padding request
+    at = (req * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
+    count = tl.num_programs(0) * tl.num_programs(1) * SPLITS
+    m = tl.load(part_ptr + at)  # log2 domain; -inf for an empty chunk
+    weight = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(weight * tl.load(part_ptr + count + at), 0)
+    dims = tl.arange(0, DIM_P2)
+    acc = tl.load(part_ptr + 2 * count + at[:, None] * DIM_P2 + dims[None, :])
+    out = tl.sum(weight[:, None] * acc, 0) * (v_scale / total)
+    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Chunks per request's keys in a decode step: the most, a power of two up to
+    MAX_SPLITS, that keep the (request, KV head, chunk) programs within PROGRAMS_PER_SM per
+    SM. On an H200 with llama-8b's heads the fastest split had ~4 per SM at every batch from
+    1 to 64 (BENCHMARKS.md, 2026-11-29: 17.8x faster attention at one request of 32k)."""
+    room = PROGRAMS_PER_SM * _num_sms(device) // max(num_reqs * num_kv_heads, 1)
+    return min(MAX_SPLITS, 1 << max(room.bit_length() - 1, 0))
+
+
+MAX_SPLITS, PROGRAMS_PER_SM = 32, 4
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def tile_shape(num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -186,8 +246,10 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
                            block_size: int, scale: float, max_query_len: int,
                            work: torch.Tensor | None = None, window: int = 0,
                            softcap: float = 0.0, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
-    """work: a work list made by work_list with the block_m of tile_shape(..., max_query_len)."""
+                           v_scale: float = 1.0, splits: int | None = None) -> torch.Tensor:
+    """work: a work list made by work_list with the block_m of tile_shape(..., max_query_len).
+    splits: chunks per request's keys in a decode-only step (a power of two; None: as
+    decode_splits chooses; prompts and work lists never split)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -196,13 +258,22 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     assert cu_seqlens_q.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
     block_m, rows, dim_p2 = tile_shape(num_q_heads, num_kv_heads, head_dim, max_query_len)
     out = torch.empty_like(q)
+    num_reqs = seq_lens.shape[0]
+    if work is not None or max_query_len > 1:
+        splits = 1
+    elif splits is None:
+        splits = decode_splits(num_reqs, num_kv_heads, q.device) if q.is_cuda else 1
+    assert splits & (splits - 1) == 0, "splits must be a power of two"
     if work is None:
-        grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_kv_heads)
+        grid = (num_reqs, max(triton.cdiv(max_query_len, block_m), splits), num_kv_heads)
     else:
         grid = (work.shape[0], 1, num_kv_heads)
+    # m, l and acc of each (request, q head, chunk), fp32
+    part = out if splits == 1 else torch.empty(num_reqs * num_q_heads * splits * (2 + dim_p2),
+                                               dtype=torch.float32, device=q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        cu_seqlens_q if work is None else work, scale * k_scale * 1.4426950408889634,
+        cu_seqlens_q if work is None else work, part, scale * k_scale * 1.4426950408889634,
         softcap * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
@@ -210,7 +281,11 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         ROWS=rows, BLOCK_N=block_n(dim_p2, k_cache.dtype, max_query_len),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WORK=work is not None,
         WINDOW=window, SOFTCAP=softcap > 0, DOT=dot_dtype(q.dtype, k_cache.dtype),
-        num_stages=2 if k_cache.dtype.itemsize == 1 and max_query_len > 1 else 3)
+        SPLITS=splits, num_stages=2 if k_cache.dtype.itemsize == 1 and max_query_len > 1 else 3)
+    if splits > 1:
+        _merge_splits_kernel[(num_reqs, num_q_heads)](
+            part, out, cu_seqlens_q, v_scale, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            DIM_P2=dim_p2, SPLITS=splits)
     return out
 
 

@@ -300,6 +300,38 @@ def test_paged_attention_kernel_from_a_work_list(device, dtype, heads, q_lens, s
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("splits,window,softcap,dim", [
+    (2, 0, 0.0, 64), (4, 24, 0.0, 64), (16, 0, 30.0, 80), (16, 100, 0.0, 64)])
+def test_decode_step_split_into_chunks_of_keys(device, dtype, splits, window, softcap, dim):
+    """Flash decoding: each request's keys in `splits` chunks, merged by a second kernel.
+    Requests longer and shorter than one chunk (the short ones leave chunks empty), one of a
+    single token, a padding request with no query token (as a decode graph has), a window
+    that starts inside a chunk, soft-capped scores, a head size that is not a power of 2."""
+    s_lens = [300, 1, 70, 129]
+    q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, [1] * 4, 8, 2, dim, 4)
+    q, k_cache, v_cache = [t.to(device).to(dtype) for t in (q, k_cache, v_cache)]
+    cu_t = torch.tensor(cu + [cu[-1]], dtype=torch.int32, device=device)
+    lens = torch.tensor(s_lens + [0], dtype=torch.int32, device=device)
+    tables = torch.cat([tables, tables[:1]]).to(device)
+    args = (q, k_cache, v_cache, cu_t, lens, tables, 4, 0.125, 1)
+    out = paged_attention_triton(*args, window=window, softcap=softcap, splits=splits)
+    whole = paged_attention_triton(*args, window=window, softcap=softcap, splits=1)
+    ref = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), cu_t[:5], lens[:4],
+                              tables[:4], 4, 0.125, window=window, softcap=softcap)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    torch.testing.assert_close(out.float(), whole.float(), **TOL[dtype])
+
+
+def test_decode_splits_keep_about_four_programs_per_sm(monkeypatch):
+    from kernels import attention
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)  # 528 programs at most
+    batches = (1, 2, 4, 8, 16, 17, 32, 33, 66, 67, 512)
+    assert [attention.decode_splits(b, 8, "cuda") for b in batches] == \
+        [32, 32, 16, 8, 4, 2, 2, 2, 1, 1, 1]
+    assert attention.decode_splits(1, 1, "cuda") == 32  # never past MAX_SPLITS
+
+
+@pytest.mark.parametrize("device,dtype", TARGETS)
 @pytest.mark.parametrize("num_tokens,heads,dim", [(1, 1, 16), (13, 2, 64), (7, 8, 128)])
 def test_kv_write_kernel(device, dtype, num_tokens, heads, dim):
     k = torch.randn(num_tokens, heads, dim, device=device).to(dtype)
@@ -343,8 +375,11 @@ def test_paged_attention_ref_reads_an_fp8_pool(kv_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kv_dtype", FP8_POOLS)
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (24, 0.0), (0, 30.0)])
-def test_paged_attention_kernel_on_an_fp8_pool(dtype, kv_dtype, window, softcap):
-    q_lens, s_lens = [1, 7, 130, 1], [90, 7, 200, 24]
+@pytest.mark.parametrize("q_lens,splits", [([1, 7, 130, 1], None), ([1, 1, 1, 1], 8)])
+def test_paged_attention_kernel_on_an_fp8_pool(dtype, kv_dtype, window, softcap, q_lens,
+                                               splits):
+    """Mixed steps, and decode steps split into chunks (v_scale applies at their merge)."""
+    s_lens = [90, 7, 200, 24]
     q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, q_lens, 8, 2, 128, 16)
     k8, v8 = (k_cache * 4).to(kv_dtype).cuda(), (v_cache * 0.5).to(kv_dtype).cuda()
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
@@ -352,7 +387,7 @@ def test_paged_attention_kernel_on_an_fp8_pool(dtype, kv_dtype, window, softcap)
     tables = tables.cuda()
     out = paged_attention_triton(q.cuda().to(dtype), k8, v8, cu_t, lens, tables, 16, 0.125,
                                  max(q_lens), window=window, softcap=softcap, k_scale=0.25,
-                                 v_scale=2.0)
+                                 v_scale=2.0, splits=splits)
     ref = paged_attention_ref(q.cuda().to(dtype).float(), k8.float() * 0.25, v8.float() * 2.0,
                               cu_t, lens, tables, 16, 0.125, window=window, softcap=softcap)
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
