@@ -171,11 +171,13 @@ def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: E
     include_stop = req.include_stop_str_in_output
     k = r.sampling.logprobs
     other_eos = tuple(set(eos_token_ids) - {tokenizer.eos_token_id})  # (vLLM's stop_reason)
-    calls = ToolCallStream(make_parser(tool_parser), req.max_tool_calls(),  # as many as it may
+    calls = ToolCallStream(make_parser(tool_parser, req.tools), req.max_tool_calls(),
                            CALL_SEPARATORS[tool_parser] if req.forces_tool_calls else None) \
-        if tool_parser else None
+        if tool_parser else None  # (max_tool_calls: as many as it may)
+    # a format whose markers are special tokens keeps them in the text it parses
+    skip_special = req.skip_special_tokens and not (calls and calls.parser.needs_special_tokens)
     choice = Choice(index, index // req.n,
-                    TextStream(tokenizer, req.stop_list(), include_stop, req.skip_special_tokens),
+                    TextStream(tokenizer, req.stop_list(), include_stop, skip_special),
                     ids, _echo_text(tokenizer, req, text, ids, chat), timer,
                     LogprobsWriter(tokenizer, chat, k, req.return_tokens_as_token_ids)
                     if k is not None else None, calls,

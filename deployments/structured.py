@@ -23,7 +23,9 @@ from deployments.tool_parsers import CALL_SEPARATORS
 MAX_JSON_DEPTH = 64  # objects and arrays nested in a schema (a level of properties is 2)
 MAX_GRAMMAR_CHARS = 128 * 1024  # compiling takes ~2 ms per KB of schema on this CPU
 # our parser name -> xgrammar's name of the same output format
-XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
+XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama", "qwen3_coder": "qwen_3_coder"}
+# formats of ours without one: a forced call is `MARKER[{"name": ..., "arguments": {...}}]`
+MARKER_FORMATS = {"mistral": "[TOOL_CALLS]", "granite": "<|tool_call|>"}
 
 
 def grammar_for(req, reasoning_parser: str | None = None,
@@ -83,19 +85,14 @@ def tool_grammar(tools, tool_choice, parser_name: str, parallel: bool = True,
     the tools, or with `parallel` one or more; with a named function, one call of it. In the
     format of `parser_name`, the arguments valid against the function's parameters, nothing
     else."""
-    import xgrammar as xgr
-    fmt = XGRAMMAR_FORMATS[parser_name]
+    if parser_name not in XGRAMMAR_FORMATS and parser_name not in MARKER_FORMATS:
+        what = "required" if tool_choice == "required" else "naming a function"
+        raise APIError(400, f"tool_choice {what} is not supported with the {parser_name} "
+                            "tool call format (no grammar forces it): use tool_choice auto",
+                       "tool_choice", "invalid_value")
     named = [tool_choice.function.name] if not isinstance(tool_choice, str) \
         else [t.function.name for t in tools]
-    tags = []
-    for tool in tools:
-        if tool.function.name in named:
-            choice = {"type": "function", "function": {"name": tool.function.name}}
-            # whitespace bounded: weak models loop on it otherwise
-            tag = xgr.get_model_structural_tag(fmt, tools=[tool.model_dump(by_alias=True)],
-                                               tool_choice=choice, reasoning=False,
-                                               max_whitespace_cnt=1)
-            tags.append(tag.model_dump()["format"])
+    tags = [_call_tag(parser_name, tool) for tool in tools if tool.function.name in named]
     if parallel and isinstance(tool_choice, str):
         fmt_json = {"type": "tags_with_separator", "tags": tags, "at_least_one": True,
                     "separator": CALL_SEPARATORS[parser_name], "stop_after_first": False}
@@ -105,6 +102,27 @@ def tool_grammar(tools, tool_choice, parser_name: str, parallel: bool = True,
     _check(spec, "tools")
     return reasoning_grammar(spec, reasoning_parser, "tools", think_ids) if reasoning_parser \
         else spec
+
+
+def _call_tag(parser_name: str, tool) -> dict:
+    """The structural tag of one call of `tool` in the format of `parser_name`, its
+    arguments valid against the function's parameters and whitespace bounded (weak models
+    loop on it otherwise)."""
+    if parser_name in MARKER_FORMATS:
+        name = json.dumps(tool.function.name, ensure_ascii=False)
+        schema = tool.function.parameters or {"type": "object"}
+        return {"type": "tag", "begin": f'{MARKER_FORMATS[parser_name]}[{{"name": {name}, '
+                                        '"arguments": ',
+                "content": {"type": "json_schema", "json_schema": schema,
+                            "max_whitespace_cnt": 1},
+                "end": "}]"}
+    import xgrammar as xgr
+    choice = {"type": "function", "function": {"name": tool.function.name}}
+    tag = xgr.get_model_structural_tag(XGRAMMAR_FORMATS[parser_name],
+                                       tools=[tool.model_dump(by_alias=True)],
+                                       tool_choice=choice, reasoning=False,
+                                       max_whitespace_cnt=1)
+    return tag.model_dump()["format"]
 
 
 def reasoning_grammar(spec: tuple[str, str], parser: str, param: str | None = None,
@@ -184,7 +202,11 @@ def default_tool_parser(tokenizer, architecture: str) -> str:
     """The format of a model family: the chat template's own tags, else its architecture."""
     template = tokenizer.chat_template or ""
     if "<tool_call>" in template:
-        return "hermes"
+        return "qwen3_coder" if "<function=" in template else "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|tool_call|>" in template:
+        return "granite"
     return "llama3_json" if architecture == "LlamaForCausalLM" else "hermes"
 
 

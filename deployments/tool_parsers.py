@@ -1,64 +1,34 @@
 """Tool calls found in a chat model's generated text, as OpenAI `tool_calls`.
 
-Two formats:
+Formats (vLLM's `--tool-call-parser` names):
 - "hermes" (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   any number of them, with text before, between and after.
 - "llama3_json" (Llama 3.1/3.2): the whole output is `{"name": ..., "parameters": {...}}`
   (or "arguments"), possibly several objects separated by ";".
+- "qwen3_coder" (Qwen3-Coder): hermes' markers around `<function=NAME>` and
+  `<parameter=KEY>value</parameter>` lines (deployments/tool_formats.py).
+- "mistral", "granite", "pythonic": deployments/tool_formats.py.
 
 A malformed call is never an error: its raw text is returned as content instead.
 """
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
-from typing import Protocol
 
-LEADING_SPACE = re.compile(r"\s*")
+from deployments.tool_calls import (LEADING_SPACE, ToolCall, ToolParser, content_or_none,
+                                    make_call, marker_start, whole_output_start)
+from deployments.tool_formats import GraniteParser, MistralParser, PythonicParser, \
+    Qwen3CoderCalls
+
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"  # hermes
 
 
-@dataclass(slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, serialized with json.dumps(obj, ensure_ascii=False)
-
-    def to_openai(self, call_id: str) -> dict:
-        """The call as an entry of an OpenAI message's `tool_calls`."""
-        return {"id": call_id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def make_call(obj, argument_keys: tuple[str, ...]) -> ToolCall | None:
-    """The call that a decoded JSON value describes, or None if it is not a call.
-    A call without arguments gets {} (models write {"name": "f"} for functions of no
-    parameters)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = next((obj[k] for k in argument_keys if k in obj), {})
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def content_or_none(text: str) -> str | None:
-    return text.strip() or None
-
-
-class ToolParser(Protocol):
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the text outside calls with surrounding whitespace stripped, or None if empty;
-        the calls)."""
-        ...
-
-    def could_start_call(self, text: str) -> int:
-        """The index in `text` from which a tool call may be starting, or len(text) when
-        all of `text` is plain content (streaming: what is before the index can be sent)."""
-        ...
-
-
 class HermesParser:
+    needs_special_tokens = False
+
+    def __init__(self, tools=None):
+        pass
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content: list[str] = []
         calls: list[ToolCall] = []
@@ -75,11 +45,7 @@ class HermesParser:
                 pos = again
                 continue
             pos = end + len(CALL_END)
-            try:  # (nested past Python's recursion limit: not a call either)
-                call = make_call(json.loads(text[start + len(CALL_START):end]),
-                                 ("arguments",))
-            except (json.JSONDecodeError, RecursionError):
-                call = None
+            call = self.read_call(text[start + len(CALL_START):end])
             if call is None:
                 content.append(text[start:pos])
             else:
@@ -87,18 +53,23 @@ class HermesParser:
         content.append(text[pos:])
         return content_or_none("".join(content)), calls
 
+    def read_call(self, body: str) -> ToolCall | None:
+        """The call between the markers, or None if it is not one."""
+        try:  # (nested past Python's recursion limit: not a call either)
+            return make_call(json.loads(body), ("arguments",))
+        except (json.JSONDecodeError, RecursionError):
+            return None
+
     def could_start_call(self, text: str) -> int:
-        start = text.find(CALL_START)
-        if start >= 0:
-            return start
-        # Longest first: the earliest index where a partial marker may begin.
-        for n in range(min(len(CALL_START) - 1, len(text)), 0, -1):
-            if text.endswith(CALL_START[:n]):
-                return len(text) - n
-        return len(text)
+        return marker_start(text, CALL_START)
 
 
 class Llama3JsonParser:
+    needs_special_tokens = False
+
+    def __init__(self, tools=None):
+        pass
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         calls = self._parse_calls(text)
         if calls is None:
@@ -132,22 +103,34 @@ class Llama3JsonParser:
     def could_start_call(self, text: str) -> int:
         # Only the first non-whitespace character decides: "{" makes the whole output
         # calls, anything else makes it all content. Whitespace alone decides nothing.
-        first = LEADING_SPACE.match(text).end()
-        if first == len(text) or text[first] == "{":
-            return 0
-        return len(text)
+        return whole_output_start(text, "{")
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
-# what a forcing grammar writes between calls (deployments/structured.py)
-CALL_SEPARATORS = {"hermes": "\n", "llama3_json": "; "}
+class Qwen3CoderParser(HermesParser):
+    """Qwen3-Coder's calls: hermes' markers around `<function=NAME>` and its parameters."""
+
+    def __init__(self, tools=None):
+        self.calls = Qwen3CoderCalls(tools)
+
+    def read_call(self, body: str) -> ToolCall | None:
+        return self.calls.read(body)
 
 
-def make_parser(name: str) -> ToolParser:
-    """The parser for a format name, one of PARSERS."""
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
+    "mistral": MistralParser, "granite": GraniteParser, "pythonic": PythonicParser}
+# what a forcing grammar writes between calls (deployments/structured.py); pythonic has no
+# forcing grammar
+CALL_SEPARATORS = {"hermes": "\n", "llama3_json": "; ", "qwen3_coder": "\n", "mistral": "\n",
+                   "granite": "\n"}
+
+
+def make_parser(name: str, tools=None) -> ToolParser:
+    """The parser for a format name, one of PARSERS; `tools`: the request's (qwen3_coder
+    reads its parameters' types from them)."""
     if name not in PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(PARSERS)}")
-    return PARSERS[name]()
+    return PARSERS[name](tools)
 
 
 class ToolCallStream:

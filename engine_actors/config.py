@@ -129,9 +129,10 @@ class EngineConfig:
     finetune_max_tokens: PositiveInt = 4096
     finetune_dir: str | None = None
 
-    # Tool calls: the output format to parse ("auto": from the chat template, else the
-    # architecture: hermes for Qwen and templates with <tool_call>, llama3_json for Llama).
-    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+    # Tool calls: the output format to parse ("auto": from the chat template's tags, else
+    # the architecture: llama3_json for Llama, hermes for the rest; deployments/tool_parsers).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "qwen3_coder", "mistral",
+                              "granite", "pythonic"] = "auto"
     # tool_choice "none" still renders the tools (the model is told of them, calls are not
     # parsed), as vLLM does, unless this is set (vLLM's --exclude-tools-when-tool-choice-none)
     exclude_tools_when_tool_choice_none: bool = False

@@ -192,16 +192,24 @@ def test_older_structural_tags_start_where_a_trigger_appears(url):
 
 
 def test_required_and_named_tool_calls_streamed_or_not(url):
+    check_forced_calls(url, rounds=2)
+    wait_idle(url)
+
+
+def check_forced_calls(url: str, rounds: int) -> list[dict]:
+    """tool_choice "required" and named, `rounds` times each, then "required" streamed:
+    each answer is one valid call of get_weather. Returns the streamed deltas."""
     # one call: a random-weight model would go on calling (parallel calls' grammar:
     # test_forced_calls_are_one_or_more_only_with_parallel_tool_calls)
     body = {"messages": [{"role": "user", "content": "weather in Rome?"}], "max_tokens": 200,
             "temperature": 1.0, "tools": [WEATHER], "parallel_tool_calls": False}
     for seed, choice in enumerate(["required", {"type": "function",
-                                                "function": {"name": "get_weather"}}] * 2):
+                                                "function": {"name": "get_weather"}}] * rounds):
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
                        json={**body, "tool_choice": choice, "seed": seed})
         out = r.json()["choices"][0]
         assert out["finish_reason"] == "tool_calls", out
+        assert out["message"]["content"] is None, out
         call = out["message"]["tool_calls"][0]
         assert call["type"] == "function" and call["function"]["name"] == "get_weather"
         jsonschema.validate(json.loads(call["function"]["arguments"]),
@@ -214,7 +222,7 @@ def test_required_and_named_tool_calls_streamed_or_not(url):
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
     assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    wait_idle(url)
+    return deltas
 
 
 def test_tool_messages_and_none_go_through_the_template(url):
@@ -320,15 +328,30 @@ def test_a_string_with_a_length_limit_takes_only_what_json_allows(kind):
     assert takes("Ś".encode()) and not takes(b"\xed\xa0\x80")
 
 
+def grammar_takes():
+    """takes(spec, text): does the grammar of `spec` accept the whole text, then the end
+    (the built-in model's tokenizer)?"""
+    import xgrammar as xgr
+
+    from engine_actors.grammar import Grammars
+    path = resolve_model_path(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(path)
+    grammars = Grammars(path, len(tokenizer))
+
+    def takes(spec, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(grammars._compile(spec))
+        return all(matcher.accept_token(t)
+                   for t in tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.accept_token(tokenizer.eos_token_id)
+    return takes
+
+
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
 def test_forced_calls_are_one_or_more_only_with_parallel_tool_calls(parser):
     """tool_choice "required": two calls in a row are accepted with parallel_tool_calls
     (the default), only one without; a named function is always one call; nothing else."""
-    import xgrammar as xgr
-
     from deployments.chat_protocol import NamedToolChoice, Tool
     from deployments.structured import tool_grammar
-    from engine_actors.grammar import Grammars
     tools = [Tool.model_validate(WEATHER), Tool.model_validate(
         {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}})]
     weather = {"city": "Rome", "days": 2, "unit": "C"}
@@ -340,16 +363,7 @@ def test_forced_calls_are_one_or_more_only_with_parallel_tool_calls(parser):
         calls = ['{"name": "get_weather", "parameters": ' + json.dumps(weather) + "}",
                  '{"name": "now", "parameters": {}}']
         separator = "; "
-    path = resolve_model_path(DEFAULT_MODEL)
-    tokenizer = load_tokenizer(path)
-    grammars = Grammars(path, len(tokenizer))
-
-    def takes(spec, text: str) -> bool:  # the whole text, then the end
-        matcher = xgr.GrammarMatcher(grammars._compile(spec))
-        return all(matcher.accept_token(t)
-                   for t in tokenizer.encode(text, add_special_tokens=False)) \
-            and matcher.accept_token(tokenizer.eos_token_id)
-
+    takes = grammar_takes()
     jsonschema.validate(weather, WEATHER["function"]["parameters"])
     parallel = tool_grammar(tools, "required", parser)
     single = tool_grammar(tools, "required", parser, parallel=False)

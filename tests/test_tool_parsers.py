@@ -238,8 +238,8 @@ def test_make_parser_names():
 
 
 def test_make_parser_unknown_name():
-    with pytest.raises(ValueError, match=r"'mistral'.*hermes, llama3_json"):
-        make_parser("mistral")
+    with pytest.raises(ValueError, match=r"'xlam'.*hermes, llama3_json, qwen3_coder"):
+        make_parser("xlam")
 
 
 @pytest.mark.parametrize("parser_name,text", [

@@ -1,0 +1,229 @@
+"""The qwen3_coder, mistral, granite and pythonic tool-call formats: parsed whole and
+streamed, forced by grammars, chosen from chat templates, and through HTTP (mistral)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+
+from deployments.chat_protocol import ChatCompletionRequest, NamedToolChoice, Tool  # noqa: E402
+from deployments.protocol import APIError  # noqa: E402
+from deployments.tool_parsers import ToolCall, ToolCallStream, make_parser  # noqa: E402
+from tests.serve_fixture import wait_idle  # noqa: E402
+from tests.test_structured_output import WEATHER, check_forced_calls  # noqa: E402
+from tests.test_tool_parsers import MODES, WEATHER as PARIS, chunks  # noqa: E402
+
+TYPED = Tool.model_validate({"type": "function", "function": {
+    "name": "book", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "nights": {"type": "integer"}, "budget": {"type": "number"},
+        "late": {"type": "boolean"}, "rooms": {"type": "array"}, "guest": {"type": "object"},
+        "note": {"type": ["string", "null"]}, "code": {"type": "string"}}}}})
+
+
+def run(parser_name: str, text: str, mode: str, tools=None):
+    """(content, calls) as a client sees them (tests/test_tool_parsers.py's `run`, with the
+    request's tools)."""
+    if mode == "parse":
+        return make_parser(parser_name, tools).parse(text)
+    stream = ToolCallStream(make_parser(parser_name, tools))
+    sent = "".join(stream.add(piece) for piece in chunks(text, mode))
+    rest, calls = stream.finish()
+    return (sent + (rest or "")) or None, calls
+
+
+def qwen_call(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+# ---- qwen3_coder --------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_qwen3_coder_values_take_the_declared_types(mode):
+    text = "I will book it.\n" + qwen_call(
+        "book", city="Rome", nights="3", budget="99.5", late="true", rooms='["a", "b"]',
+        guest='{"name": "Ann"}', note="null", code="007", extra="x\ny")
+    content, calls = run("qwen3_coder", text, mode, [TYPED])
+    assert content == "I will book it." and [c.name for c in calls] == ["book"]
+    assert json.loads(calls[0].arguments) == {
+        "city": "Rome", "nights": 3, "budget": 99.5, "late": True, "rooms": ["a", "b"],
+        "guest": {"name": "Ann"}, "note": None, "code": "007", "extra": "x\ny"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_qwen3_coder_two_calls_and_values_that_are_not_their_type(mode):
+    text = qwen_call("book", nights="three", budget="12") + "\n" + qwen_call("now")
+    content, calls = run("qwen3_coder", text, mode, [TYPED])
+    assert content is None
+    assert calls == [ToolCall("book", '{"nights": "three", "budget": 12}'), ToolCall("now", "{}")]
+    # without the request's tools every value is a string
+    assert run("qwen3_coder", text, mode)[1][0].arguments == '{"nights": "three", "budget": "12"}'
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [
+    "<tool_call>\n<function=book>\nhello\n<parameter=city>\nRome\n</parameter>\n</function>\n"
+    "</tool_call>",  # text between parameters
+    "<tool_call>\n{\"name\": \"book\"}\n</tool_call>",  # hermes' JSON is not this format
+    "<tool_call>\n<function=book>\n<parameter=city>\nRome\n</parameter>\n</tool_call>"])
+def test_qwen3_coder_malformed_call_is_content(mode, bad):
+    good = qwen_call("now")
+    assert run("qwen3_coder", bad + "\n" + good, mode) == (bad, [ToolCall("now", "{}")])
+
+
+# ---- mistral ------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("text", [
+    # v3 tokenizers: one JSON array
+    'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"location": "Paris"}}, '
+    '{"name": "now", "arguments": {}}]',
+    # v11: NAME[ARGS]{...} per call; v13 adds [CALL_ID]
+    'Checking.[TOOL_CALLS]get_weather[ARGS]{"location": "Paris"}[TOOL_CALLS]now[ARGS]{}',
+    'Checking. [TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS] {"location": "Paris"}'
+    '[TOOL_CALLS]now[CALL_ID]f5g6h7i8j[ARGS]{}\n'])
+def test_mistral_calls_in_each_tokenizer_version(mode, text):
+    assert run("mistral", text, mode) == ("Checking.", [PARIS, ToolCall("now", "{}")])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"location": "Paris"}',  # cut
+    '[TOOL_CALLS][{"arguments": {}}]', "[TOOL_CALLS]get weather[ARGS]{}",
+    '[TOOL_CALLS]now[ARGS]["x"]', "[TOOL_CALLS]now {}"])
+def test_mistral_malformed_calls_are_content(mode, bad):
+    assert run("mistral", "Hi. " + bad, mode) == ("Hi. " + bad, [])
+
+
+def test_mistral_stream_sends_content_and_holds_a_partial_marker():
+    stream = ToolCallStream(make_parser("mistral"))
+    assert stream.add("It is [TOOL") == "It is"
+    assert stream.add("S] done") == " [TOOLS] done"  # not the marker after all
+    assert stream.finish() == (None, [])
+
+
+# ---- granite ------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("text,content", [
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"location": "Paris"}}]', None),
+    (' [{"name": "get_weather", "arguments": {"location": "Paris"}}]\n', None),  # bare
+    ('Sure.\n<|tool_call|>[{"name": "get_weather", "arguments": {"location": "Paris"}}]',
+     "Sure.")])
+def test_granite_calls(mode, text, content):
+    assert run("granite", text, mode) == (content, [PARIS])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("text", [
+    '[{"name": "get_weather", "arguments": {"location": "Paris"}}] and more', "[1] See notes.",
+    '<|tool_call|>[{"name": "get_weather", "arguments": "Paris"}]'])
+def test_granite_anything_else_is_content(mode, text):
+    assert run("granite", text, mode) == (text, [])
+
+
+# ---- pythonic -----------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_pythonic_calls_with_literal_arguments(mode):
+    text = ' [get_weather(location="Paris"), book(nights=3, late=True, rooms=["a", (1, 2)], ' \
+           "guest={'n': None}, budget=-1.5), now()]\n"
+    assert run("pythonic", text, mode) == (None, [PARIS, ToolCall(
+        "book", '{"nights": 3, "late": true, "rooms": ["a", [1, 2]], "guest": {"n": null}, '
+                '"budget": -1.5}'), ToolCall("now", "{}")])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("text", [
+    'get_weather(location="Paris")', '[get_weather("Paris")]', "[f(x=g())]", "[f(**kw)]",
+    "[f(x={1, 2})]", "[a.b(x=1)]", "[]", "[1, 2]", "[f(x=1)] then", "It is [f(x=1)]"])
+def test_pythonic_anything_else_is_content(mode, text):
+    assert run("pythonic", text, mode) == (text, [])
+
+
+# ---- what the server picks and does -------------------------------------------------------
+@pytest.mark.parametrize("template,architecture,parser", [
+    ("{{ '<tool_call>\\n<function=' }}", "Qwen3MoeForCausalLM", "qwen3_coder"),
+    ("{{ '<tool_call>' }}", "Qwen3ForCausalLM", "hermes"),
+    ("{{ '[TOOL_CALLS]' }}", "MistralForCausalLM", "mistral"),
+    ("{{ '<|tool_call|>' }}", "GraniteForCausalLM", "granite"),
+    ("{{ messages }}", "LlamaForCausalLM", "llama3_json")])
+def test_the_format_comes_from_the_chat_template(template, architecture, parser):
+    from deployments.structured import default_tool_parser
+    assert default_tool_parser(SimpleNamespace(chat_template=template), architecture) == parser
+
+
+@pytest.mark.parametrize("parser,calls", [
+    ("qwen3_coder", [qwen_call("get_weather", city="Rome", days="2", unit="C"),
+                     "<tool_call>\n<function=now>\n\n</function>\n</tool_call>"]),
+    ("mistral", ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", '
+                 '"days": 2, "unit": "C"}}]', '[TOOL_CALLS][{"name": "now", "arguments": {}}]']),
+    ("granite", ['<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome", '
+                 '"days": 2, "unit": "C"}}]', '<|tool_call|>[{"name": "now", "arguments": {}}]'])])
+def test_forced_calls_follow_each_format_and_parse_back(parser, calls):
+    """tool_choice "required" (one or more calls with parallel_tool_calls) and a named
+    function: the grammar takes the format's calls, and the parser reads them back."""
+    from deployments.structured import tool_grammar
+    from deployments.tool_parsers import CALL_SEPARATORS
+    from tests.test_structured_output import grammar_takes
+    tools = [Tool.model_validate(WEATHER), Tool.model_validate(
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}})]
+    takes = grammar_takes()
+    two = calls[0] + CALL_SEPARATORS[parser] + calls[1]
+    parallel = tool_grammar(tools, "required", parser)
+    named = tool_grammar(tools, NamedToolChoice.model_validate(
+        {"type": "function", "function": {"name": "now"}}), parser)
+    assert takes(parallel, calls[0]) and takes(parallel, two)
+    assert takes(named, calls[1]) and not takes(named, calls[0]) and not takes(named, two)
+    assert not takes(parallel, "hi " + calls[0])
+    bad = calls[0].replace('"days": 2', '"days": "2"').replace("2\n</param", "two\n</param")
+    assert bad != calls[0] and not takes(parallel, bad)
+    assert make_parser(parser, tools).parse(two) == (None, [
+        ToolCall("get_weather", '{"city": "Rome", "days": 2, "unit": "C"}'),
+        ToolCall("now", "{}")])
+
+
+def test_pythonic_refuses_forced_calls_with_a_400():
+    from deployments.structured import tool_grammar
+    with pytest.raises(APIError) as e:
+        tool_grammar([Tool.model_validate(WEATHER)], "required", "pythonic")
+    assert e.value.status == 400 and "pythonic" in e.value.message
+
+
+@pytest.mark.parametrize("parser,marker_shown", [("mistral", True), ("hermes", False)])
+def test_a_format_of_special_markers_keeps_special_tokens_in_its_text(parser, marker_shown):
+    from deployments.choice import new_choice
+    from engine_actors.checkpoint import load_tokenizer, resolve_model_path
+    from engine_actors.config import DEFAULT_MODEL
+    from engine_actors.messages import RequestUpdate
+    from engine_actors.request import SamplingParams
+    tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]})
+    frontend = SimpleNamespace(tokenizer=tokenizer, cfg=SimpleNamespace(reasoning_parser=None))
+    choice = new_choice(frontend, req, 0, None, [1],
+                        SimpleNamespace(sampling=SamplingParams(max_tokens=64)), True, None,
+                        parser)
+    body = '[{"name": "now", "arguments": {}}]'
+    choice.consume(RequestUpdate([marker] + tokenizer.encode(body, add_special_tokens=False),
+                                 "stop"))
+    if marker_shown:
+        assert choice.tool_calls == [ToolCall("now", "{}")] and choice.text == ""
+    else:  # the marker was skipped: the array is content
+        assert choice.tool_calls == [] and choice.text == body
+
+
+# ---- through HTTP, a server with tool_call_parser: mistral --------------------------------
+@pytest.fixture(scope="module")
+def url():
+    from tests.serve_fixture import app_config, start_app, stop_app
+    yield start_app(app_config(tool_call_parser="mistral"))
+    stop_app()
+
+
+def test_mistral_forced_calls_through_http(url):
+    """The grammar writes the marker and the array; the answer is the call alone."""
+    deltas = check_forced_calls(url, rounds=1)
+    assert not any(d.get("content") for d in deltas)  # the marker and array never leak
+    wait_idle(url)
