@@ -78,6 +78,11 @@ class OpenAIRoutes:
                           ) -> tuple[list[int], tuple[str, str] | None, str | None]:
         """A chat request's prompt token ids, the grammar its output must follow (its
         response_format, or a forced tool call), and the tool-call parser (with tools)."""
+        if req.uses_tools and not req.forces_tool_calls and \
+                not self.frontend.cfg.enable_auto_tool_choice:
+            raise APIError(400, '"auto" tool choice requires enable_auto_tool_choice, which '
+                                "this server has off: give tool_choice none, required or a "
+                                "function", "tool_choice", "invalid_value")
         tools = req.rendered_tools(self.frontend.cfg.exclude_tools_when_tool_choice_none)
         ids = await self.frontend.chat_ids(req.messages, tools,
                                            req.add_generation_prompt, req.add_special_tokens,

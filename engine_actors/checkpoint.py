@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine_actors.config import DEFAULT_MODEL, EngineConfig
-from engine_actors.generation_config import as_ids, read_generation_config
+from engine_actors.generation_config import as_ids, generation_defaults
 from engine_actors.lora_files import target_shapes
 from engine_actors.model_checks import check_model, moe_layers
 from engine_actors.plain_config import config_data
@@ -179,9 +179,11 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
-def load_hf_config(path: str):
+def load_hf_config(path: str, overrides: dict | None = None):
     """The checkpoint's transformers config (a multimodal one's text config, named as its
-    text model); ValueError for an architecture we do not serve."""
+    text model) with `overrides` set on it (hf_overrides; the config class's own rules
+    apply: rope_scaling becomes rope_parameters); ValueError for an architecture we do not
+    serve or an override the config refuses."""
     from transformers import AutoConfig
     try:
         cfg = AutoConfig.from_pretrained(path)
@@ -195,6 +197,11 @@ def load_hf_config(path: str):
         text.eos_token_id = sorted(as_ids(text.eos_token_id) | top_eos)
         text.quantization_config = getattr(cfg, "quantization_config", None)
         cfg = text
+    if overrides:
+        try:
+            cfg = type(cfg).from_dict({**cfg.to_dict(), **overrides})
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"hf_overrides: {e}") from None
     as_causal_lm(cfg)  # (a sequence classifier: pooling.py)
     if architecture(cfg) not in ARCHITECTURES.values():
         name = getattr(cfg, "sequence_classifier", None) or architecture(cfg)
@@ -271,14 +278,14 @@ class ModelInfo:
 
 def model_info(cfg: EngineConfig) -> ModelInfo:
     path = resolve_model_path(cfg.model)
-    hf = load_hf_config(path)
+    hf = load_hf_config(path, cfg.hf_overrides)
     limit = hf.max_position_embeddings
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
                          f"max_position_embeddings {limit}")
     check_model(hf, cfg, architecture(hf))
     labels = classifier_labels(hf, cfg.runner, cfg.classifier_from_token)
-    more_eos, defaults = read_generation_config(path)
+    more_eos, defaults = generation_defaults(cfg, path)
     eos = as_ids(hf.eos_token_id) | more_eos
     return ModelInfo(cfg.model_name, path, cfg.max_model_len or limit, tuple(sorted(eos)),
                      hf.vocab_size, architecture(hf), defaults, hf.num_hidden_layers,

@@ -19,7 +19,7 @@ DEFAULT_MODEL = "tiny-random-llama"
 
 HTTP_ONLY = {"api_key", "request_timeout_s", "served_model_name", "tool_call_parser",
              "reasoning_parser", "default_chat_template_kwargs",
-             "exclude_tools_when_tool_choice_none"}
+             "exclude_tools_when_tool_choice_none", "enable_auto_tool_choice"}
 
 
 Name = Annotated[str, Field(min_length=1)]
@@ -42,6 +42,18 @@ class EngineConfig:
     # scale per output channel; vLLM's). FP8 checkpoints (quantization_config "fp8" or
     # compressed-tensors) are served as such either way. engine_actors/quantization.py.
     quantization: Literal["fp8"] | None = None
+    # vLLM's hf_overrides: set on the checkpoint's transformers config before anything reads
+    # it (a multimodal checkpoint's: on its text config), e.g. {"rope_scaling": {"rope_type":
+    # "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    # "max_position_embeddings": 131072} for Qwen2.5's long context
+    hf_overrides: dict | None = None
+    # vLLM's generation_config: the sampling defaults of requests that give none, from
+    # "auto" (the checkpoint's generation_config.json), "vllm" (none: the API's defaults) or
+    # a folder holding a generation_config.json; override_generation_config's keys
+    # (temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+    # frequency_penalty, max_new_tokens) take precedence over them
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     seed: int = 0
 
     # Scheduling (ORCA Algorithm 1).
@@ -133,6 +145,10 @@ class EngineConfig:
     # the architecture: llama3_json for Llama, hermes for the rest; deployments/tool_parsers).
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "qwen3_coder", "mistral",
                               "granite", "pythonic"] = "auto"
+    # vLLM's --enable-auto-tool-choice: tool_choice "auto" (a request's tools without a
+    # tool_choice too) parses calls; off, such a request is a 400 as in vLLM. On by default
+    # here: the parser is always known (tool_call_parser "auto").
+    enable_auto_tool_choice: bool = True
     # tool_choice "none" still renders the tools (the model is told of them, calls are not
     # parsed), as vLLM does, unless this is set (vLLM's --exclude-tools-when-tool-choice-none)
     exclude_tools_when_tool_choice_none: bool = False

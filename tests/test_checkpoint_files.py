@@ -78,3 +78,84 @@ def test_a_sampling_default_out_of_range_fails_the_start(tmp_path, bad):
     (tmp_path / "generation_config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="generation_config.json: unusable sampling defaults"):
         model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+
+
+# ---- vLLM's hf_overrides, generation_config and override_generation_config ---------------
+def test_hf_overrides_set_the_config_as_transformers_reads_the_same_keys(tmp_path):
+    """Linear rope scaling set at start: the same greedy tokens as transformers given the
+    same override, others than without it; a longer max_position_embeddings is the limit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine_actors.request import SamplingParams
+    from tests.engine_harness import InProcessEngine
+    save_random_checkpoint(str(tmp_path))
+    rope = {"rope_type": "linear", "factor": 8.0}
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(40 + 9 * i)] for i in range(4)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def engine(**args):
+        run = InProcessEngine(model=str(tmp_path), **args).run(
+            {0: [(str(i), p, greedy) for i, p in enumerate(prompts)]})
+        return [run[str(i)] for i in range(len(prompts))]
+    scaled = engine(hf_overrides={"rope_scaling": rope, "max_position_embeddings": 8192})
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), rope_scaling=rope,
+                                              dtype=torch.float32).eval()
+    for p, got in zip(prompts, scaled):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=12, min_new_tokens=12, eos_token_id=None,
+                              pad_token_id=0)
+        assert got == out[0, len(p):].tolist()
+    assert scaled != engine()
+    info = model_info(EngineConfig.from_args({"model": str(tmp_path),
+                                              "hf_overrides": {"max_position_embeddings": 8192}}))
+    assert info.max_model_len == 8192 and info.config["max_position_embeddings"] == 8192
+    assert model_info(EngineConfig.from_args({"model": str(tmp_path)})).max_model_len == 4096
+
+
+def test_generation_config_vllm_a_folder_and_overrides(tmp_path):
+    model, other = tmp_path / "model", tmp_path / "other"
+    save_random_checkpoint(str(model))
+    other.mkdir()
+    (model / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [9], "temperature": 0.6, "top_p": 0.9}))
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 20}))
+
+    def info(**args):
+        return model_info(EngineConfig.from_args({"model": str(model), **args}))
+    assert info().sampling_defaults == {"temperature": 0.6, "top_p": 0.9}
+    plain = info(generation_config="vllm")
+    assert plain.sampling_defaults == {} and 9 in plain.eos_token_ids  # (eos ids stay)
+    assert info(generation_config=str(other)).sampling_defaults == {"top_k": 20}
+    assert info(override_generation_config={"temperature": 0.2, "max_new_tokens": 5}) \
+        .sampling_defaults == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 5}
+    with pytest.raises(ValueError, match=r"unknown keys \['seed'\]"):
+        info(override_generation_config={"seed": 1})
+    with pytest.raises(ValueError, match="override_generation_config: unusable"):
+        info(override_generation_config={"top_p": 2.0})
+    with pytest.raises(ValueError, match="not \"auto\", \"vllm\" or a folder"):
+        info(generation_config=str(tmp_path / "missing"))
+
+
+def test_auto_tool_choice_off_refuses_auto_and_takes_forced_calls():
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployments.chat_protocol import ChatCompletionRequest
+    from deployments.openai_api import OpenAIRoutes
+    from deployments.protocol import APIError
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    api = SimpleNamespace(frontend=SimpleNamespace(cfg=SimpleNamespace(
+        enable_auto_tool_choice=False, exclude_tools_when_tool_choice_none=False)))
+    for choice in ({}, {"tool_choice": "auto"}):
+        req = ChatCompletionRequest.model_validate(
+            {"messages": MESSAGES, "tools": [tool], **choice})
+        with pytest.raises(APIError) as e:
+            asyncio.run(OpenAIRoutes.chat_prompt(api, req, None))
+        assert e.value.status == 400 and "enable_auto_tool_choice" in e.value.message
+    forced = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": [tool], "tool_choice": "required"})
+    with pytest.raises(AttributeError, match="chat_ids"):  # past the check, to the template
+        asyncio.run(OpenAIRoutes.chat_prompt(api, forced, None))
