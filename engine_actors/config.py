@@ -106,6 +106,9 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_cpus_per_worker: NonNegativeFloat = 1.0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    # Ray Serve LLM's: GPU workers only on nodes of this accelerator (Ray's
+    # "accelerator_type:<type>" node resource, e.g. "H100", "A10G", "L4")
+    accelerator_type: str | None = None
     # True: every tensor-parallel all-reduce goes through NCCL; False: small ones (decode
     # steps) through peer memory, one kernel (kernels/all_reduce.py), as vLLM's custom one
     disable_custom_all_reduce: bool = False

@@ -59,16 +59,28 @@ class PhaseClock:
         self._last = now
 
 
+def worker_bundle(cfg: EngineConfig, device: str) -> dict:
+    """One worker's resources: a GPU (of `accelerator_type`, as Ray Serve LLM asks for it:
+    a sliver of the node's "accelerator_type:<type>" resource) or CPUs."""
+    bundle = {"CPU": cfg.num_cpus_per_worker}
+    if device == "cuda":
+        bundle["GPU"] = 1
+        if cfg.accelerator_type:
+            bundle[f"accelerator_type:{cfg.accelerator_type}"] = 0.001
+    elif cfg.accelerator_type:
+        raise ValueError(f"accelerator_type {cfg.accelerator_type} needs GPU workers; this "
+                         "engine's device is cpu")
+    elif cfg.num_cpus_per_worker <= 0:
+        raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
+    return bundle
+
+
 class Executor:
     def __init__(self, cfg: EngineConfig, device: str, name: str = ""):
         """Place the workers and start their processes (start() then sets them up)."""
         self.cfg = cfg
         self.device = device
-        bundle = {"CPU": cfg.num_cpus_per_worker}
-        if device == "cuda":
-            bundle["GPU"] = 1
-        elif cfg.num_cpus_per_worker <= 0:
-            raise ValueError("num_cpus_per_worker must be > 0 when device is cpu")
+        bundle = worker_bundle(cfg, device)
         self._step_ids = itertools.count()
         self.name = name
         self._placed = False
