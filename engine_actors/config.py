@@ -183,8 +183,14 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: dict | None) -> EngineConfig:
+        args = dict(args or {})
+        for vllm_name, ours in VLLM_NAMES.items():  # vLLM's name of one of our args
+            if vllm_name in args:
+                if ours in args:
+                    raise ConfigError(f"{vllm_name} and {ours} are the same arg: give one")
+                args[ours] = args.pop(vllm_name)
         try:
-            return _ADAPTER.validate_python(dict(args or {}), strict=False)
+            return _ADAPTER.validate_python(args, strict=False)
         except pydantic.ValidationError as e:
             unknown = sorted(str(err["loc"][0]) for err in e.errors()
                              if err["type"] == "unexpected_keyword_argument")
@@ -240,3 +246,6 @@ class EngineConfig:
 
 
 _ADAPTER = pydantic.TypeAdapter(EngineConfig)
+# vLLM's engine args whose meaning ours have under another name (Ray Serve LLM's
+# engine_kwargs carry them): max_num_seqs is the most requests one iteration runs
+VLLM_NAMES = {"max_num_seqs": "max_batch_size"}

@@ -82,3 +82,9 @@ def test_a_server_from_llm_configs_serves_its_model_id(url):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     deployments = serve.status().applications["orca"].deployments
     assert deployments["OpenAIIngress"].replica_states.get("RUNNING") == 2
+
+
+def test_vllm_max_num_seqs_is_our_max_batch_size():
+    assert EngineConfig.from_args({"max_num_seqs": 48}).max_batch_size == 48
+    with pytest.raises(ConfigError, match="max_num_seqs and max_batch_size are the same"):
+        EngineConfig.from_args({"max_num_seqs": 48, "max_batch_size": 16})
