@@ -5,7 +5,11 @@ Request: `input` (a string, a list of strings, token ids, or a list of token-id 
 `model`, `encoding_format` (`float`, or `base64`: the little-endian float32 bytes, which
 the `openai` client asks for by default), `dimensions` (the first n values, normalized
 again, as OpenAI's text-embedding-3 shortens them), `user`; and vLLM's
-`add_special_tokens` (default true), `truncate_prompt_tokens` and `priority`. Answer:
+`add_special_tokens` (default true), `truncate_prompt_tokens` and `priority`. vLLM's chat
+form instead of `input`: `messages`, rendered by the chat template as one input (with
+`chat_template_kwargs`, `add_generation_prompt` and `continue_final_message`, default false,
+and `add_special_tokens` default false: the template writes them), as on every route that
+takes `input` (/classify, /pooling). Answer:
 {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
 "usage": {"prompt_tokens", "total_tokens"}}.
 """
@@ -21,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from deployments.chat_protocol import ChatMessage, check_template_kwargs
 from deployments.completion_protocol import Prompt
 from deployments.engine_client import EngineUnavailable, RequestRefused
 from deployments.frontend import Frontend, refusal_error, unavailable
@@ -47,10 +52,28 @@ class PoolingRequest(_Base):
 
 
 class InputsRequest(PoolingRequest):
-    """A request of pooling routes that take `input` (embeddings, classify_api.py's)."""
-    input: Prompt
+    """A request of pooling routes that take `input` or `messages` (embeddings,
+    classify_api.py's, pooling_api.py's)."""
+    input: Prompt | None = None
+    messages: list[ChatMessage] | None = None
     user: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # (default: true for input, false for messages)
+    chat_template: str | None = None  # with the server's trust_request_chat_template only
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if (self.input is None) == (self.messages is None):
+            if self.input is None:
+                raise APIError(400, "input (or messages) is required", "input",
+                               "missing_required_parameter")
+            raise APIError(400, "give input or messages, not both", "messages",
+                           "invalid_value")
+        if self.messages is not None and not self.messages:
+            raise APIError(400, "messages must not be empty", "messages", "invalid_value")
+        check_template_kwargs(self.chat_template_kwargs)
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
@@ -117,10 +140,17 @@ async def pool_inputs(frontend: Frontend, req: InputsRequest, info: ModelInfo, k
                       ) -> tuple[list[list[int]], list[bytes]]:
     """Each input's token ids (tokenized, truncated, checked) and its pooled output (float32
     bytes); `kind` starts the engine requests' ids."""
-    prompts = req.prompts()
-    frontend.refuse_over_queue(len(prompts), f"{len(prompts)} inputs", "input")
-    params = ["input"] if len(prompts) == 1 else [f"input.{i}" for i in range(len(prompts))]
-    ids = await frontend.prompt_ids(prompts, info, params, req.add_special_tokens)
+    if req.messages is not None:  # one input: the chat template's rendering
+        params = ["messages"]
+        ids = [await frontend.chat_ids(
+            req.messages, None, req.add_generation_prompt, bool(req.add_special_tokens),
+            req.chat_template_kwargs, req.continue_final_message,
+            template=frontend.request_template(req.chat_template))]
+    else:
+        prompts = req.prompts()
+        frontend.refuse_over_queue(len(prompts), f"{len(prompts)} inputs", "input")
+        params = ["input"] if len(prompts) == 1 else [f"input.{i}" for i in range(len(prompts))]
+        ids = await frontend.prompt_ids(prompts, info, params, req.add_special_tokens is not False)
     limit = info.max_model_len
     n = req.truncate_prompt_tokens
     if n == limit:  # (keep limit - 1: room for the one step)

@@ -183,7 +183,7 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: dict | None) -> EngineConfig:
-        args = dict(args or {})
+        args = _reranker_overrides(dict(args or {}))
         for vllm_name, ours in VLLM_NAMES.items():  # vLLM's name of one of our args
             if vllm_name in args:
                 if ours in args:
@@ -246,6 +246,25 @@ class EngineConfig:
 
 
 _ADAPTER = pydantic.TypeAdapter(EngineConfig)
+def _reranker_overrides(args: dict) -> dict:
+    """vLLM's recipe for a causal LM served as a reranker (Qwen3-Reranker) puts
+    classifier_from_token in hf_overrides, with the sequence-classification architecture
+    and is_original_qwen3_reranker: here it is our classifier_from_token arg, which implies
+    the other two."""
+    overrides = dict(args.get("hf_overrides") or {})
+    if "classifier_from_token" not in overrides:
+        return args
+    if "classifier_from_token" in args:
+        raise ConfigError("classifier_from_token is given twice (as an arg and in "
+                          "hf_overrides): give one")
+    args["classifier_from_token"] = overrides.pop("classifier_from_token")
+    overrides.pop("is_original_qwen3_reranker", None)
+    if all(a.endswith("ForSequenceClassification") for a in overrides.get("architectures", [])):
+        overrides.pop("architectures", None)
+    args["hf_overrides"] = overrides or None
+    return args
+
+
 # vLLM's engine args whose meaning ours have under another name (Ray Serve LLM's
 # engine_kwargs carry them): max_num_seqs is the most requests one iteration runs
 VLLM_NAMES = {"max_num_seqs": "max_batch_size"}

@@ -181,11 +181,38 @@ def test_pooling_gives_each_inputs_embedding(url):
     torch.testing.assert_close(torch.tensor(vector), refs[0], rtol=1e-5, atol=1e-5)
 
 
+def test_messages_are_embedded_as_the_chat_template_renders_them(url):
+    """vLLM's chat form of /v1/embeddings and /pooling: the template's token ids, without
+    a generation prompt unless asked, embedded as transformers embeds those ids."""
+    tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    messages = [{"role": "system", "content": "Embed this."},
+                {"role": "user", "content": "The quick brown fox"}]
+    ids = [tokenizer.apply_chat_template(messages, add_generation_prompt=g, tokenize=True,
+                                         return_dict=False) for g in (False, True)]
+    assert ids[0] != ids[1]
+    refs = [F.normalize(h, dim=-1) for h in hf_last_hidden(resolve_model_path(DEFAULT_MODEL),
+                                                           ids)]
+    for path, key, extra, ref, n in [
+            ("/v1/embeddings", "embedding", {}, refs[0], len(ids[0])),
+            ("/pooling", "data", {"add_generation_prompt": True}, refs[1], len(ids[1]))]:
+        r = httpx.post(f"{url}{path}", timeout=60, json={
+            "messages": messages, "encoding_format": "float", **extra})
+        body = r.json()
+        assert r.status_code == 200, body
+        assert len(body["data"]) == 1 and body["usage"]["prompt_tokens"] == n
+        torch.testing.assert_close(torch.tensor(body["data"][0][key]), ref, rtol=1e-5,
+                                   atol=1e-5)
+
+
 @pytest.mark.parametrize("path,body,status,code", [
     ("/v1/embeddings", {"input": ""}, 400, "invalid_value"),
     ("/pooling", {"input": []}, 400, "invalid_value"),
-    ("/pooling", {"messages": [{"role": "user", "content": "x"}]}, 400,
-     "missing_required_parameter"),
+    ("/pooling", {"encoding_format": "float"}, 400, "missing_required_parameter"),
+    ("/v1/embeddings", {"input": "x", "messages": [{"role": "user", "content": "x"}]}, 400,
+     "invalid_value"),
+    ("/v1/embeddings", {"messages": []}, 400, "invalid_value"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "x"}],
+                        "chat_template_kwargs": {"tokenize": True}}, 400, "invalid_value"),
     ("/v1/embeddings", {"input": []}, 400, "invalid_value"),
     ("/v1/embeddings", {"input": [[1, 2], [99999]]}, 400, "invalid_value"),
     ("/v1/embeddings", {"input": "x" * 5000}, 400, "context_length_exceeded"),

@@ -88,3 +88,19 @@ def test_vllm_max_num_seqs_is_our_max_batch_size():
     assert EngineConfig.from_args({"max_num_seqs": 48}).max_batch_size == 48
     with pytest.raises(ConfigError, match="max_num_seqs and max_batch_size are the same"):
         EngineConfig.from_args({"max_num_seqs": 48, "max_batch_size": 16})
+
+
+def test_vllm_reranker_recipe_in_hf_overrides_is_our_classifier_from_token():
+    """vLLM's Qwen3-Reranker recipe: hf_overrides with the classification architecture,
+    classifier_from_token and is_original_qwen3_reranker."""
+    cfg = EngineConfig.from_args({"runner": "pooling", "hf_overrides": {
+        "architectures": ["Qwen3ForSequenceClassification"], "is_original_qwen3_reranker": True,
+        "classifier_from_token": ["no", "yes"]}})
+    assert cfg.classifier_from_token == ["no", "yes"] and cfg.hf_overrides is None
+    kept = EngineConfig.from_args({"runner": "pooling", "hf_overrides": {
+        "classifier_from_token": ["yes"], "max_position_embeddings": 8192}})
+    assert kept.classifier_from_token == ["yes"]
+    assert kept.hf_overrides == {"max_position_embeddings": 8192}
+    with pytest.raises(ConfigError, match="classifier_from_token is given twice"):
+        EngineConfig.from_args({"runner": "pooling", "classifier_from_token": ["yes"],
+                                "hf_overrides": {"classifier_from_token": ["yes"]}})
