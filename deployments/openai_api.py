@@ -158,6 +158,10 @@ class OpenAIRoutes:
                                            req.deadline_ms, self.frontend.adapter(req),
                                            cache_salt=req.cache_salt or "")
                 subs.append((engine_req, p_idx * req.n + j, text, ids))
+        # before submitting: nothing between the submission and the caller's close may fail
+        choices = {r.request_id: new_choice(
+            self.frontend, req, index, text, ids, r, chat, RequestTimer(self.metrics, arrival),
+            tool_parser, info.eos_token_ids) for r, index, text, ids in subs}
         self.frontend.refuse_if_draining()
         try:
             if beams:  # the engine runs the searches' steps, not the choices
@@ -175,9 +179,6 @@ class OpenAIRoutes:
         except EngineUnavailable as e:
             self.metrics.failure("engine_unavailable")
             raise unavailable(str(e)) from None
-        choices = {r.request_id: new_choice(
-            self.frontend, req, index, text, ids, r, chat, RequestTimer(self.metrics, arrival),
-            tool_parser, info.eos_token_ids) for r, index, text, ids in subs}
         limits = [t for t in (req.timeout_s, self.frontend.cfg.request_timeout_s) if t is not None]
         timeout = min(limits) if limits else None  # a request may only shorten the limit
         return group, choices, timeout

@@ -3,6 +3,7 @@ parser interface (deployments/tool_parsers.py, deployments/tool_formats.py)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,7 +31,31 @@ def make_call(obj, argument_keys: tuple[str, ...]) -> ToolCall | None:
     arguments = next((obj[k] for k in argument_keys if k in obj), {})
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    return call_of(obj["name"], arguments)
+
+
+def call_of(name: str, arguments: dict) -> ToolCall | None:
+    """The call, its arguments as JSON; None when JSON cannot hold them (NaN, infinity)."""
+    try:
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    except (ValueError, TypeError, RecursionError):
+        return None
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+# strict JSON: NaN, Infinity and numbers past float's range are not values (json's default
+# takes them, and a call's arguments must be JSON); a too long integer raises ValueError too
+DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
 
 
 def content_or_none(text: str) -> str | None:

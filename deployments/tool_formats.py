@@ -19,27 +19,26 @@ keeps special tokens (needs_special_tokens). A malformed call is content, never 
 from __future__ import annotations
 
 import ast
-import json
+import math
 import re
 
-from deployments.tool_calls import (LEADING_SPACE, ToolCall, content_or_none, make_call,
-                                    marker_start, whole_output_start)
+from deployments.tool_calls import (DECODER, LEADING_SPACE, ToolCall, call_of,
+                                    content_or_none, make_call, marker_start,
+                                    whole_output_start)
 
 FUNCTION = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.S)
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 MISTRAL_MARKER, GRANITE_MARKER = "[TOOL_CALLS]", "<|tool_call|>"
 ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"
 NAME = re.compile(r"[A-Za-z0-9_.:-]+")
-DECODER = json.JSONDecoder()
 
 
 class Qwen3CoderCalls:
     """Reads the body of one qwen3_coder `<tool_call>` with the request's tools' types."""
 
     def __init__(self, tools=None):
-        self.types = {t.function.name: {k: (v or {}).get("type") for k, v in
-                                        ((t.function.parameters or {}).get("properties")
-                                         or {}).items()} for t in tools or ()}
+        self.types = {t.function.name: _declared_types(t.function.parameters)
+                      for t in tools or ()}
 
     def read(self, body: str) -> ToolCall | None:
         m = FUNCTION.fullmatch(body.strip())
@@ -55,7 +54,16 @@ class Qwen3CoderCalls:
             pos = p.end()
         if inner[pos:].strip():
             return None
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+        return call_of(name, arguments)
+
+
+def _declared_types(parameters) -> dict:
+    """Parameter name -> the "type" its schema declares (None where it declares none, or
+    the schema is not an object: JSON Schema allows true, false)."""
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(properties, dict):
+        return {}
+    return {k: v.get("type") if isinstance(v, dict) else None for k, v in properties.items()}
 
 
 def _one_newline_off(value: str) -> str:
@@ -79,10 +87,12 @@ def typed_value(raw: str, declared):
             return int(text)
         if declared == "number":
             number = float(text)
+            if not math.isfinite(number):  # nan, inf, 1e999: not JSON
+                return raw
             return int(text) if re.fullmatch(r"-?\d+", text) else number
         if declared == "boolean":
             return {"true": True, "false": False}[text.lower()]
-        return json.loads(text)  # object, array
+        return DECODER.decode(text)  # object, array
     except (ValueError, KeyError, RecursionError):
         return raw
 
@@ -121,7 +131,7 @@ def read_array(piece: str) -> tuple[list[ToolCall], str] | None:
     pos = LEADING_SPACE.match(piece).end()
     try:
         items, end = DECODER.raw_decode(piece, pos)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # (ValueError: JSON's, and integers past 4300 digits)
         return None
     if not isinstance(items, list) or not items:
         return None
@@ -139,11 +149,10 @@ class MistralParser(MarkerParser):
             return None
         try:
             arguments, end = DECODER.raw_decode(rest, LEADING_SPACE.match(rest).end())
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             return None
-        if not isinstance(arguments, dict):
-            return None
-        return [ToolCall(name, json.dumps(arguments, ensure_ascii=False))], rest[end:]
+        call = call_of(name, arguments) if isinstance(arguments, dict) else None
+        return ([call], rest[end:]) if call is not None else None
 
 
 class GraniteParser(MarkerParser):
@@ -167,7 +176,8 @@ class PythonicParser:
         pass
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        calls = python_calls(text.strip())
+        body = text.strip()  # a list written as such: "[" first, as streaming decides
+        calls = python_calls(body) if body.startswith("[") else None
         return (None, calls) if calls else (content_or_none(text), [])
 
     def could_start_call(self, text: str) -> int:
@@ -185,12 +195,16 @@ def python_calls(text: str) -> list[ToolCall] | None:
         return None
     calls = []
     for node in tree.elts:
+        names = [kw.arg for kw in node.keywords] if isinstance(node, ast.Call) else [None]
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
-                or any(kw.arg is None for kw in node.keywords):
+                or None in names or len(set(names)) < len(names):  # (f(a=1, a=2))
             return None
         try:
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+            call = call_of(node.func.id, {kw.arg: ast.literal_eval(kw.value)
+                                          for kw in node.keywords})
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
+        if call is None:  # a value JSON cannot hold: a set, bytes, inf
+            return None
+        calls.append(call)
     return calls

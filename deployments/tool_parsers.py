@@ -13,10 +13,9 @@ A malformed call is never an error: its raw text is returned as content instead.
 """
 from __future__ import annotations
 
-import json
-
-from deployments.tool_calls import (LEADING_SPACE, ToolCall, ToolParser, content_or_none,
-                                    make_call, marker_start, whole_output_start)
+from deployments.tool_calls import (DECODER, LEADING_SPACE, ToolCall, ToolParser,
+                                    content_or_none, make_call, marker_start,
+                                    whole_output_start)
 from deployments.tool_formats import GraniteParser, MistralParser, PythonicParser, \
     Qwen3CoderCalls
 
@@ -55,9 +54,9 @@ class HermesParser:
 
     def read_call(self, body: str) -> ToolCall | None:
         """The call between the markers, or None if it is not one."""
-        try:  # (nested past Python's recursion limit: not a call either)
-            return make_call(json.loads(body), ("arguments",))
-        except (json.JSONDecodeError, RecursionError):
+        try:  # (nested past Python's recursion limit, or not JSON: not a call either)
+            return make_call(DECODER.decode(body.strip()), ("arguments",))
+        except (ValueError, RecursionError):
             return None
 
     def could_start_call(self, text: str) -> int:
@@ -78,7 +77,6 @@ class Llama3JsonParser:
 
     def _parse_calls(self, text: str) -> list[ToolCall] | None:
         """The calls, if the whole text is call objects separated by ";", else None."""
-        decoder = json.JSONDecoder()
         calls: list[ToolCall] = []
         pos = LEADING_SPACE.match(text).end()
         if not text.startswith("{", pos):
@@ -86,9 +84,9 @@ class Llama3JsonParser:
         while pos < len(text):
             # raw_decode rather than split(";"): a ";" may be inside a JSON string.
             try:
-                obj, pos = decoder.raw_decode(text, pos)
+                obj, pos = DECODER.raw_decode(text, pos)
                 call = make_call(obj, ("parameters", "arguments"))
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):
                 return None
             if call is None:
                 return None

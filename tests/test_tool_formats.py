@@ -227,3 +227,43 @@ def test_mistral_forced_calls_through_http(url):
     deltas = check_forced_calls(url, rounds=1)
     assert not any(d.get("content") for d in deltas)  # the marker and array never leak
     wait_idle(url)
+
+
+# ---- what a review found: never an exception, never JSON that is not JSON -------------
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"x": True}}, {"type": "object", "properties": {"x": "s"}},
+    {"type": "object", "properties": ["x"]}, {"type": "object"}])
+def test_qwen3_coder_takes_schemas_that_are_not_objects(parameters):
+    tool = Tool.model_validate({"type": "function",
+                                "function": {"name": "f", "parameters": parameters}})
+    assert make_parser("qwen3_coder", [tool]).parse(qwen_call("f", x="1")) == \
+        (None, [ToolCall("f", '{"x": "1"}')])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("parser,text", [
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": ' + "1" * 4301 + "}}]"),
+    ("mistral", "[TOOL_CALLS]f[ARGS]{\"a\": " + "1" * 4301 + "}"),
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": ' + "1" * 4301 + "}}]"),
+    ("granite", '[{"name": "f", "arguments": {"a": ' + "1" * 4301 + "}}]"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + "1" * 4301 + "}}</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": ' + "1" * 4301 + "}}"),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": NaN}}]'),
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": 1e999}}]'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": Infinity}}</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"a": -Infinity}}'),
+    ("pythonic", "[f(a=1e999)]"), ("pythonic", "[f(a=1, a=2)]"),
+    ("pythonic", '([g(b="x]")])'), ("pythonic", "# c\n[f(a=1)]")])
+def test_what_json_cannot_hold_or_python_cannot_read_is_content(mode, parser, text):
+    """Integers past Python's 4300 digits, NaN and infinities; a repeated keyword; and a
+    pythonic list that does not start with "[" (streaming would have sent it already)."""
+    assert run(parser, text, mode) == (text, [])
+
+
+def test_qwen3_coder_numbers_json_cannot_hold_stay_strings():
+    tool = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "number"}, "o": {"type": "object"}}}}})
+    parser = make_parser("qwen3_coder", [tool])
+    for raw in ("nan", "inf", "1e999"):
+        assert json.loads(parser.parse(qwen_call("f", n=raw, o='{"v": NaN}'))[1][0].arguments) \
+            == {"n": raw, "o": '{"v": NaN}'}
