@@ -15,6 +15,7 @@ import torch
 from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
 from kernels.attention import tile_shape, work_list
+from kernels.split_kv import decode_splits
 from kernels.lora import max_tiles
 
 BATCH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
@@ -138,6 +139,7 @@ class MixedGraphs:
         attn = next(iter(model.layers.values())).self_attn
         # query tokens per attention tile at prefill (the kernel's BLOCK_M)
         self.block_m = tile_shape(attn.num_heads, attn.num_kv_heads, attn.head_dim, 2)[0]
+        self.num_kv_heads = attn.num_kv_heads
         t, r, dev = max(self.token_sizes, default=0), max(self.request_sizes), \
             pad_block_table_row.device
         hidden = model.config.hidden_size
@@ -213,6 +215,9 @@ class MixedGraphs:
 
     def _run(self, t: int, r: int, args):
         meta = args[3]
-        # at most one partial tile per request beyond the full ones
-        meta.work = work_list(meta.cu_seqlens_q, self.block_m, -(-t // self.block_m) + r)
+        # decode rows beside the prompts split their keys as a decode step of r rows would;
+        # at most one partial tile (or `splits` chunks) per request beyond the full tiles
+        meta.splits = decode_splits(r, self.num_kv_heads, meta.cu_seqlens_q.device)
+        meta.work = work_list(meta.cu_seqlens_q, self.block_m,
+                              -(-t // self.block_m) + r * meta.splits, meta.splits)
         return self.model(*args, head=False)

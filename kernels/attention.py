@@ -31,23 +31,25 @@ A decode step of too few (request, KV head) programs to fill the GPU splits each
 keys into `splits` chunks (flash decoding): program (i, s, h) takes chunk s, keeps
 its unnormalised output with its running max and sum, and a second kernel merges the chunks.
 The chunks follow each request's length on the device, so a CUDA graph's fixed grid serves
-any context.
+any context. A work list made with `splits` gives each decode row (one query token) of a
+step with prompts that many items, one per chunk, and its prompt rows their tiles.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.split_kv import decode_splits, merge_splits_kernel
+
 
 def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                         block_size: int, scale: float, max_query_len: int = 0,
                         work: torch.Tensor | None = None, window: int = 0,
-                        softcap: float = 0.0, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
-    """Per-request attention in plain torch (ORCA's split -> attention -> merge)."""
+                        softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
+                        splits: int | None = None) -> torch.Tensor:
+    """Per-request attention in plain torch (ORCA's split -> attention -> merge); `work`
+    and `splits` are the kernel's launch choices, and do not change the result."""
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -75,7 +77,7 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        block_tables_ptr, work_ptr, part_ptr, scale_log2e, cap_log2e, v_scale,
+        block_tables_ptr, work_ptr, part_ptr, part_count, scale_log2e, cap_log2e, v_scale,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
@@ -86,15 +88,16 @@ def _paged_attention_kernel(
         tile = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
         if req < 0:
             return
-    elif SPLITS > 1:  # decode: program (i, s, h) takes chunk s of request i's keys
-        req = tl.program_id(0)
-        tile = 0
     else:
         req = tl.program_id(0)
         tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + req)
     q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    split = 0
+    if SPLITS > 1:  # a decode row's "tile" is its chunk of keys (a prompt row's, its tile)
+        split = tl.where(q_len == 1, tile, 0)
+        tile = tl.where(q_len == 1, 0, tile)
     if tile * BLOCK_M >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
@@ -121,8 +124,9 @@ def _paged_attention_kernel(
     if WINDOW > 0:
         kv_begin = tl.maximum(first_pos + tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
     if SPLITS > 1:  # whole loop iterations per chunk; the last chunks may be empty
-        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, SPLITS), BLOCK_N) * BLOCK_N
-        kv_begin += tl.program_id(1) * chunk
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, tl.where(q_len == 1, SPLITS, 1)),
+                        BLOCK_N) * BLOCK_N
+        kv_begin += split * chunk
         kv_end = tl.minimum(kv_end, kv_begin + chunk)
     for start in range(kv_begin, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -148,55 +152,20 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
         m_i = m_new
-    if SPLITS > 1:  # [request, q head, split] of the partial sums: m, l, then acc
-        at = (req * tl.num_programs(2) * GROUP + head) * SPLITS + tl.program_id(1)
-        count = tl.num_programs(0) * tl.num_programs(2) * GROUP * SPLITS
-        tl.store(part_ptr + at, m_i, mask=row_ok)
-        tl.store(part_ptr + count + at, l_i, mask=row_ok)
-        tl.store(part_ptr + 2 * count + at[:, None] * DIM_P2 + dims[None, :], acc,
-                 mask=row_ok[:, None])
-        return
-    out = acc * (v_scale / l_i)[:, None]
+    out_ok = row_ok
+    if SPLITS > 1:  # a decode row's partial sums at [request, q head, chunk]: m, l, acc
+        at = (req * tl.num_programs(2) * GROUP + head) * SPLITS + split
+        # (a block compared, not a scalar: the interpreter's block & scalar is no mask)
+        part_ok = row_ok & (rows < tl.where(q_len == 1, ROWS, 0))
+        tl.store(part_ptr + at, m_i, mask=part_ok)
+        tl.store(part_ptr + part_count + at, l_i, mask=part_ok)
+        tl.store(part_ptr + 2 * part_count + at[:, None] * DIM_P2 + dims[None, :], acc,
+                 mask=part_ok[:, None])
+        out_ok = row_ok & (rows >= tl.where(q_len == 1, ROWS, 0))
+    out = acc * (v_scale / l_i)[:, None]  # (an empty chunk's 0 / 0 is never stored)
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
              + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
-
-
-@triton.jit
-def _merge_splits_kernel(part_ptr, out_ptr, cu_seqlens_q_ptr, v_scale, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, SPLITS: tl.constexpr):
-    """Program (i, h): request i's output for query head h from its chunks' partial sums."""
-    req, head = tl.program_id(0), tl.program_id(1)
-    q_start = tl.load(cu_seqlens_q_ptr + req)
-    if tl.load(cu_seqlens_q_ptr + req + 1) == q_start:
-        return  # a padding request
-    at = (req * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
-    count = tl.num_programs(0) * tl.num_programs(1) * SPLITS
-    m = tl.load(part_ptr + at)  # log2 domain; -inf for an empty chunk
-    weight = tl.exp2(m - tl.max(m, 0))
-    total = tl.sum(weight * tl.load(part_ptr + count + at), 0)
-    dims = tl.arange(0, DIM_P2)
-    acc = tl.load(part_ptr + 2 * count + at[:, None] * DIM_P2 + dims[None, :])
-    out = tl.sum(weight[:, None] * acc, 0) * (v_scale / total)
-    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
-
-
-def decode_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Chunks per request's keys in a decode step: the most, a power of two up to
-    MAX_SPLITS, that keep the (request, KV head, chunk) programs within PROGRAMS_PER_SM per
-    SM. On an H200 with llama-8b's heads the fastest split had ~4 per SM at every batch from
-    1 to 64 (BENCHMARKS.md, 2026-11-29: 17.8x faster attention at one request of 32k)."""
-    room = PROGRAMS_PER_SM * _num_sms(device) // max(num_reqs * num_kv_heads, 1)
-    return min(MAX_SPLITS, 1 << max(room.bit_length() - 1, 0))
-
-
-MAX_SPLITS, PROGRAMS_PER_SM = 32, 4
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+             mask=out_ok[:, None] & dim_ok[None, :])
 
 
 def tile_shape(num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -210,12 +179,16 @@ def tile_shape(num_q_heads: int, num_kv_heads: int, head_dim: int,
     return block_m, triton.next_power_of_2(block_m * group), dim_p2
 
 
-def work_list(cu_seqlens_q: torch.Tensor, block_m: int, num_work: int) -> torch.Tensor:
+def work_list(cu_seqlens_q: torch.Tensor, block_m: int, num_work: int,
+              splits: int = 1) -> torch.Tensor:
     """[num_work, 2] int32: (request, query tile) of each program, request by request, then
-    (-1, 0). Device ops only (no host sync), so it runs inside a CUDA graph. A step of T
-    tokens in B requests has at most cdiv(T, block_m) + B tiles."""
+    (-1, 0); with `splits`, a decode row's items are (request, chunk) for each of its
+    chunks. Device ops only (no host sync), so it runs inside a CUDA graph. A step of T
+    tokens in B requests has at most cdiv(T, block_m) + B * splits items."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     tiles = (q_lens + block_m - 1) // block_m
+    if splits > 1:
+        tiles = torch.where(q_lens == 1, splits, tiles)
     ends = torch.cumsum(tiles, 0)
     item = torch.arange(num_work, device=cu_seqlens_q.device)
     req = torch.searchsorted(ends, item, right=True)  # the first request ending past item
@@ -248,8 +221,8 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
                            softcap: float = 0.0, k_scale: float = 1.0,
                            v_scale: float = 1.0, splits: int | None = None) -> torch.Tensor:
     """work: a work list made by work_list with the block_m of tile_shape(..., max_query_len).
-    splits: chunks per request's keys in a decode-only step (a power of two; None: as
-    decode_splits chooses; prompts and work lists never split)."""
+    splits: chunks per decode row's keys (a power of two): a work list's own (None: 1); in a
+    decode-only step without one, None lets decode_splits choose; other steps never split."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -259,7 +232,9 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     block_m, rows, dim_p2 = tile_shape(num_q_heads, num_kv_heads, head_dim, max_query_len)
     out = torch.empty_like(q)
     num_reqs = seq_lens.shape[0]
-    if work is not None or max_query_len > 1:
+    if work is not None:
+        splits = splits or 1
+    elif max_query_len > 1:
         splits = 1
     elif splits is None:
         splits = decode_splits(num_reqs, num_kv_heads, q.device) if q.is_cuda else 1
@@ -269,11 +244,13 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     else:
         grid = (work.shape[0], 1, num_kv_heads)
     # m, l and acc of each (request, q head, chunk), fp32
-    part = out if splits == 1 else torch.empty(num_reqs * num_q_heads * splits * (2 + dim_p2),
-                                               dtype=torch.float32, device=q.device)
+    count = num_reqs * num_q_heads * splits if splits > 1 else 0
+    part = out if splits == 1 else torch.empty(count * (2 + dim_p2), dtype=torch.float32,
+                                               device=q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        cu_seqlens_q if work is None else work, part, scale * k_scale * 1.4426950408889634,
+        cu_seqlens_q if work is None else work, part, count,
+        scale * k_scale * 1.4426950408889634,
         softcap * 1.4426950408889634, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
@@ -283,7 +260,7 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         WINDOW=window, SOFTCAP=softcap > 0, DOT=dot_dtype(q.dtype, k_cache.dtype),
         SPLITS=splits, num_stages=2 if k_cache.dtype.itemsize == 1 and max_query_len > 1 else 3)
     if splits > 1:
-        _merge_splits_kernel[(num_reqs, num_q_heads)](
+        merge_splits_kernel[(num_reqs, num_q_heads)](
             part, out, cu_seqlens_q, v_scale, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
             DIM_P2=dim_p2, SPLITS=splits)
     return out
@@ -291,7 +268,7 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size,
                     scale, max_query_len, work=None, window: int = 0, softcap: float = 0.0,
-                    k_scale: float = 1.0, v_scale: float = 1.0):
+                    k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None):
     fn = paged_attention_triton if q.is_cuda else paged_attention_ref
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, block_size, scale,
-              max_query_len, work, window, softcap, k_scale, v_scale)
+              max_query_len, work, window, softcap, k_scale, v_scale, splits)

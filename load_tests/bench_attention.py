@@ -9,7 +9,7 @@ choices) and the alternatives those choices were made from: keys per loop iterat
 (block_n), pipeline stages, and the products' input type (bf16 or fp16).
 
 --splits-sweep times decode steps of few requests with each request's keys split into 1 to
-32 chunks (flash decoding; `engine`: kernels.attention.decode_splits's choice). There each
+32 chunks (flash decoding; `engine`: kernels.split_kv.decode_splits's choice). There each
 layer reads keys and values of its own, so that nothing stays in L2.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def splits_sweep(pool: torch.dtype) -> dict:
         kv_bytes = 32 * 2 * requests * context * 8 * 128 * pool.itemsize
         row["engine_tbs"] = kv_bytes / row["engine"] / 1e9
         cases[f"b{requests}-ctx{context}"] = row
-        del layers
+        layers.clear()  # (their memory back before the next case)
         torch.cuda.empty_cache()
         best = min((ms, key) for key, ms in row.items() if key.startswith("s"))
         print(f"b{requests} ctx{context}: s1 {row['s1']:.3f} ms, engine s{engine} "

@@ -1,11 +1,11 @@
 """Decode steps of few requests over long contexts, each request's keys split into chunks
-(flash decoding, kernels.attention.decode_splits) against one program per request and KV
+(flash decoding, kernels.split_kv.decode_splits) against one program per request and KV
 head, in one process on one model.
 
     python -m load_tests.bench_long_decode --model llama-8b --out long-decode.json
 
 For each (batch, context) case: the CUDA-graph step time with the engine's splits and with
-splits off (kernels.attention.MAX_SPLITS = 1, the graphs captured again), against the
+splits off (kernels.split_kv.MAX_SPLITS = 1, the graphs captured again), against the
 step's memory floor (weights + KV bytes at the measured copy bandwidth, as bench_decode).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from engine_actors.checkpoint import resolve_model_path
 from engine_actors.kv_cache import cdiv
 from engine_actors.model_runner import ModelRunner
-from kernels import attention
+from kernels import split_kv
 from load_tests.bench_decode import graph_size, time_decode, weight_bytes
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
 
@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
                          max(c for _, c in cases) + args.iters + 16, 16,
                          graph_size(max(b for b, _ in cases)), 0,
                          kv_cache_dtype=args.kv_cache_dtype)
-    weights, default = weight_bytes(runner.model), attention.MAX_SPLITS
+    weights, default = weight_bytes(runner.model), split_kv.MAX_SPLITS
     report = {"model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
               "device": torch.cuda.get_device_name(), "copy_gbs": bandwidth, "cases": {}}
     for batch, context in cases:
@@ -51,14 +51,14 @@ def main(argv=None) -> dict:
             v.copy_(torch.randn(v.shape, device=v.device))
         kv = batch * (context + args.iters // 2) * runner.kv_bytes_per_block() \
             // runner.block_size
-        row = {"splits": attention.decode_splits(batch, runner.num_kv_heads,
+        row = {"splits": split_kv.decode_splits(batch, runner.num_kv_heads,
                                                  torch.device("cuda")),
                "floor_ms": (weights + kv) / (bandwidth * 1e9) * 1e3}
         for name, max_splits in (("whole_ms", 1), ("split_ms", default)):
-            attention.MAX_SPLITS = max_splits
+            split_kv.MAX_SPLITS = max_splits
             runner.capture_cuda_graphs(graph_size(batch))
             row[name] = time_decode(runner, batch, context, args.iters)
-        attention.MAX_SPLITS = default
+        split_kv.MAX_SPLITS = default
         row["speedup"] = row["whole_ms"] / row["split_ms"]
         report["cases"][f"b{batch}-ctx{context}"] = row
         print(f"b{batch} ctx{context}: splits {row['splits']}, whole {row['whole_ms']:.3f} ms, "

@@ -1,13 +1,16 @@
 """Step time of a mixed iteration: a few running requests' decode tokens plus one prompt.
 
     python -m load_tests.bench_mixed --model llama-8b --decode-rows 8 --prompt-lens 0 64 128 256 512
+    python -m load_tests.bench_mixed --decode-rows 1 4 --context-len 32768 --max-splits 1
 
 Online, a new request's prompt rides in the iteration of everyone's next token, so that
 iteration is a gap in every running stream. This times it: D requests decode at context
 --context-len while one more request prefills P prompt tokens in the same step, launched back
 to back through ModelRunner.launch as the worker does, timed with CUDA events. P = 0 is the
 decode-only step (a CUDA graph). Each mixed step is timed twice: replaying its mixed-step
-CUDA graph, and eagerly (the graphs set aside), beside the decode-only step.
+CUDA graph, and eagerly (the graphs set aside), beside the decode-only step. --max-splits 1
+turns off splitting decode rows' keys into chunks (kernels.split_kv.MAX_SPLITS), in
+decode-only and mixed steps, to compare.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from engine_actors.checkpoint import resolve_model_path
 from engine_actors.kv_cache import cdiv
 from engine_actors.messages import NewRequest, StepInput
 from engine_actors.model_runner import ModelRunner
+from kernels import split_kv
 
 
 def replays(runner: ModelRunner) -> int:
@@ -68,19 +72,23 @@ def main(argv=None) -> dict:
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[0, 64, 128, 256, 512])
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--max-splits", type=int, default=split_kv.MAX_SPLITS,
+                   help="chunks of a decode row's keys at most (1: whole)")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    split_kv.MAX_SPLITS = args.max_splits
     max_rows = max(args.decode_rows) + 1
-    runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16, 8192, 16,
-                         max_rows, 0)
     longest = max(args.context_len, max(args.prompt_lens)) + args.iters + 16
+    runner = ModelRunner(resolve_model_path(args.model), "cuda", torch.bfloat16,
+                         max(8192, longest), 16, max_rows, 0)
     runner.allocate_kv_cache(max_rows * cdiv(longest, runner.block_size) + 1)
     for k, v in runner.kv_caches:
         k.normal_()
         v.normal_()
     runner.capture_cuda_graphs(max_rows, max(args.prompt_lens) + max_rows)
     mixed_graphs = runner.mixed
-    report = {"model": args.model, "context_len": args.context_len, "steps": []}
+    report = {"model": args.model, "context_len": args.context_len,
+              "max_splits": args.max_splits, "steps": []}
     for d in args.decode_rows:
         for plen in args.prompt_lens:
             row = {"decode_rows": d, "prompt_len": plen}

@@ -264,15 +264,17 @@ def test_paged_attention_kernel_with_soft_capped_scores(device, dtype, window):
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("heads,q_lens,s_lens,pad_requests,pad_tokens,bucket", [
-    ((8, 2), [1, 7, 5, 1, 50], [1, 7, 33, 16, 50], 3, 17, 128),  # decodes and prompts
-    ((4, 4), [1, 1], [9, 40], 6, 30, 32),  # decode rows only, most of the graph empty
+    ((8, 2), [1, 7, 5, 1, 50], [1, 7, 33, 260, 300], 3, 17, 128),  # decodes and prompts
+    ((4, 4), [1, 1], [9, 400], 6, 30, 32),  # decode rows only, most of the graph empty
     ((4, 1), [97], [120], 0, 0, 97),  # one chunk, every work item used
 ])
-def test_paged_attention_kernel_from_a_work_list(device, dtype, heads, q_lens, s_lens,
+def test_paged_attention_kernel_from_a_work_list(device, dtype, splits, heads, q_lens, s_lens,
                                                  pad_requests, pad_tokens, bucket):
     """As a CUDA graph runs it: a fixed grid of work items built on the device, padding
-    requests with no tokens and padding tokens that belong to no request."""
+    requests with no tokens and padding tokens that belong to no request; with `splits`,
+    each decode row's keys in that many chunks (one item each) beside the prompts' tiles."""
     from kernels.attention import tile_shape, work_list
     q, k_cache, v_cache, tables, cu, _, _ = random_paged_batch(s_lens, q_lens, heads[0],
                                                                heads[1], 64, 4)
@@ -286,13 +288,14 @@ def test_paged_attention_kernel_from_a_work_list(device, dtype, heads, q_lens, s
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
     tables = tables.to(device)
     block_m = tile_shape(heads[0], heads[1], 64, bucket)[0]
-    num_work = -(-(real + pad_tokens) // block_m) + len(lens)
-    work = work_list(cu_t, block_m, num_work)
-    expected = [(i, t) for i, n in enumerate(q_lens) for t in range(-(-n // block_m))]
+    num_work = -(-(real + pad_tokens) // block_m) + len(lens) * splits
+    work = work_list(cu_t, block_m, num_work, splits)
+    expected = [(i, t) for i, n in enumerate(q_lens)
+                for t in range(splits if n == 1 else -(-n // block_m))]
     assert work[:len(expected)].tolist() == [list(e) for e in expected]
     assert (work[len(expected):, 0] == -1).all()
     out = paged_attention_triton(q, k_cache, v_cache, cu_t, lens_t, tables, 4, 0.125, bucket,
-                                 work=work)
+                                 work=work, splits=splits)
     ref = paged_attention_ref(q[:real].float(), k_cache.float(), v_cache.float(),
                               cu_t[:len(q_lens) + 1], lens_t[:len(q_lens)],
                               tables[:len(q_lens)], 4, 0.125)
@@ -323,12 +326,13 @@ def test_decode_step_split_into_chunks_of_keys(device, dtype, splits, window, so
 
 
 def test_decode_splits_keep_about_four_programs_per_sm(monkeypatch):
-    from kernels import attention
-    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)  # 528 programs at most
+    from kernels import split_kv
+    monkeypatch.setattr(split_kv, "_num_sms", lambda device: 132)  # 528 programs at most
     batches = (1, 2, 4, 8, 16, 17, 32, 33, 66, 67, 512)
-    assert [attention.decode_splits(b, 8, "cuda") for b in batches] == \
+    assert [split_kv.decode_splits(b, 8, "cuda") for b in batches] == \
         [32, 32, 16, 8, 4, 2, 2, 2, 1, 1, 1]
-    assert attention.decode_splits(1, 1, "cuda") == 32  # never past MAX_SPLITS
+    assert split_kv.decode_splits(1, 1, "cuda") == 32  # never past MAX_SPLITS
+    assert split_kv.decode_splits(1, 8, "cpu") == 1  # (the reference attention)
 
 
 @pytest.mark.parametrize("device,dtype", TARGETS)

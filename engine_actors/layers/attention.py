@@ -20,6 +20,7 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int  # sizes the attention launch; 1 for a decode-only step
     work: torch.Tensor | None = None  # under a mixed-step CUDA graph: kernels.attention.work_list
+    splits: int | None = None  # the work list's chunks per decode row (None: 1)
 
 
 class Attention(nn.Module):
@@ -50,4 +51,4 @@ class Attention(nn.Module):
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
         return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
                                meta.block_tables, meta.block_size, self.scale, meta.max_query_len,
-                               meta.work, self.window, self.softcap, *scales)
+                               meta.work, self.window, self.softcap, *scales, meta.splits)
