@@ -184,6 +184,11 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: dict | None) -> EngineConfig:
         args = _reranker_overrides(dict(args or {}))
+        for name, (values, why) in VLLM_AS_IS.items():
+            if name in args:
+                if args[name] not in values:
+                    raise ConfigError(f"{name}: {args[name]!r} is not supported ({why})")
+                del args[name]
         for vllm_name, ours in VLLM_NAMES.items():  # vLLM's name of one of our args
             if vllm_name in args:
                 if ours in args:
@@ -268,3 +273,10 @@ def _reranker_overrides(args: dict) -> dict:
 # vLLM's engine args whose meaning ours have under another name (Ray Serve LLM's
 # engine_kwargs carry them): max_num_seqs is the most requests one iteration runs
 VLLM_NAMES = {"max_num_seqs": "max_batch_size"}
+# vLLM's engine args that name what this engine always does: the values that say so are
+# accepted (and change nothing), others refused with the reason
+VLLM_AS_IS = {
+    "enable_chunked_prefill": ((True,), "prompts are always chunked to max_num_batched_tokens"),
+    "distributed_executor_backend": (("ray",), "the workers are always Ray actors"),
+    "trust_remote_code": ((True, False), ""),  # no checkpoint's code is ever run here
+}

@@ -104,3 +104,14 @@ def test_vllm_reranker_recipe_in_hf_overrides_is_our_classifier_from_token():
     with pytest.raises(ConfigError, match="classifier_from_token is given twice"):
         EngineConfig.from_args({"runner": "pooling", "classifier_from_token": ["yes"],
                                 "hf_overrides": {"classifier_from_token": ["yes"]}})
+
+
+def test_vllm_args_that_name_what_this_engine_always_does():
+    cfg = EngineConfig.from_args({"enable_chunked_prefill": True, "trust_remote_code": True,
+                                  "distributed_executor_backend": "ray"})
+    assert cfg == EngineConfig.from_args({})
+    with pytest.raises(ConfigError, match="enable_chunked_prefill: False is not supported "
+                                          r"\(prompts are always chunked"):
+        EngineConfig.from_args({"enable_chunked_prefill": False})
+    with pytest.raises(ConfigError, match="distributed_executor_backend: 'mp'"):
+        EngineConfig.from_args({"distributed_executor_backend": "mp"})
