@@ -187,6 +187,9 @@ class Frontend:
         """APIError 404 unless `model` names the base model or a loaded adapter: for the
         routes that never reach the engine (which would refuse it)."""
         name = self.adapter(req)
+        refusal = await self.call("adapter_call", "resolve", name) if name else None
+        if refusal is not None:  # (dynamic_lora_loading_path: its adapter could not load)
+            raise refusal_error(refusal.code, refusal.message, "model")
         if name is not None and name not in await self.call("adapter_call", "paths"):
             raise APIError(404, f"The model `{name}` does not exist.", "model",
                            "model_not_found")

@@ -12,7 +12,8 @@ takes them) read as ours, so that a Ray Serve LLM config runs here with only its
 An entry is an LLMConfig's fields or the path of a YAML file holding them. One model per
 application: each model gets an application of its own. `engine_kwargs` are our engine args
 (vLLM's names, EngineConfig); `deployment_config` goes to the ingress deployment's options;
-`lora_config` turns LoRA on with `max_num_adapters_per_replica` resident adapters. What has
+`lora_config` turns LoRA on with `max_num_adapters_per_replica` resident adapters, loaded
+on demand from `dynamic_lora_loading_path` when it is a local directory. What has
 no counterpart here is refused by name (ConfigError), never ignored.
 """
 from __future__ import annotations
@@ -80,11 +81,13 @@ def _lora_args(lora) -> dict:
     unknown = sorted(set(lora) - LORA_KEYS)
     if unknown:
         raise ConfigError(f"llm_configs[0].lora_config: unknown keys {unknown}")
-    if lora.get("dynamic_lora_loading_path"):
-        raise ConfigError("llm_configs[0].lora_config.dynamic_lora_loading_path is not "
-                          "supported: give the adapters in engine_kwargs.lora_modules, or "
-                          "load them with POST /v1/load_lora_adapter")
     args = {"enable_lora": True}
+    path = lora.get("dynamic_lora_loading_path")
+    if path:
+        if "://" in path:
+            raise ConfigError("llm_configs[0].lora_config.dynamic_lora_loading_path: a local "
+                              f"directory (adapters are not downloaded here), got {path!r}")
+        args["dynamic_lora_loading_path"] = path
     if lora.get("max_num_adapters_per_replica"):
         args["max_loras"] = lora["max_num_adapters_per_replica"]
     return args

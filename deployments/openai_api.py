@@ -175,7 +175,8 @@ class OpenAIRoutes:
                     [s[0] for s in subs], wake_each_update=bool(req.stream or req.stop_list()))
         except RequestRefused as e:
             self.metrics.failure(e.code)
-            raise refusal_error(e.code, str(e)) from None
+            adapter = e.code in ("invalid_adapter", "lora_disabled")  # (a dynamic load's)
+            raise refusal_error(e.code, str(e), "model" if adapter else "max_tokens") from None
         except EngineUnavailable as e:
             self.metrics.failure("engine_unavailable")
             raise unavailable(str(e)) from None

@@ -123,6 +123,10 @@ class EngineConfig:
     enable_lora: bool = False
     lora_modules: dict[str, str] = Field(default_factory=dict)
     max_loras: PositiveInt = 4  # adapters resident on the device at once (a slot each)
+    # Ray Serve LLM's dynamic_lora_loading_path (a local directory here; implies LoRA): a
+    # request naming an adapter that is not loaded, `NAME` or `<model>:NAME`, loads
+    # <path>/NAME first when that directory exists
+    dynamic_lora_loading_path: str | None = None
     max_lora_rank: PositiveInt = 16
     # Fine-tuning jobs (POST /v1/fine_tuning/jobs) train LoRA adapters when serving leaves
     # the GPU idle (implies LoRA serving: a finished job's adapter is served at once). A
@@ -229,7 +233,8 @@ class EngineConfig:
 
     @property
     def lora_enabled(self) -> bool:
-        return self.enable_lora or bool(self.lora_modules) or self.enable_finetuning
+        return self.enable_lora or bool(self.lora_modules) or self.enable_finetuning or \
+            self.dynamic_lora_loading_path is not None
 
     @property
     def model_name(self) -> str:

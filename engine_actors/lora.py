@@ -15,6 +15,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import os
 
 import ray
 
@@ -156,6 +157,7 @@ class Adapters:
         self.on_request = on_request  # counts a request of an adapter (by name)
         self.registry = LoRARegistry(cfg.max_lora_rank)
         self.slots: LoRASlots | None = None  # the scheduler's, once the engine is up
+        self._loading: dict[str, asyncio.Task] = {}  # dynamic loads under way, by name
 
     def load_configured(self) -> None:
         """Check the lora_modules arg's adapters' configs before the workers start (a
@@ -196,6 +198,24 @@ class Adapters:
         except LoRAError as e:
             return Refusal("invalid_adapter", str(e))
         return None
+
+    async def resolve(self, name: str | None) -> Refusal | None:
+        """dynamic_lora_loading_path: load an adapter a request names that is not loaded
+        from the directory of its name (`<model>:NAME` reads NAME, as Ray Serve LLM names
+        them) when there is one; concurrent requests share one load. None when there is
+        nothing to load (an unknown name is refused later, as any)."""
+        root = self.cfg.dynamic_lora_loading_path
+        if root is None or name is None or name in self.registry.adapters:
+            return None
+        base = next((m for m in self.cfg.model_names if name.startswith(f"{m}:")), None)
+        leaf = name[len(base) + 1:] if base else name
+        path = os.path.join(root, leaf)
+        if leaf in ("", ".", "..") or os.sep in leaf or "/" in leaf or not os.path.isdir(path):
+            return None  # (never a path outside the directory)
+        if name not in self._loading:
+            self._loading[name] = asyncio.ensure_future(self.load(name, path))
+            self._loading[name].add_done_callback(lambda _: self._loading.pop(name, None))
+        return await asyncio.shield(self._loading[name])
 
     def unload(self, name: str) -> Refusal | None:
         """New requests may no longer name it; those already queued finish."""

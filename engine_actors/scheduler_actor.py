@@ -165,12 +165,13 @@ class SchedulerActor:
     # ---- requests ---------------------------------------------------------------------
     async def add_requests(self, client_id: str,
                            requests: list[EngineRequest]) -> list[Refusal | None]:
-        """Queue a caller's requests (one iteration may take them all); per request, None
-        or why it was refused."""
+        """Queue a caller's requests (one iteration may take them all; an adapter they name
+        loads first, with dynamic_lora_loading_path); per request, None or why refused."""
         await self.ready()
         outbox = self.outboxes.get(client_id) or self.outboxes.setdefault(client_id,
                                                                           Outbox(client_id))
-        return [self._add(outbox, r) for r in requests]
+        loaded = {r.lora_name: await self.adapters.resolve(r.lora_name) for r in requests}
+        return [loaded[r.lora_name] or self._add(outbox, r) for r in requests]
 
     def _add(self, sink, r: EngineRequest) -> Refusal | None:
         if self._early_aborts.take(r.request_id):
@@ -227,7 +228,7 @@ class SchedulerActor:
         self.abort(list(self.outboxes.pop(client_id, Outbox(client_id)).request_ids))
         self.responses.owner_gone(client_id)
 
-    async def adapter_call(self, method: str, *args):  # lora.Adapters' load, unload, paths
+    async def adapter_call(self, method: str, *args):  # lora.Adapters' methods
         await self.ready()
         result = getattr(self.adapters, method)(*args)
         return await result if asyncio.iscoroutine(result) else result

@@ -40,13 +40,20 @@ def test_an_llm_config_becomes_our_args_and_the_ingress_options(tmp_path):
                                 "cloud_mirror_config": {"bucket_uri": "s3://b/m"}}}],
      r"\['cloud_mirror_config'\] are not supported"),
     ([{**LLM, "lora_config": {"dynamic_lora_loading_path": "s3://b/loras"}}],
-     "dynamic_lora_loading_path is not supported"),
+     "dynamic_lora_loading_path: a local directory"),
     ([{**LLM, "log_engine_metrics": False}], "log_engine_metrics: false"),
     (["/no/such/llm.yaml"], "no file"),
 ])
 def test_what_has_no_counterpart_is_refused_by_name(llm_configs, message):
     with pytest.raises(ConfigError, match=message):
         from_llm_configs({"llm_configs": llm_configs})
+
+
+def test_a_local_dynamic_lora_loading_path_is_ours():
+    args, _ = from_llm_configs({"llm_configs": [{**LLM, "lora_config": {
+        "dynamic_lora_loading_path": "/adapters", "max_num_adapters_per_replica": 2}}]})
+    assert (args["dynamic_lora_loading_path"], args["max_loras"]) == ("/adapters", 2)
+    assert EngineConfig.from_args(args).lora_enabled
 
 
 def test_a_vllm_engine_kwarg_we_lack_is_named():

@@ -36,6 +36,13 @@ def models(tmp_path_factory):
             ("huge", 16, ["q_proj"])]):
         paths[name] = str(root / name)
         save_adapter(base, paths[name], rank, 2 * rank, targets, seed=20 + i)
+    # dynamic_lora_loading_path's directory: adapters loaded when a request names them
+    for i, (name, rank, targets) in enumerate([("dyn", 4, ["q_proj", "v_proj"]),
+                                               ("dyn2", 2, ["o_proj", "up_proj"]),
+                                               ("dynhuge", 16, ["q_proj"])]):
+        paths[name] = str(root / "dynamic" / name)
+        save_adapter(base, paths[name], rank, 2 * rank, targets, seed=40 + i)
+    (root / "dynamic" / "empty").mkdir()
     return base, paths
 
 
@@ -44,7 +51,8 @@ def url(models):
     from tests.serve_fixture import app_config, start_app, stop_app
     base, paths = models
     yield start_app(app_config(model=base, served_model_name=[BASE, ALIAS], max_loras=2,
-                               max_lora_rank=8, lora_modules={"sql": paths["sql"]}))
+                               max_lora_rank=8, lora_modules={"sql": paths["sql"]},
+                               dynamic_lora_loading_path=str(pathlib.Path(paths["dyn"]).parent)))
     stop_app()
 
 
@@ -167,3 +175,38 @@ def test_max_new_tokens_of_the_generation_config_is_the_default_max_tokens(url):
         return r.json()
     assert chat()["usage"]["completion_tokens"] == 5
     assert chat(max_tokens=9)["usage"]["completion_tokens"] == 9
+
+
+def test_an_adapter_not_loaded_loads_from_the_dynamic_path(url, models):
+    """Ray Serve LLM's dynamic_lora_loading_path: `NAME` or `<model>:NAME` loads NAME's
+    directory at its first request, concurrent first requests share the load; a name with
+    no directory (or one that would leave it) is a 404, an adapter that cannot be served a
+    400 naming `model`."""
+    base, paths = models
+    prompt = [5, 9, 11, 3, 7]
+
+    async def first_requests():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[client.post(f"{url}/v1/completions", json={
+                "model": "dyn", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}) for _ in range(4)])
+    want = peft_greedy(base, paths["dyn"], prompt, 6)
+    assert want != peft_greedy(base, None, prompt, 6)
+    for r in asyncio.run(first_requests()):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want and r.json()["model"] == "dyn"
+    r = complete(url, f"{BASE}:dyn2", prompt, 6)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == peft_greedy(base, paths["dyn2"], prompt, 6)
+    loaded = httpx.get(f"{url}/health", timeout=30).json()["lora_adapters"]["loaded"]
+    assert {"dyn", f"{BASE}:dyn2"} <= set(loaded)
+    r = httpx.post(f"{url}/tokenize", json={"model": "dyn2", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 200, r.text  # (routes that never reach the engine load it too)
+    for name in ["nope", "../sql", "dynamic/dyn", f"{BASE}:", "."]:
+        r = complete(url, name, prompt, 2)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", name
+    for name in ["dynhuge", "empty"]:
+        r = complete(url, name, prompt, 2)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "model", r.text
+        assert error["code"] == "invalid_lora_adapter", r.text
