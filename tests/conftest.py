@@ -40,6 +40,12 @@ def pytest_collection_modifyitems(config, items):
     # start costs ~12 s). In one process they run last; under pytest-xdist (`make test` runs
     # two workers) they run as one unit in one worker (the largest unit goes first), and
     # every other module runs whole in either worker (its module fixtures once).
+    unmarked = sorted({item.module.__name__ for item in items if "url" in item.fixturenames
+                       and hasattr(item.module, "url") and not item.get_closest_marker(
+                           "own_server")})
+    if unmarked:  # it would run beside the other servers, and their ports collide
+        raise pytest.UsageError(f"{', '.join(unmarked)} start a server of their own: mark "
+                                "them `pytestmark = pytest.mark.own_server`")
     items.sort(key=server_group)
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

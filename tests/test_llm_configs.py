@@ -10,6 +10,8 @@ from deployments.llm_configs import from_llm_configs
 from engine_actors.config import ConfigError, EngineConfig
 from engine_actors.executor import worker_bundle
 
+pytestmark = pytest.mark.own_server  # its own server (conftest runs these modules last)
+
 LLM = {"model_loading_config": {"model_id": "qwen", "model_source": "tiny-random-llama"},
        "engine_kwargs": {"tensor_parallel_size": 1, "max_model_len": 512,
                          "enable_prefix_caching": True},

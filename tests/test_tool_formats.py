@@ -16,6 +16,8 @@ from tests.serve_fixture import wait_idle  # noqa: E402
 from tests.test_structured_output import WEATHER, check_forced_calls  # noqa: E402
 from tests.test_tool_parsers import MODES, WEATHER as PARIS, chunks  # noqa: E402
 
+pytestmark = pytest.mark.own_server  # its own server (conftest runs these modules last)
+
 TYPED = Tool.model_validate({"type": "function", "function": {
     "name": "book", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "nights": {"type": "integer"}, "budget": {"type": "number"},
