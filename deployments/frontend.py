@@ -184,15 +184,12 @@ class Frontend:
         return req.model if self.adapter(req) else self.cfg.model_name
 
     async def check_served(self, req) -> None:
-        """APIError 404 unless `model` names the base model or a loaded adapter: for the
-        routes that never reach the engine (which would refuse it)."""
+        """APIError (404) unless `model` names the base model or an adapter that is (or,
+        with dynamic_lora_loading_path, now gets) loaded: for routes that skip the engine."""
         name = self.adapter(req)
-        refusal = await self.call("adapter_call", "resolve", name) if name else None
-        if refusal is not None:  # (dynamic_lora_loading_path: its adapter could not load)
+        refusal = await self.call("adapter_call", "served", name) if name else None
+        if refusal is not None:
             raise refusal_error(refusal.code, refusal.message, "model")
-        if name is not None and name not in await self.call("adapter_call", "paths"):
-            raise APIError(404, f"The model `{name}` does not exist.", "model",
-                           "model_not_found")
 
     def tool_parser(self, info: ModelInfo) -> str:
         """The tool-call format of the served model (the tool_call_parser arg, or its

@@ -217,6 +217,18 @@ class Adapters:
             self._loading[name].add_done_callback(lambda _: self._loading.pop(name, None))
         return await asyncio.shield(self._loading[name])
 
+    async def served(self, name: str) -> Refusal | None:
+        """Why requests may not name adapter `name` (it is loaded first, as by resolve), or
+        None: for the routes that never reach the engine."""
+        refusal = await self.resolve(name)
+        if refusal is None and name not in self.registry.adapters:
+            return Refusal("unknown_model", f"The model `{name}` does not exist.")
+        return refusal
+
+    async def resolve_all(self, names) -> dict[str | None, Refusal | None]:
+        """resolve() for each distinct name of `names`."""
+        return {name: await self.resolve(name) for name in set(names)}
+
     def unload(self, name: str) -> Refusal | None:
         """New requests may no longer name it; those already queued finish."""
         try:

@@ -48,8 +48,7 @@ def actor_name(cfg: EngineConfig) -> str:
 class SchedulerActor:
     def __init__(self, cfg: EngineConfig, created_at: float | None = None):
         """`created_at`: time.time() when the creator asked for this actor (its process's
-        start and imports then count in the start's phases; a creator on another node reads
-        another clock, and a negative difference counts as 0)."""
+        start and imports count in the start's phases; another node's clock: 0 if behind)."""
         show_info_logs()
         self._clock = PhaseClock({"scheduler process": max(0.0, time.time() - created_at)}
                                  if created_at is not None else None)
@@ -170,7 +169,7 @@ class SchedulerActor:
         await self.ready()
         outbox = self.outboxes.get(client_id) or self.outboxes.setdefault(client_id,
                                                                           Outbox(client_id))
-        loaded = {r.lora_name: await self.adapters.resolve(r.lora_name) for r in requests}
+        loaded = await self.adapters.resolve_all(r.lora_name for r in requests)
         return [loaded[r.lora_name] or self._add(outbox, r) for r in requests]
 
     def _add(self, sink, r: EngineRequest) -> Refusal | None:
@@ -198,8 +197,7 @@ class SchedulerActor:
             if out is None:
                 self._early_aborts.remember(rid)
                 continue
-            self.metrics.finished(out.finish_reason, out.num_prompt_tokens,
-                                  out.num_output_tokens)
+            self.metrics.finished(out.finish_reason, out.num_prompt_tokens, out.num_output_tokens)
             out.sink.deliver(out, None) if cancelled else out.sink.aborted(out)
 
     def end_search(self, client_id: str, search: str) -> None:  # a drain waits no more
@@ -247,9 +245,10 @@ class SchedulerActor:
 
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
                            priority: int = 1) -> Refusal | None:
-        await self.ready()
-        return await self.batches.submit(batch_id, requests, priority,
-                                         self.cfg.max_queued_requests)
+        await self.ready()  # (adapters named load first, as in add_requests)
+        loaded = await self.adapters.resolve_all(r.lora_name for r in requests)
+        return next(filter(None, loaded.values()), None) or await self.batches.submit(
+            batch_id, requests, priority, self.cfg.max_queued_requests)
 
     def batch_call(self, method: str, batch_id: str) -> dict | None:  # status, cancel; None: none
         return getattr(self.batches, method)(batch_id)

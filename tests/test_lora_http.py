@@ -210,3 +210,9 @@ def test_an_adapter_not_loaded_loads_from_the_dynamic_path(url, models):
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "model", r.text
         assert error["code"] == "invalid_lora_adapter", r.text
+    # a background batch naming one loads it too
+    r = httpx.post(f"{url}/orca/v1/batches", timeout=60, json={
+        "model": f"{BASE}:dyn", "requests": [{"prompt": prompt, "max_tokens": 2}]})
+    assert r.status_code == 200 and r.json()["status"] in ("in_progress", "completed"), r.text
+    assert f"{BASE}:dyn" in httpx.get(f"{url}/health", timeout=30).json()["lora_adapters"][
+        "loaded"]
