@@ -256,6 +256,8 @@ class EngineConfig:
 
 
 _ADAPTER = pydantic.TypeAdapter(EngineConfig)
+
+
 def _reranker_overrides(args: dict) -> dict:
     """vLLM's recipe for a causal LM served as a reranker (Qwen3-Reranker) puts
     classifier_from_token in hf_overrides, with the sequence-classification architecture
