@@ -30,6 +30,41 @@ class ConfigError(ValueError):
 
 
 @pydantic.dataclasses.dataclass(frozen=True, slots=True, config=pydantic.ConfigDict(
+    extra="forbid"))
+class SpeculativeConfig:
+    """vLLM's speculative_config, method "ngram" (prompt lookup): each decode step drafts
+    up to num_speculative_tokens tokens that followed the latest earlier occurrence of the
+    request's last n tokens, prompt_lookup_max >= n >= prompt_lookup_min (both 5 when
+    neither is given, as vLLM), and verifies them in the same step
+    (engine_actors/speculative.py). No drafts in a step of disable_by_batch_size requests
+    or more: a full batch is no longer bound by reading the weights."""
+    num_speculative_tokens: PositiveInt
+    method: str = "ngram"
+    model: str | None = None  # vLLM's older spelling of the method: "ngram" or "[ngram]"
+    prompt_lookup_max: PositiveInt | None = None
+    prompt_lookup_min: PositiveInt | None = None
+    disable_by_batch_size: PositiveInt | None = None
+
+    def __post_init__(self):
+        method = self.model.strip("[]") if self.model is not None else self.method
+        if method != "ngram" or self.method != "ngram":
+            raise ValueError(f"method {method!r} is not supported; only "
+                             "\"ngram\" (drafts from the request's own tokens) is: draft models, "
+                             "EAGLE, Medusa and MTP heads are not")
+        if self.min_n > self.max_n:
+            raise ValueError(f"prompt_lookup_min ({self.min_n}) exceeds "
+                             f"prompt_lookup_max ({self.max_n})")
+
+    @property
+    def min_n(self) -> int:
+        return self.prompt_lookup_min or self.prompt_lookup_max or 5
+
+    @property
+    def max_n(self) -> int:
+        return self.prompt_lookup_max or self.prompt_lookup_min or 5
+
+
+@pydantic.dataclasses.dataclass(frozen=True, slots=True, config=pydantic.ConfigDict(
     extra="forbid", allow_inf_nan=False))
 class EngineConfig:
     # Model: a local Hugging Face checkpoint directory, or DEFAULT_MODEL (built at start-up).
@@ -78,6 +113,10 @@ class EngineConfig:
     # Overlap: schedule the next iteration while the current one runs (a running request
     # continues from the worker's own last sampled token). Off: one step in flight per stage.
     async_scheduling: bool = True
+    # vLLM's speculative_config (method "ngram" only): decode steps verify n-gram drafts,
+    # several tokens per step where the output repeats its prompt or itself. With pipeline
+    # stages it needs async_scheduling off (the default then).
+    speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False  # True: no CUDA graphs (decode and mixed steps run eagerly)
     # vLLM's: "generate" serves text; "pooling" serves embeddings (POST /v1/embeddings) of
     # the same decoder models: each prompt's last-token hidden state (engine_actors/pooling.py)
@@ -181,6 +220,11 @@ class EngineConfig:
                 self.runner != "pooling" or len(self.classifier_from_token) not in (1, 2)):
             raise ValueError("classifier_from_token takes one or two tokens ([no, yes]), "
                              "with runner pooling")
+        if self.speculative_config is not None and (self.runner != "generate" or (
+                self.async_scheduling and self.pipeline_parallel_size > 1)):
+            raise ValueError("speculative_config needs runner generate, and with pipeline "
+                             "stages async_scheduling false (the first stage would need the "
+                             "last one's accepted tokens)")
         if self.enable_finetuning and self.pipeline_parallel_size > 1:
             raise ValueError("enable_finetuning needs pipeline_parallel_size 1 (training "
                              "through pipeline stages is not supported)")
@@ -188,6 +232,14 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: dict | None) -> EngineConfig:
         args = _reranker_overrides(dict(args or {}))
+        if args.get("speculative_config") is not None:  # vLLM's JSON string too
+            if isinstance(args["speculative_config"], str):
+                try:
+                    args["speculative_config"] = json.loads(args["speculative_config"])
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"speculative_config: not JSON ({e})") from None
+            if args.get("pipeline_parallel_size", 1) > 1:
+                args.setdefault("async_scheduling", False)
         for name, (values, why) in VLLM_AS_IS.items():
             if name in args:
                 if args[name] not in values:
@@ -202,13 +254,15 @@ class EngineConfig:
             return _ADAPTER.validate_python(args, strict=False)
         except pydantic.ValidationError as e:
             unknown = sorted(str(err["loc"][0]) for err in e.errors()
-                             if err["type"] == "unexpected_keyword_argument")
+                             if err["type"] == "unexpected_keyword_argument"
+                             and len(err["loc"]) == 1)
             if unknown:
                 known = sorted(f.name for f in dataclasses.fields(cls))
                 raise ConfigError(f"unknown application args {unknown}; known args: {known}") \
                     from None
-            msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err["loc"]
-                             else err["msg"].removeprefix("Value error, ") for err in e.errors())
+            msgs = "; ".join(
+                f"{'.'.join(map(str, err['loc']))}: " * bool(err["loc"])
+                + err["msg"].removeprefix("Value error, ") for err in e.errors())
             raise ConfigError(f"invalid application args: {msgs}") from None
 
     @property
@@ -221,6 +275,11 @@ class EngineConfig:
         async_scheduling each batch's next step is queued behind it (continuing from the
         samples still on the device), so the control plane's round trip is hidden."""
         return self.pipeline_parallel_size * (2 if self.async_scheduling else 1)
+
+    @property
+    def max_drafts(self) -> int:
+        """Draft tokens a request may carry in one step (speculative decoding)."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     @property
     def max_num_seqs(self) -> int:

@@ -109,7 +109,8 @@ class DecodeGraphs:
                 b["logits_indices"][:size], hidden, residual)
 
 
-TOKEN_SIZES = [128, 256, 384, 512, 768, 1024, 1536, 2048]
+# (the small ones serve steps of a few tokens per request: speculative drafts, short prompts)
+TOKEN_SIZES = [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
 REQUEST_SIZES = [8, 32, 128, 256]
 
 
@@ -135,7 +136,8 @@ class MixedGraphs:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.first, self.last = model.parallel.is_first_stage, model.parallel.is_last_stage
         self.token_sizes = token_buckets(max_tokens)
-        self.request_sizes = sorted({min(r, max_requests) for r in REQUEST_SIZES})
+        self.request_sizes = sorted({min(r, max_requests) for r in REQUEST_SIZES}
+                                    | {max_requests})
         attn = next(iter(model.layers.values())).self_attn
         # query tokens per attention tile at prefill (the kernel's BLOCK_M)
         self.block_m = tile_shape(attn.num_heads, attn.num_kv_heads, attn.head_dim, 2)[0]
@@ -156,9 +158,11 @@ class MixedGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def bucket_for(self, num_tokens: int, num_reqs: int) -> tuple[int, int] | None:
-        t = next((t for t in self.token_sizes if t >= num_tokens), 0)
-        r = next((r for r in self.request_sizes if r >= num_reqs), 0)
-        return (t, r) if (t, r) in self.graphs else None
+        """The smallest graph that holds the step (a token bucket has no request bucket
+        above its tokens: the next token bucket may)."""
+        return next(((t, r) for t in self.token_sizes if t >= num_tokens
+                     for r in self.request_sizes if r >= num_reqs and (t, r) in self.graphs),
+                    None)
 
     @torch.inference_mode()
     def capture(self, pool) -> None:

@@ -288,6 +288,8 @@ class EngineLoop:
         self.metrics.kv_usage.set(s.kv.usage)
         self.metrics.finetune_lent_blocks.set(s.kv.num_lent_blocks)
         self.metrics.prefix_cache(s.kv.num_queried_tokens, s.kv.num_hit_tokens)
+        if s.speculator is not None:
+            self.metrics.speculation(s.speculator)
 
     async def drain(self, timeout_s: float, searching=bool) -> list[RequestOutput]:
         """Wait up to timeout_s for the requests (and searches) to end; abort those left."""

@@ -18,8 +18,8 @@ def profile_kv_blocks(runner, cfg, graph_batch: int) -> int:
 
     The largest eager step is max_num_batched_tokens tokens of max_batch_size requests that
     all sample, with top-p and as many log-probabilities as max_logprobs allows (at least
-    20; -1: the vocabulary): the logits and sampling buffers of the last stage count as
-    much as the layers' activations. A step that needs more than the
+    20; -1: the vocabulary), each also at its speculative draft tokens: the logits and
+    sampling buffers of the last stage count as much as the layers' activations. A step that needs more than the
     profile saw makes the allocator free its cache, which waits for the device: the host
     stops running ahead of the GPU (with pipeline stages, the stages take turns)."""
     free, total = torch.cuda.mem_get_info()
@@ -28,7 +28,9 @@ def profile_kv_blocks(runner, cfg, graph_batch: int) -> int:
     num_reqs = max(1, min(cfg.max_batch_size, runner.max_num_seqs, step_tokens))
     vocab = runner.hf_config.vocab_size
     logprobs = vocab if cfg.max_logprobs == -1 else min(max(cfg.max_logprobs, 20), vocab)
-    activations = _profile_peak_bytes(runner, step_tokens // num_reqs, num_reqs, logprobs)
+    drafts = max(0, min(cfg.max_drafts, step_tokens // num_reqs - 1))
+    activations = _profile_peak_bytes(runner, step_tokens // num_reqs, num_reqs, logprobs,
+                                      drafts)
     graphs = _profile_peak_bytes(runner, 1, graph_batch) if graph_batch else 0
     if graph_batch and runner.parallel.tp_size == runner.parallel.pp_size == 1:
         graphs = max(graphs, _profile_peak_bytes(runner, max(token_buckets(step_tokens)), 1))
@@ -41,9 +43,10 @@ def profile_kv_blocks(runner, cfg, graph_batch: int) -> int:
 
 
 def _profile_peak_bytes(runner, tokens_per_request: int, num_requests: int,
-                        logprobs: int | None = None) -> int:
+                        logprobs: int | None = None, drafts: int = 0) -> int:
     """Peak memory of one eager step of num_requests prompts of tokens_per_request (with
-    `logprobs`: the costliest sampling settings with that many alternatives; else greedy)."""
+    `logprobs`: the costliest sampling settings with that many alternatives; else greedy),
+    each sampling at its last 1 + `drafts` tokens."""
     blocks_each = cdiv(tokens_per_request, runner.block_size)
     runner.allocate_kv_cache(blocks_each * num_requests, lendable=False)
     torch.cuda.synchronize()
@@ -55,6 +58,7 @@ def _profile_peak_bytes(runner, tokens_per_request: int, num_requests: int,
     step = StepInput(new_requests=new, rows=rows, context_lens=[0] * num_requests,
                      query_lens=[tokens_per_request] * num_requests,
                      sample=[True] * num_requests,
+                     num_drafts=[drafts] * num_requests if drafts else [],
                      token_ids=[0] * (tokens_per_request * num_requests),
                      table_rows=[r for r in rows for _ in range(blocks_each)],
                      table_cols=list(range(blocks_each)) * num_requests,

@@ -61,6 +61,13 @@ class StepInput:
     context_lens: list[int] = field(default_factory=list)  # tokens already in the KV cache
     query_lens: list[int] = field(default_factory=list)  # new tokens this iteration
     sample: list[bool] = field(default_factory=list)  # False for a prompt chunk that is not the last
+    # speculative decoding: each request's draft tokens, the last of its query tokens; the
+    # step samples at each and the token before them (empty: no draft in the step)
+    num_drafts: list[int] = field(default_factory=list)
+    # batch indices of the requests that continue from a step in flight with a draft: the
+    # scheduler placed their tokens as if every draft token were accepted, the worker moves
+    # them back by the draft tokens it rejected (speculative.py)
+    shifted: list[int] = field(default_factory=list)
     # [T], all new tokens, flattened; -1 = the token this row's previous step samples
     token_ids: list[int] = field(default_factory=list)
     # block-table deltas: block_table[rows[k]][cols[k]] = blocks[k]
@@ -91,7 +98,7 @@ TokenLogprobs = tuple[float, list[int], list[float], int]
 @dataclass(slots=True)
 class StepResult:
     """What the sampling worker returns for one step."""
-    token_ids: list[int]  # one per request with sample=True, in batch order
+    token_ids: list[int]  # one per request with sample=True (1 + its drafts), in batch order
     logprobs: list[TokenLogprobs | None] | None = None  # aligned with token_ids
     # per StepInput.prompt_logprobs entry: one TokenLogprobs per prompt position of the
     # chunk that has a next prompt token (the logprob of that next token)

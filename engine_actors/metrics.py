@@ -72,6 +72,18 @@ class EngineMetrics:
         self.finetune_lent_blocks = Gauge(
             "orca:finetune_lent_kv_blocks", "KV blocks whose memory a fine-tuning step holds",
             labelnames=labels, registry=r).labels(**labels)
+        # speculative decoding, as vLLM's spec_decode_* counters (engine_actors/speculative.py)
+        self.spec_drafts = Counter("orca:spec_decode_num_drafts", "Drafts verified",
+                                   labelnames=labels, registry=r).labels(**labels)
+        self.spec_draft_tokens = Counter("orca:spec_decode_num_draft_tokens", "Draft tokens "
+                                         "verified", labelnames=labels,
+                                         registry=r).labels(**labels)
+        self.spec_accepted = Counter("orca:spec_decode_num_accepted_tokens", "Draft tokens "
+                                     "accepted", labelnames=labels, registry=r).labels(**labels)
+        self._spec_per_position = Counter(
+            "orca:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+            "position in their draft", labelnames=[*labels, "position"], registry=r)
+        self._spec_seen: list[int] = []
         self._labels = labels
         for reason in ("stop", "length", "abort", "deadline"):  # every series from the start
             self._finished.labels(**labels, finished_reason=reason)
@@ -107,6 +119,18 @@ class EngineMetrics:
         self.prefix_queries.inc(queried - seen_queried)
         self.prefix_hits.inc(hits - seen_hits)
         self._prefix_seen = queried, hits
+
+    def speculation(self, spec) -> None:
+        """Bring the speculative decoding counters up to the speculator's totals."""
+        totals = [spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                  *spec.accepted_per_position]
+        counters = [self.spec_drafts, self.spec_draft_tokens, self.spec_accepted] + [
+            self._spec_per_position.labels(**self._labels, position=str(i))
+            for i in range(len(spec.accepted_per_position))]
+        seen = self._spec_seen or [0] * len(totals)
+        for counter, total, before in zip(counters, totals, seen):
+            counter.inc(total - before)
+        self._spec_seen = totals
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

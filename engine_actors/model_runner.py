@@ -34,6 +34,7 @@ from engine_actors.quantization import (check_device, check_kv_device, fp8_weigh
                                         loaded_dtype, read_format)
 from engine_actors.sampler import Sampler
 from engine_actors.sampling_head import SamplingHead
+from engine_actors.speculative import shift_positions
 from engine_actors.stage_link import StageLink, TokenLink
 from engine_actors.step_extras import CONTINUE
 from engine_actors.step_tensors import StepTensors, prepare
@@ -96,6 +97,7 @@ class ModelRunner:
         self.block_table = torch.zeros(max_num_seqs + 1, cdiv(max_model_len, block_size),
                                        dtype=torch.int32, device=self.device)
         self.last_sampled = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=self.device)
+        self.shift = torch.zeros_like(self.last_sampled)  # speculative.accept_on_device's
         self.staging = Staging(self.device)
         self.head = SamplingHead(Sampler(max_num_seqs, self.device, seed, self.staging),
                                  Grammars(model_path, self.hf_config.vocab_size), self.staging)
@@ -181,7 +183,7 @@ class ModelRunner:
         if logits is not None and self.pooling is not None:  # (final hidden states)
             out, parse = embed(logits, self.pooling), embeddings_result
         elif logits is not None:
-            out, parse = self.head.sample(logits, inputs, step, self.last_sampled)
+            out, parse = self.head.sample(logits, inputs, step, self.last_sampled, self.shift)
             if self.tokens is not None and inputs.sample_rows_host:
                 self.tokens.send(self.last_sampled[inputs.sample_rows])
         pending = self.staging.to_host(out, parse or ids_only, raw=parse is embeddings_result)
@@ -215,6 +217,8 @@ class ModelRunner:
                          pad_tokens_to=mixed[0] if mixed else 0)
         if inputs.table_rows.numel():
             self.block_table[inputs.table_rows, inputs.table_cols] = inputs.table_blocks
+        if step.shifted:
+            shift_positions(inputs, self.shift)
         input_ids = hidden = residual = None
         if self.parallel.is_first_stage:
             if self.tokens is not None and CONTINUE in step.token_ids:
@@ -273,16 +277,19 @@ class ModelRunner:
         if self.mixed is None or step.prompt_logprobs or (
                 self.row_lora is not None and (self.row_lora[step.rows] >= 0).any()):
             return None
-        return self.mixed.bucket_for(len(step.token_ids), len(step.rows))
+        # (a graph's logits rows are its request bucket: drafts sample several per request)
+        return self.mixed.bucket_for(len(step.token_ids), len(step.rows) + sum(step.num_drafts))
 
     def _slot_mapping(self, token_rows, positions):
         blocks = self.block_table[token_rows, positions // self.block_size]
         return blocks.long() * self.block_size + positions % self.block_size
 
     # ---- CUDA graphs ----------------------------------------------------------------------
-    def capture_cuda_graphs(self, max_batch_size: int, max_step_tokens: int = 0) -> None:
+    def capture_cuda_graphs(self, max_batch_size: int, max_step_tokens: int = 0,
+                            samples_per_request: int = 1) -> None:
         """Capture decode graphs for every bucket up to max_batch_size, and mixed-step graphs
-        for token buckets up to max_step_tokens (0: none); needs the KV cache."""
+        for token buckets up to max_step_tokens (0: none), with logits rows for up to
+        samples_per_request per request (1 + speculative drafts); needs the KV cache."""
         if not self.use_cuda_graphs:
             return
         pool, pad, max_reqs = torch.cuda.graph_pool_handle(), self.block_table[self.pad_row], \
@@ -291,7 +298,8 @@ class ModelRunner:
         # several, the mixed steps' collectives inside graphs have not been run on GPUs yet.
         if max_step_tokens and self.parallel.tp_size == self.parallel.pp_size == 1:
             mixed = MixedGraphs(self.model, self.kv_caches, pad, self.block_size,
-                                min(max_step_tokens, self.max_model_len), max_reqs, self.dtype)
+                                min(max_step_tokens, self.max_model_len),
+                                max_reqs * samples_per_request, self.dtype)
             mixed.capture(pool)
             self.mixed = mixed if mixed.graphs else None
         self.graphs = DecodeGraphs(self.model, self.kv_caches, pad, self.block_size, max_reqs,

@@ -87,7 +87,9 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     # tokens whose keys/values are in the KV cache or being computed by an in-flight step
     num_computed_tokens: int = 0
-    num_inflight_samples: int = 0  # tokens sampled by in-flight steps, not yet received
+    # tokens sampled by in-flight steps, not yet received (a step with a speculative draft:
+    # 1 + the draft's tokens, as if all were accepted)
+    num_inflight_samples: int = 0
     num_inflight_steps: int = 0
     last_step: int = -1  # index of the latest step that scheduled it (Scheduler.num_steps)
     status: RequestStatus = RequestStatus.WAITING
@@ -111,6 +113,10 @@ class Request:
     # adapter's slot on the workers while admitted
     lora: Any = None
     lora_slot: int = -1
+    # speculative decoding (speculative.py): its tokens as bytes for the n-gram lookup, and
+    # the draft of its latest step in flight ([]: none)
+    draft_index: Any = None
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -172,3 +178,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def append_sampled(self, tokens: list[int], eos_token_ids: set[int]
+                       ) -> tuple[list[int], FinishReason | None]:
+        """Append a step's sampled tokens (several with a speculative draft) up to the first
+        that ends the request: EOS, a stop token, max_tokens, or a negative id (NO_TOKEN:
+        its masks left no token; it ends the request without being appended). Returns the
+        tokens appended and why the request ends (None: it goes on)."""
+        s = self.sampling
+        for n, token in enumerate(tokens):
+            if token < 0:
+                return tokens[:n], FinishReason.STOP
+            self.token_ids.append(token)
+            if (not s.ignore_eos and token in eos_token_ids) or token in s.stop_token_ids:
+                return tokens[:n + 1], FinishReason.STOP
+            if self.num_output_tokens >= s.max_tokens:
+                return tokens[:n + 1], FinishReason.LENGTH
+        return list(tokens), None

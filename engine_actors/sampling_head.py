@@ -10,6 +10,7 @@ from engine_actors.grammar import Grammars, advance
 from engine_actors.logits_processors import stack, top_logprobs, unpack
 from engine_actors.messages import NewRequest, StepInput, StepResult
 from engine_actors.sampler import Sampler
+from engine_actors.speculative import accept_on_device
 from engine_actors.transfer import PendingStep, Staging
 
 
@@ -25,17 +26,20 @@ class SamplingHead:
             for r in reqs:
                 self.grammars.add(r.row, r.grammar, r.replay_tokens)
 
-    def sample(self, logits: torch.Tensor, inputs, step: StepInput,
-               last_sampled: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def sample(self, logits: torch.Tensor, inputs, step: StepInput, last_sampled: torch.Tensor,
+               shift: torch.Tensor) -> tuple[torch.Tensor, object]:
         """logits [N + M, V]: the N sampling rows, then the M prompt positions whose
         log-probabilities are asked. Returns what to copy to the host and how to read it
-        there (None: the token ids as they are)."""
+        there (None: the token ids as they are). last_sampled, shift: what the next step
+        continues from (speculative.accept_on_device)."""
         rows, num_sample = inputs.sample_rows_host, len(inputs.sample_rows_host)
         matchers, mask = self._grammar_mask(rows)
         sampled, packed, k = self.sampler.sample(logits[:num_sample], rows, inputs.sample_rows,
                                                  mask)
-        # NO_TOKEN ends its request: a step already in flight reads a valid id meanwhile
-        last_sampled[inputs.sample_rows] = sampled.clamp(min=0).to(torch.int32)
+        if step.num_drafts:  # (no draft row has masks: no NO_TOKEN)
+            accept_on_device(sampled, inputs, last_sampled, shift)
+        else:  # NO_TOKEN ends its request: a step already in flight reads a valid id meanwhile
+            last_sampled[inputs.sample_rows] = sampled.clamp(min=0).to(torch.int32)
         out, parse, kp = sampled, None, -1
         if step.prompt_logprobs:
             kp = min(max(k for _, k, _ in step.prompt_logprobs), logits.shape[-1])

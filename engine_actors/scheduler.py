@@ -1,9 +1,11 @@
 """The request pool and the per-iteration bookkeeping, free of Ray and of the model.
 
-`schedule()` asks the policy for a batch, applies its plan to the KV manager (this class is
-the only one that changes KV state) and builds the step message; `process()` applies the
-sampled tokens, finishes requests and frees their KV at once. The scheduler actor drives
-these two around the workers; tests drive them with a fake runner.
+`schedule()` asks the policy for a batch, applies its plan to the KV manager (this class,
+with the speculator it calls, is the only one that changes KV state) and builds the step
+message; `process()` applies the sampled tokens, finishes requests and frees their KV at
+once. The scheduler actor drives these two around the workers; tests drive them with a fake
+runner. With a speculator, decodes carry n-gram drafts (speculative.py) that `process()`
+verifies.
 
 With prefix caching, a request starts from its prefix's cached blocks (taken before any
 block is given out: that may evict), and `process()` registers the blocks a step filled.
@@ -28,9 +30,10 @@ from dataclasses import dataclass, field
 from engine_actors.config import EngineConfig
 from engine_actors.kv_cache import KVCacheManager, context_len
 from engine_actors.lora import LoRASlots
-from engine_actors.messages import NO_TOKEN, RequestOutput, StepInput, StepResult
+from engine_actors.messages import RequestOutput, StepInput, StepResult
 from engine_actors.policies import Budget, Policy, Scheduled, make_policy
 from engine_actors.request import FinishReason, Request, RequestStatus
+from engine_actors.speculative import Speculator
 from engine_actors.step_extras import (add_to_step, new_prompt_logprobs, new_request, trim,
                                        wants_prompt_logprobs)
 
@@ -45,13 +48,16 @@ class Batch:
     scheduled: list[Scheduled]
     epochs: list[int]  # each request's num_preemptions when scheduled: later results are stale
     prompt_starts: list[int] = field(default_factory=list)  # per step.prompt_logprobs entry
+    drafts: list[list[int]] | None = None  # per request, with speculative decoding
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, budget: Budget, max_model_len: int,
                  eos_token_ids: set[int], allow_continuation: bool = False,
-                 loras: LoRASlots | None = None, stride: int = 1):
+                 loras: LoRASlots | None = None, stride: int = 1,
+                 speculator: Speculator | None = None):
         self.kv = kv
+        self.speculator = speculator  # n-gram drafts of decodes (None: no speculation)
         self.loras = loras  # LoRA adapter slots of the workers (None: no adapters)
         self.policy = policy
         self.budget = budget
@@ -81,7 +87,9 @@ class Scheduler:
                    context_len(model_len, cfg.max_model_len, capacity), set(eos_token_ids),
                    allow_continuation=cfg.async_scheduling,
                    loras=LoRASlots(cfg.max_loras) if cfg.lora_enabled else None,
-                   stride=cfg.pipeline_parallel_size)
+                   stride=cfg.pipeline_parallel_size,
+                   speculator=Speculator(cfg.speculative_config)
+                   if cfg.speculative_config else None)
 
     @property
     def num_requests(self) -> int:
@@ -164,6 +172,12 @@ class Scheduler:
         for item in selection.batch:
             if id(item.request) in new:
                 self._admit(item.request, item.hits, step, adapters)
+        for item in selection.batch:  # every request's own tokens before any draft's
+            self.kv.grow(item.request, item.request.num_computed_tokens + item.num_tokens)
+        if self.speculator is not None:
+            batch.drafts = self.speculator.draft(
+                selection.batch, self.kv,
+                self.budget.max_num_tokens - sum(item.num_tokens for item in selection.batch))
         for index, item in enumerate(selection.batch):
             req, n = item.request, item.num_tokens
             start = req.num_computed_tokens
@@ -174,9 +188,10 @@ class Scheduler:
                 following = req.token_ids[end] if end < req.num_prompt_tokens else -1
                 step.prompt_logprobs.append((index, req.sampling.prompt_logprobs, following))
                 batch.prompt_starts.append(start)
-            self.kv.grow(req, start + n)
-            req.num_inflight_samples += add_to_step(step, req, n)
-            req.num_computed_tokens += n
+            draft = batch.drafts[index] if batch.drafts else None
+            req.num_inflight_samples += add_to_step(step, req, n, draft) * (1 + len(draft or ()))
+            req.num_computed_tokens += n + len(draft or ())
+            req.draft = draft or []
             req.num_iterations += 1
             req.num_inflight_steps += 1
             req.last_step = self.num_steps
@@ -207,13 +222,15 @@ class Scheduler:
         self._release(req)
         req.num_computed_tokens = 0
         req.num_inflight_samples = req.num_inflight_steps = 0
+        req.draft = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req)
 
     def process(self, batch: Batch, result: StepResult | list[int]) -> list[RequestOutput]:
-        """Apply one step's sampled tokens (one per request with sample=True)."""
+        """Apply one step's sampled tokens (one per request with sample=True, and one per
+        draft token)."""
         if not isinstance(result, StepResult):
             result = StepResult(result)
         outputs = []
@@ -222,34 +239,40 @@ class Scheduler:
         for index, (item, epoch, do_sample) in enumerate(zip(batch.scheduled, batch.epochs,
                                                              batch.step.sample)):
             req = item.request
-            token = next(tokens) if do_sample else None
-            token_logprobs = next(logprobs, None) if do_sample else None
+            draft = batch.drafts[index] if batch.drafts else []
+            count = do_sample * (1 + len(draft))
+            sampled = [next(tokens) for _ in range(count)]
+            token_logprobs = [next(logprobs, None) for _ in range(count)]
             embedding = next(embeddings, None) if do_sample else None
             if req.is_finished or req.num_preemptions != epoch:
                 continue  # finished, aborted or preempted while this step was in flight
             req.num_inflight_steps -= 1
-            req.num_inflight_samples -= do_sample
+            req.num_inflight_samples -= count
+            if draft:  # the KV of rejected draft tokens is written over later
+                sampled = self.speculator.accept(draft, sampled)
+                req.num_computed_tokens -= len(draft) + 1 - len(sampled)
             # the step wrote its tokens' KV: the blocks it filled may serve later prompts
+            # (of the tokens known before it: never a draft's)
             end = batch.step.context_lens[index] + batch.step.query_lens[index]
             if end >= (req.num_registered_blocks + 1) * self.kv.block_size:
                 self.kv.cache_blocks(req, end)
             if req.num_inflight_steps == 0:
                 req.status = RequestStatus.WAITING
+                req.draft = []
             new_prompt = prompt.get(index)
-            if token is None:
+            if not sampled:
                 if new_prompt:
                     outputs.append(self._output(req, [], prompt_logprobs=new_prompt))
                 continue
-            # NO_TOKEN: its masks left none; an embedding (runner "pooling") ends with none
-            new = [] if token == NO_TOKEN or embedding is not None else [token]
-            req.token_ids += new
-            lps = None
-            if new and req.sampling.logprobs is not None and token_logprobs is not None:
-                lps = [trim(token_logprobs, req.sampling.logprobs)]
-            reason = self._stop_reason(req, token) if new else FinishReason.STOP
+            # an embedding (runner "pooling") ends its request with no token
+            new, reason = ([], FinishReason.STOP) if embedding is not None else \
+                req.append_sampled(sampled, self.eos_token_ids)
+            k = req.sampling.logprobs
+            lps = [trim(x, k) for x in token_logprobs[:len(new)] if x is not None] \
+                if k is not None else None
             out = self._finish(req, reason, new) if reason is not None else \
                 self._output(req, new)
-            out.logprobs, out.prompt_logprobs, out.embedding = lps, new_prompt, embedding
+            out.logprobs, out.prompt_logprobs, out.embedding = lps or None, new_prompt, embedding
             outputs.append(out)
         return outputs
 
@@ -262,16 +285,6 @@ class Scheduler:
         waiting keep their place and run on the new workers."""
         return [self._finish(req, FinishReason.ABORT) for req in list(self.pool.values())
                 if req.is_admitted or req.num_inflight_steps]
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        s = req.sampling
-        if not s.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in s.stop_token_ids:
-            return FinishReason.STOP
-        if req.num_output_tokens >= s.max_tokens:
-            return FinishReason.LENGTH
-        return None
 
     def _release(self, req: Request) -> None:
         """An admitted request gives back its KV, row and adapter slot."""

@@ -11,12 +11,14 @@ from engine_actors.request import Request
 CONTINUE = -1  # "the token this row's previous step samples", resolved on the worker
 
 
-def add_to_step(step: StepInput, req: Request, n: int) -> bool:
+def add_to_step(step: StepInput, req: Request, n: int, draft: list[int] | None = None) -> bool:
     """Append `req`'s next n tokens (from its computed ones on) to the step message: its
-    row, context and query lengths, token ids (CONTINUE for the one being sampled now) and
-    the block-table entries its workers' row lacks. True if the step samples its next
-    token."""
+    row, context and query lengths, token ids (CONTINUE for the one being sampled now), its
+    draft (None: no request of the step has one) and the block-table entries its workers'
+    row lacks. True if the step samples its next token."""
     start = req.num_computed_tokens
+    if req.num_inflight_samples and req.draft:
+        step.shifted.append(len(step.rows))
     first_col = req.num_blocks_sent  # the workers' table row has blocks up to here
     new_blocks = req.blocks[first_col:]
     req.num_blocks_sent = len(req.blocks)
@@ -25,11 +27,14 @@ def add_to_step(step: StepInput, req: Request, n: int) -> bool:
     step.table_blocks.extend(new_blocks)
     step.rows.append(req.row)
     step.context_lens.append(start)
-    step.query_lens.append(n)
     known = req.token_ids[start:start + n]
     step.token_ids.extend(known)
     step.token_ids.extend([CONTINUE] * (n - len(known)))
     sample = start + n == req.num_tokens + req.num_inflight_samples
+    if draft is not None:
+        step.token_ids.extend(draft)
+        step.num_drafts.append(len(draft))
+    step.query_lens.append(n + len(draft or ()))
     step.sample.append(sample)
     return sample
 

@@ -43,9 +43,18 @@ def prepare(step: StepInput, pad_to: int, pad_row: int, row_lora: np.ndarray | N
         positions = np.concatenate([positions, np.zeros(token_pad, np.int32)])
         token_rows = np.concatenate([token_rows, np.full(token_pad, pad_row, np.int32)])
         token_ids = np.concatenate([token_ids, np.zeros(token_pad, np.int32)])
-    sample = np.asarray(step.sample, dtype=bool)
-    logits_indices = (cu_seqlens_q[1:len(step.rows) + 1] - 1)[sample]
-    sample_rows = rows[:len(step.rows)][sample]
+    # each sampling request's last token, or with a draft its last 1 + drafts tokens
+    counts = np.asarray(step.sample, dtype=np.int32)
+    if step.num_drafts:
+        counts *= 1 + np.asarray(step.num_drafts, dtype=np.int32)
+    total = int(counts.sum())
+    logits_indices = np.repeat(cu_seqlens_q[1:len(step.rows) + 1] - counts, counts) \
+        + np.arange(total, dtype=np.int32) - np.repeat(np.cumsum(counts) - counts, counts)
+    sample_rows = np.repeat(rows[:len(step.rows)], counts)
+    shift_tokens, shift_reqs = spans(cu_seqlens_q, step.shifted), np.asarray(step.shifted, np.int32)
+    sizes = counts[counts > 0] if step.num_drafts else np.zeros(0, np.int32)
+    group_first = np.cumsum(sizes, dtype=np.int32) - sizes  # each sampling request's first
+    sample_group = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
     prompt_indices, targets, counts = prompt_positions(step, cu_seqlens_q)
     token_slots, order, tiles = None, np.zeros(0, np.int32), []  # LoRA: tokens by adapter
     if row_lora is not None:
@@ -59,7 +68,9 @@ def prepare(step: StepInput, pad_to: int, pad_row: int, row_lora: np.ndarray | N
              sample_rows, np.asarray(targets, np.int32),
              np.asarray(step.table_rows, np.int32),
              np.asarray(step.table_cols, np.int32), np.asarray(step.table_blocks, np.int32),
-             order, np.asarray(tiles, np.int32).reshape(-1)]
+             shift_tokens, shift_reqs, sample_group,
+             np.arange(len(sample_group), dtype=np.int32) - np.repeat(group_first, sizes),
+             group_first, sizes - 1, order, np.asarray(tiles, np.int32).reshape(-1)]
     # each part starts 16-byte aligned: Triton specializes kernels on the alignment of their
     # pointers, and a new alignment would compile them again in the middle of serving
     padded = [len(p) + -len(p) % 4 for p in parts]
@@ -71,8 +82,19 @@ def prepare(step: StepInput, pad_to: int, pad_row: int, row_lora: np.ndarray | N
     views = [device_buf[start:start + len(p)] for start, p in zip(starts, parts)]
     return StepTensors(*views[:-1], views[-1].view(-1, 3),
                        max_query_len=int(query_lens.max()),
+                       max_samples=int(sizes.max()) if len(sizes) else 1,
                        sample_rows_host=sample_rows.tolist(), prompt_counts=counts,
                        lora_token_slots=token_slots)
+
+
+def spans(cu_seqlens_q: np.ndarray, requests: list[int]) -> np.ndarray:
+    """The flattened token indices of these requests."""
+    if not requests:
+        return np.zeros(0, np.int32)
+    starts, ends = cu_seqlens_q[requests], cu_seqlens_q[np.asarray(requests) + 1]
+    lens = ends - starts
+    return (np.repeat(starts - (np.cumsum(lens) - lens), lens)
+            + np.arange(lens.sum())).astype(np.int32)
 
 
 @dataclass(slots=True)
@@ -83,16 +105,27 @@ class StepTensors:
     cu_seqlens_q: torch.Tensor  # [B+1]
     seq_lens: torch.Tensor  # [B]
     rows: torch.Tensor  # [B]
-    logits_indices: torch.Tensor  # [N + M] the last token of each sampling request, then
-    #                               the M prompt positions whose log-probabilities are asked
-    sample_rows: torch.Tensor  # [N]
+    logits_indices: torch.Tensor  # [N + M] the last token of each sampling request (and its
+    #         draft tokens), then the M prompt positions whose log-probabilities are asked
+    sample_rows: torch.Tensor  # [N] the table row of each
     prompt_targets: torch.Tensor  # [M] the prompt token after each of those positions
     table_rows: torch.Tensor
     table_cols: torch.Tensor
     table_blocks: torch.Tensor
+    # speculative decoding (engine_actors/speculative.py): the tokens and the requests to move
+    # back by their rows' rejected draft tokens (StepInput.shifted); each sample's request
+    # (among the sampling ones) and its place in it; each such request's first sample and
+    # draft length
+    shift_tokens: torch.Tensor
+    shift_reqs: torch.Tensor
+    sample_group: torch.Tensor
+    sample_offset: torch.Tensor
+    group_first: torch.Tensor
+    group_drafts: torch.Tensor
     lora_order: torch.Tensor  # the adapter tokens grouped by slot, see kernels/lora.py
     lora_tiles: torch.Tensor  # [n, 3] (first, end, adapter slot) over lora_order
     max_query_len: int
+    max_samples: int  # the most samples of one request (1 + its draft)
     sample_rows_host: list[int]
     prompt_counts: list[int]  # positions per StepInput.prompt_logprobs entry
     lora_token_slots: np.ndarray | None  # host: each token's adapter slot (-1: none)

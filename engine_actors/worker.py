@@ -91,7 +91,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs(self.cfg.max_batch_size, self.cfg.max_num_batched_tokens)
+        self.runner.capture_cuda_graphs(self.cfg.max_batch_size, self.cfg.max_num_batched_tokens,
+                                        1 + self.cfg.max_drafts)
 
     def freeze_heap(self) -> None:
         """Called in the actor once it is set up: full collections under load no longer

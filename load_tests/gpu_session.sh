@@ -34,6 +34,12 @@ for part in $BENCH; do
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 ;;
     ft-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_finetune.py tests/test_finetune_pieces.py \
         tests/test_finetune_worker.py tests/test_kv_memory.py 2>&1 | tee "$OUT/ft-tests.log" | tail -8 ;;
+    spec-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_speculative.py tests/test_parity.py \
+        2>&1 | tee "$OUT/spec-tests.log" | tail -8 ;;
+    spec-steps) python3 -m load_tests.bench_spec steps --model llama-8b ${SPEC_ARGS:-} --out "$OUT/spec-steps${LABEL:-}.json" \
+        > "$OUT/spec-steps${LABEL:-}.log" 2>&1; grep "^B=" "$OUT/spec-steps${LABEL:-}.log" ;;
+    spec-http) python3 -m load_tests.bench_spec http --model llama-8b ${SPEC_ARGS:-} --out "$OUT/spec-http${LABEL:-}.json" \
+        > "$OUT/spec-http${LABEL:-}.log" 2>&1; grep -v "^ *[\"{}\[\]]" "$OUT/spec-http${LABEL:-}.log" | tail -30 ;;
     decode) python3 -m load_tests.bench_decode --model llama-8b --batch-size 64 ${DECODE_ARGS:-} --out "$OUT/decode-8b${LABEL:-}.json" 2>&1 | tail -15 ;;
     decode-1b) python3 -m load_tests.bench_decode --model llama-1b --batch-size 64 ${DECODE_ARGS:-} --out "$OUT/decode-1b${LABEL:-}.json" 2>&1 | tail -15 ;;
     mixed) python3 -m load_tests.bench_mixed --model llama-8b --decode-rows ${DECODE_ROWS:-8 64} --out "$OUT/mixed-8b${LABEL:-}.json" 2>&1 | tail -12 ;;

@@ -19,11 +19,13 @@ def next_token(seq: list[int]) -> int:
 
 
 class FakeRunner:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, model=next_token):
         self.block_size = block_size
+        self.model = model  # tokens so far -> the next one
         self.slots: dict[int, int] = {}  # KV slot (block * block_size + offset) -> token
         self.tables: dict[int, dict[int, int]] = {}  # row -> col -> block
         self.last_sample: dict[int, int] = {}  # row -> token it sampled last (for -1 tokens)
+        self.shift: dict[int, int] = {}  # row -> its last step's rejected draft tokens, negated
         self.steps: list[StepInput] = []
 
     def _slot(self, row: int, position: int) -> int:
@@ -39,10 +41,16 @@ class FakeRunner:
             self.tables[row][col] = block
         assert len(set(step.rows)) == len(step.rows), "a request twice in one step"
         out, offset = [], 0
-        for row, ctx, n, sample in zip(step.rows, step.context_lens, step.query_lens, step.sample):
+        drafts = step.num_drafts or [0] * len(step.rows)
+        for i, (row, ctx, n, sample, d) in enumerate(zip(step.rows, step.context_lens,
+                                                         step.query_lens, step.sample, drafts)):
             new = step.token_ids[offset:offset + n]
-            assert all(t >= 0 for t in new[:-1]), "only the last new token can be a continuation (-1)"
+            # a continuation (-1) is a decode's token, before its draft tokens if it has any
+            assert all(t >= 0 for t in new[:n - d][:-1] + new[n - d:]), new
             new = [self.last_sample[row] if t < 0 else t for t in new]
+            if i in step.shifted:  # placed as if its previous step's drafts were accepted
+                assert step.token_ids[offset] < 0
+                ctx += self.shift[row]
             for i, t in enumerate(new):
                 self.slots[self._slot(row, ctx + i)] = t
             seq = []
@@ -51,9 +59,14 @@ class FakeRunner:
                 assert slot in self.slots, f"row {row}: position {p} was never computed"
                 seq.append(self.slots[slot])
             offset += n
-            if sample:
-                out.append(next_token(seq))
-                self.last_sample[row] = out[-1]
+            if sample:  # after its last token, and after each draft token's prefix
+                samples = [self.model(seq[:len(seq) - d + j]) for j in range(d + 1)]
+                out.extend(samples)
+                accepted = 0  # as the worker does on the device for the next step
+                while accepted < d and samples[accepted] == new[n - d + accepted]:
+                    accepted += 1
+                self.last_sample[row] = samples[accepted]
+                self.shift[row] = accepted - d
         assert offset == len(step.token_ids)
         return out
 

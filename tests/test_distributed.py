@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import pytest
@@ -188,6 +189,27 @@ def test_tp_pp_outputs_equal_a_single_worker(ray_cluster, checkpoint, one_worker
         outputs = asyncio.run(run_in_waves(actor, requests))
         stop_engine(actor)
         assert outputs == expected, (tp, pp)
+
+
+def test_speculative_decoding_over_pipeline_stages_equals_a_single_worker(
+        ray_cluster, checkpoint, one_worker):
+    """n-gram drafts verified through the scheduler actor, over two tensor-parallel ranks
+    (async scheduling: every rank finds the accepted drafts on its device) and two stages
+    (steps wait for their drafts' verification); the seeded requests with penalties decode
+    one token a step beside them."""
+    import ray
+    requests, expected = one_worker
+    for tp, pp in [(2, 1), (1, 2)]:
+        actor = start_engine(checkpoint, tp, pp, speculative_config={
+            "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+        outputs = asyncio.run(run_in_waves(actor, requests))
+        text = ray.get(actor.metrics_text.remote()).decode()
+        stop_engine(actor)
+        assert outputs == expected, (tp, pp)
+        # (the random model seldom repeats itself: drafts are verified, few are accepted)
+        drafts = re.search(r"^orca:spec_decode_num_draft_tokens_total\{.*\} (\S+)$", text,
+                           re.M)
+        assert float(drafts.group(1)) > 0, (tp, pp)
 
 
 def test_worker_death_fails_in_flight_requests_and_recovers(ray_cluster):
