@@ -36,7 +36,7 @@ class SamplingHead:
         matchers, mask = self._grammar_mask(rows)
         sampled, packed, k = self.sampler.sample(logits[:num_sample], rows, inputs.sample_rows,
                                                  mask)
-        if step.num_drafts:  # (no draft row has masks: no NO_TOKEN)
+        if step.num_drafts:
             accept_on_device(sampled, inputs, last_sampled, shift)
         else:  # NO_TOKEN ends its request: a step already in flight reads a valid id meanwhile
             last_sampled[inputs.sample_rows] = sampled.clamp(min=0).to(torch.int32)

@@ -104,14 +104,15 @@ class Speculator:
             if draft:
                 kv.grow(req, start + 1 + len(draft))
                 tokens_left -= len(draft)
-                self.num_drafts += 1
-                self.num_draft_tokens += len(draft)
             drafts.append(draft)
         return drafts if any(drafts) else None
 
     def accept(self, draft: list[int], sampled: list[int]) -> list[int]:
         """The tokens a verified draft yields: the samples up to the first one that differs
-        from its draft token, that one included (len(sampled) == len(draft) + 1)."""
+        from its draft token, that one included (len(sampled) == len(draft) + 1). Counted
+        here: a step's drafts whose request ended before its result came are not."""
+        self.num_drafts += 1
+        self.num_draft_tokens += len(draft)
         n = 0
         while n < len(draft) and sampled[n] == draft[n]:
             self.accepted_per_position[n] += 1
@@ -139,7 +140,9 @@ def accept_on_device(sampled, inputs, last_sampled, shift) -> None:
     accepted = grid.cumprod(dim=1).sum(dim=1)
     first = inputs.group_first.long()
     rows = inputs.sample_rows[first].long()
-    last_sampled[rows] = sampled[first + accepted].to(torch.int32)
+    # (NO_TOKEN, of a row whose masks left none, ends its request: a step already in flight
+    # reads a valid id meanwhile)
+    last_sampled[rows] = sampled[first + accepted].clamp(min=0).to(torch.int32)
     shift[rows] = (accepted - drafts).to(torch.int32)
 
 

@@ -133,9 +133,10 @@ def make_scheduler(speculator=None, num_blocks=256, policy="fcfs", prefix_cachin
 
 
 def workload(seed, n=8):
+    """(Arrival times differ, as the engine's always do: preemption orders by them.)"""
     rng = random.Random(seed)
     return [Request(f"r{i}", [rng.randrange(190) for _ in range(rng.randint(1, 30))],
-                    SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True), 0.0)
+                    SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True), float(i))
             for i in range(n)]
 
 
@@ -411,3 +412,32 @@ def test_a_step_replays_the_smallest_graph_that_holds_its_tokens_and_logits_rows
     assert graphs.bucket_for(9, 9) == (32, 32)  # (16, 32) has more rows than tokens
     assert graphs.bucket_for(33, 40) == (64, 40)
     assert graphs.bucket_for(129, 1) is None and graphs.bucket_for(8, 41) is None
+
+
+def test_a_request_left_no_token_beside_drafts_ends_and_the_next_step_runs(checkpoint):
+    """A request whose masks leave it no token (NO_TOKEN) in a step that verifies another
+    request's drafts: the step already scheduled after it continues from a valid id."""
+    engine = InProcessEngine(model=checkpoint, max_batch_size=8, max_num_tokens=4096,
+                             block_size=4, speculative_config=SPEC_ARGS)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", [5, 6, 7, 8] * 6, SamplingParams(max_tokens=40, **greedy)),
+                    # 97 once, then the bad word [97, 97] leaves it nothing
+                    ("b", [5, 80, 13], SamplingParams(max_tokens=5, allowed_token_ids=(97,),
+                                                      bad_words=((97, 97),), **greedy))]}
+    outputs = engine.run(arrivals)
+    assert outputs["b"] == [97] and engine.finish_reasons["b"] == "stop"
+    assert outputs["a"] == hf_greedy(checkpoint, [5, 6, 7, 8] * 6, 40)
+    assert any(s.num_drafts and len(s.rows) == 2 for s in engine.steps)
+
+
+def test_drafts_of_steps_whose_request_ended_before_are_not_counted():
+    """With continuation, a request that ends at a stop token inside its drafts has a next
+    step in flight whose drafts are never verified: the counters leave them out."""
+    s = spec()
+    sched = make_scheduler(s, continuation=True)
+    requests = [Request(f"r{i}", [10 + i, 11, 12, 13, 14] * 2 + [10 + i, 11, EOS, 13, 14],
+                        SamplingParams(max_tokens=40), float(i)) for i in range(4)]
+    outputs, finish, _ = run(sched, FakeRunner(4, repeating), requests)
+    assert all(finish[r.request_id] == "stop" for r in requests)
+    # every verified draft of the repeating model is right
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
