@@ -279,14 +279,13 @@ def test_disable_by_batch_size():
 
 def test_metrics_count_drafts_as_vllm():
     metrics, s = EngineMetrics("m"), spec(k=3)
-    s.num_drafts, s.num_draft_tokens = 2, 5
     s.accept([4, 5, 6], [4, 5, 0, 0])
     metrics.speculation(s)
     s.accept([4], [4, 0])
     metrics.speculation(s)
     text = metrics.render().decode()
     for line in ['orca:spec_decode_num_drafts_total{model_name="m"} 2.0',
-                 'orca:spec_decode_num_draft_tokens_total{model_name="m"} 5.0',
+                 'orca:spec_decode_num_draft_tokens_total{model_name="m"} 4.0',
                  'orca:spec_decode_num_accepted_tokens_total{model_name="m"} 3.0',
                  'orca:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
                  'position="0"} 2.0',
