@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated
 
 import numpy as np
-from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route

@@ -46,15 +46,6 @@ def show_info_logs() -> None:
         log.addHandler(handler)
 
 
-def start_failure_cause(e: Exception) -> str:
-    """One line: the error a worker raised, without Ray's wrapping and traceback."""
-    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
-        e = e.cause
-    elif isinstance(e, ray.exceptions.RayActorError):
-        return f"a worker died while starting: {e.error_msg.splitlines()[0]}"
-    return f"{type(e).__name__}: {e}".splitlines()[0]
-
-
 class EngineLoop:
     def __init__(self, cfg: EngineConfig, info: ModelInfo, executor: Executor,
                  scheduler: Scheduler, metrics: EngineMetrics, deliver: Deliver):

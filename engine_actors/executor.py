@@ -36,6 +36,15 @@ def resolve_device(cfg: EngineConfig) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= cfg.num_workers else "cpu"
 
 
+def start_failure_cause(e: Exception) -> str:
+    """One line: the error a worker raised, without Ray's wrapping and traceback."""
+    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        e = e.cause
+    elif isinstance(e, ray.exceptions.RayActorError):
+        return f"a worker died while starting: {e.error_msg.splitlines()[0]}"
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
 def _remove_stale_placement_group(name: str) -> None:
     """A placement group belongs to the job, not to the actor that made it: one left by a
     scheduler that died still holds its devices. Free it before asking for them again."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_actors.checkpoint import architecture, iter_checkpoint_tensors, load_hf_config
+from engine_actors.checkpoint import load_hf_config
 from engine_actors.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine_actors.kv_cache import cdiv
 from engine_actors.kv_memory import KVMemory
@@ -25,13 +25,11 @@ from engine_actors.layers import lora as lora_layers
 from engine_actors.layers.attention import AttentionMetadata
 from engine_actors.logits_processors import ids_only
 from engine_actors.messages import StepInput, StepResult
-from engine_actors.models import model_class
-from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import SINGLE, ParallelGroup
 from engine_actors.plain_config import config_data, plain_config
-from engine_actors.pooling import embed, embeddings_result, keep_classifier, read_pooling
-from engine_actors.quantization import (check_device, check_kv_device, fp8_weights,
-                                        loaded_dtype, read_format)
+from engine_actors.pooling import embed, embeddings_result, read_pooling
+from engine_actors.model_loader import KV_DTYPES, load_model
+from engine_actors.quantization import check_kv_device, read_format
 from engine_actors.sampler import Sampler
 from engine_actors.sampling_head import SamplingHead
 from engine_actors.speculative import shift_positions
@@ -41,17 +39,6 @@ from engine_actors.step_tensors import StepTensors, prepare
 from engine_actors.timeline import StepTimeline
 from engine_actors.transfer import PendingStep, Staging
 from kernels.lora import max_tiles
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-             "fp8_e5m2": torch.float8_e5m2}
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return DTYPES[dtype]
-
 
 class ModelRunner:
     def __init__(self, model_path: str, device: str, dtype: torch.dtype, max_model_len: int,
@@ -80,7 +67,8 @@ class ModelRunner:
         labels = len(self.hf_config.id2label) \
             if hasattr(self.hf_config, "sequence_classifier") else 0
         self.pooling = read_pooling(model_path, classifier_tokens, labels) if pooling else None
-        self.model = self._load_model(model_path)
+        self.model = load_model(model_path, self.hf_config, self.dtype, self.device,
+                                max_model_len, parallel, self.fp8, self.pooling)
         self.row_lora = None  # host: each table row's adapter slot (-1: the base model)
         self.lora_slots = lora[0] if lora is not None else 0
         if lora is not None:
@@ -121,37 +109,6 @@ class ModelRunner:
             if continuation and self.pooling is None and (self.parallel.is_first_stage
                                                           or self.parallel.is_last_stage):
                 self.tokens = TokenLink(self.parallel, self.last_sampled, self.max_num_seqs)
-
-    def _load_model(self, path: str) -> LlamaForCausalLM:
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        check_device(self.fp8, self.device)
-        try:
-            with torch.device(self.device), fp8_weights(self.fp8):
-                model = model_class(architecture(self.hf_config))(
-                    self.hf_config, self.max_model_len, self.parallel)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        loaded = set()
-        for name, tensor in iter_checkpoint_tensors(path, self.device):
-            keep_classifier(self.pooling, name, tensor, self.hf_config.tie_word_embeddings,
-                            self.device)
-            keys = model.load_weight(name, loaded_dtype(name, tensor, self.dtype))
-            loaded.update(keys if isinstance(keys, list) else [keys])  # (a list: experts')
-        if self.pooling is not None and self.pooling.classifier is None and \
-                (self.pooling.token_ids or self.pooling.num_labels):
-            raise ValueError(f"checkpoint {path} has no classifier head (score.weight)"
-                             if self.pooling.num_labels else
-                             f"classifier_from_token: checkpoint {path} has no LM head (nor "
-                             "embedding table) to take the tokens' rows from")
-        missing = model.weight_keys() - loaded
-        if self.pooling is not None:  # it never reads the LM head (a classifier has none):
-            missing = {k for k in missing if not k.startswith("lm_head.")}
-            if not self.hf_config.tie_word_embeddings:  # its memory goes to the KV cache
-                model.lm_head = None
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")
-        return model.eval()
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -25,8 +25,8 @@ import ray
 from engine_actors.batches import Batches
 from engine_actors.checkpoint import ModelInfo, load_tokenizer, resolve_model_path
 from engine_actors.config import EngineConfig
-from engine_actors.engine_loop import EngineLoop, show_info_logs, start_failure_cause
-from engine_actors.executor import PhaseClock
+from engine_actors.engine_loop import EngineLoop, show_info_logs
+from engine_actors.executor import PhaseClock, start_failure_cause
 from engine_actors.finetune_jobs import FineTuning
 from engine_actors.lora import Adapters
 from engine_actors.messages import BatchRequest, EngineRequest, Refusal, RequestOutput

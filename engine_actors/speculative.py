@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from array import array
 
-from engine_actors.config import SpeculativeConfig
+from engine_actors.vllm_args import SpeculativeConfig
 from engine_actors.kv_cache import KVCacheManager
 from engine_actors.policies import Scheduled
 from engine_actors.request import Request

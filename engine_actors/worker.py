@@ -26,7 +26,8 @@ from engine_actors.finetune import Trainer
 from engine_actors.finetune_memory import training_memory
 from engine_actors.finetune_pieces import Pieces
 from engine_actors.kv_profile import profile_kv_blocks
-from engine_actors.model_runner import ModelRunner, resolve_dtype
+from engine_actors.model_loader import resolve_dtype
+from engine_actors.model_runner import ModelRunner
 from engine_actors.parallel import ONE_SHOT_MAX_BYTES, SINGLE, free_address, init_parallel
 
 CPU_KV_TOKENS = 16384  # default KV pool on CPU when max_num_tokens is not given

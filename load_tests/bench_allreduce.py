@@ -13,10 +13,11 @@ symmetric memory's own barrier instead of our flag exchange).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
+
+from load_tests.report import save_json
 
 SIZES = [1, 16, 64, 128, 256, 512, 1024]  # tokens of a [tokens, 4096] bf16 message
 
@@ -130,9 +131,7 @@ def main(argv=None) -> None:
         exact = all(r["sizes"][tokens][f"{c}_exact"] for r in results for c in cols[1:])
         print(f"{tokens} | " + " | ".join(f"{row[c + '_eager_us']} / {row[c + '_graph_us']}"
                                           for c in cols) + f" | {exact}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"world": args.world, "ranks": results}, f, indent=1)
+    save_json(args.out, {"world": args.world, "ranks": results})
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ layer reads keys and values of its own, so that nothing stays in L2.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels import attention as A
+from load_tests.report import save_json
 
 CASES = {"decode-b64-ctx4096": (64, 4096, 1), "decode-b64-ctx512": (64, 512, 1),
          "prefill-2x2048": (2, 2048, 2048)}  # (requests, context, new tokens each)
@@ -108,8 +107,7 @@ def main(argv=None) -> dict:
         for pool_name, pool in POOLS.items():
             print(f"== {pool_name}", flush=True)
             report["cases"][pool_name] = splits_sweep(pool)
-        if args.out:
-            pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+        save_json(args.out, report)
         return report
     for case, (requests, context, new) in CASES.items():
         for pool_name, pool in POOLS.items():
@@ -128,8 +126,7 @@ def main(argv=None) -> dict:
             best = min((ms, key) for key, ms in row.items())
             print(f"{case} {pool_name}: engine {row['engine']:.3f} ms, best {best[1]} "
                   f"{best[0]:.3f} ms", flush=True)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+    save_json(args.out, report)
     return report
 
 

@@ -10,13 +10,13 @@ Prints each mode's median time to the first text delta and to the stream's end.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import httpx
 
 from load_tests.bench_http import launched
+from load_tests.report import save_json
 from tests.serve_fixture import free_port, wait_healthy
 
 
@@ -59,9 +59,7 @@ def main() -> None:
     print("| background | first delta ms | whole stream ms |\n| --- | --- | --- |")
     for r in rows:
         print(f"| {r['background']} | {r['first_delta_ms']:.1f} | {r['stream_ms']:.1f} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=1)
+    save_json(args.out, {"args": vars(args), "results": rows})
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 
 from load_tests.bench_http import _wait_healthy, launched
+from load_tests.report import save_json
 
 
 async def one(session, url: str, body: dict) -> float:
@@ -83,9 +83,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     report = {"model": args.model, "max_tokens": args.max_tokens,
               "prompt_words": args.prompt_words, "rows": asyncio.run(run(args))}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

@@ -39,6 +39,7 @@ from engine_actors.kv_cache import cdiv
 from engine_actors.messages import StepInput
 from engine_actors.model_runner import ModelRunner
 from load_tests.bench_decode import new_request
+from load_tests.report import save_json
 
 WRAP = 256
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -288,9 +289,7 @@ def main(argv=None) -> list[dict]:
         t = r.get("train_tokens_per_s")
         t = f"{t:,.0f} | {t / dedicated:.2f}" if t is not None else "- | -"
         print(f"| {r['run']} | {d} | {t} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    save_json(args.out, {"args": vars(args), "rows": rows})
     return rows
 
 

@@ -26,6 +26,7 @@ import random
 import time
 
 from load_tests.bench_http import _wait_healthy, launched
+from load_tests.report import save_json
 
 MODES = ("chained", "full", "chat")
 WORDS = ("orca whale river stone cloud paper light green quick seven field table north "
@@ -141,9 +142,7 @@ def main(argv=None) -> dict:
         print(f"{mode:<8} {r['wall_s']:7.2f} {r['turn_p50_s'] * 1e3:12.1f} "
               f"{r['turn_p99_s'] * 1e3:12.1f} {r['mean_request_bytes']:10.0f} "
               f"{str(r['answers_equal_first_mode']):>18}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     if not all(r["answers_equal_first_mode"] for r in results.values()):
         raise SystemExit("the modes' greedy answers differ: they rendered different prompts")
     return report

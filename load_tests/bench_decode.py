@@ -25,6 +25,7 @@ from engine_actors.kv_cache import cdiv
 from engine_actors.messages import NewRequest, ProcessorSettings, StepInput
 from engine_actors.model_runner import ModelRunner
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
+from load_tests.report import save_json
 
 
 def weight_bytes(model) -> int:
@@ -130,10 +131,13 @@ def graph_size(batch: int) -> int:
 
 
 def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int,
-                variant: str = "plain", lora_slots: list[int] | None = None) -> float:
+                variant: str = "plain", lora_slots: list[int] | None = None,
+                drafts: int = 0) -> float:
     """Mean ms per step over `iters` back-to-back steps, after warm-up; lora_slots: each
-    request's LoRA adapter slot (default: the base model)."""
-    blocks_each = cdiv(context_len + iters + 8, runner.block_size)
+    request's LoRA adapter slot (default: the base model); drafts: each request's draft
+    tokens per step, verified as speculative decoding's (1 + drafts query tokens)."""
+    q = 1 + drafts
+    blocks_each = cdiv(context_len + (iters + 8) * q, runner.block_size)
     slots = lora_slots or [-1] * batch
     tokenizer_dir = runner.head.grammars.model_path
     first = StepInput(new_requests=[new_request(r, variant, context_len, slots[r], tokenizer_dir)
@@ -145,9 +149,11 @@ def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int,
                       table_blocks=list(range(batch * blocks_each)))
     runner.launch(first).wait()
 
-    def step(i):
-        return StepInput(rows=list(range(batch)), context_lens=[context_len + i] * batch,
-                         query_lens=[1] * batch, sample=[True] * batch, token_ids=[-1] * batch)
+    def step(i):  # (a draft's tokens are known ids; a plain decode continues on the device)
+        return StepInput(rows=list(range(batch)), context_lens=[context_len + i * q] * batch,
+                         query_lens=[q] * batch, sample=[True] * batch,
+                         token_ids=[7] * (q * batch) if drafts else [-1] * batch,
+                         num_drafts=[drafts] * batch if drafts else [])
 
     for i in range(5):
         runner.launch(step(i)).wait()
@@ -318,9 +324,7 @@ def main(argv=None) -> dict:
         report[f"{variant}_ms"] = ms
         report[f"{variant}_over_plain"] = ms / r["graph_ms"]
     print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import json
 import random
 import time
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 from load_tests.bench_http import _wait_healthy, launched
 from load_tests.bench_offline import load_hf_model
+from load_tests.report import save_json
 
 
 def make_inputs(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -120,11 +120,8 @@ def main() -> None:
               f"{r['tokens_per_s']:.0f} |")
     print("min cosine similarity, HTTP vs transformers: "
           f"{min(r['min_cosine_vs_transformers'] for r in rows if 'HTTP' in r['system']):.4f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"model": args.model, "num_inputs": args.num_inputs, "tokens": tokens,
-                       "inputs_per_request": args.inputs_per_request, "rows": rows}, f,
-                      indent=1)
+    save_json(args.out, {"model": args.model, "num_inputs": args.num_inputs, "tokens": tokens,
+                         "inputs_per_request": args.inputs_per_request, "rows": rows})
 
 
 if __name__ == "__main__":

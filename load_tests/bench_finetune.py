@@ -35,6 +35,7 @@ from load_tests.finetune_report import plot, table
 from load_tests.load_client import LoadConfig, sweep
 from load_tests.metrics import ratio_interval
 from load_tests.traces import orca_trace
+from load_tests.report import save_json
 
 # 50 epochs (the API's most) of 256 examples outlast every phase: ~10 s an epoch on an H200 (llama-8b)
 HYPER = {"n_epochs": 50, "batch_size": 16, "learning_rate": 1e-4}
@@ -268,9 +269,7 @@ def main(argv=None) -> dict:
         report["dedicated_after_tokens_s"] = dedicated_tokens_per_s(
             args.model, args.device, lines, args.idle_s, args.finetune_max_tokens)
     print(table(report))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     if args.plot:
         plot(report, args.plot)
     return report

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kernels import fp8
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
+from load_tests.report import save_json
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -156,9 +157,7 @@ def main(argv=None) -> list[dict]:
         print("\ntokens | " + " | ".join(k.removesuffix("_ms") for k in names))
         for r in rows:
             print(f"{r['tokens']} | " + " | ".join(f"{r[k]:.3f}" for k in names))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    save_json(args.out, rows)
     return rows
 
 

@@ -44,6 +44,7 @@ import urllib.request
 import yaml
 
 from load_tests.traces import TraceRequest
+from load_tests.report import save_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_NAME = "bench"  # the served model's name (the Messages API requires `model`)
@@ -319,9 +320,7 @@ def main(argv=None) -> dict:
         ratio = f"{r['vs_orca']:.2f}x" if r["vs_orca"] else "-"
         cpu = f"{r['client_cpu_s']:.2f}" if "client_cpu_s" in r else "-"
         print(f"| {r['system']} | {r['elapsed_s']:.2f} | {ratio} | {cpu} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

@@ -11,7 +11,6 @@ step's memory floor (weights + KV bytes at the measured copy bandwidth, as bench
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -21,6 +20,7 @@ from engine_actors.model_runner import ModelRunner
 from kernels import split_kv
 from load_tests.bench_decode import graph_size, time_decode, weight_bytes
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
+from load_tests.report import save_json
 
 CASES = [(1, 512), (1, 4096), (1, 32768), (4, 16384), (16, 4096), (64, 512)]
 
@@ -64,9 +64,7 @@ def main(argv=None) -> dict:
         print(f"b{batch} ctx{context}: splits {row['splits']}, whole {row['whole_ms']:.3f} ms, "
               f"split {row['split_ms']:.3f} ms ({row['speedup']:.2f}x), floor "
               f"{row['floor_ms']:.3f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

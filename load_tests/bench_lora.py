@@ -31,6 +31,7 @@ from engine_actors.layers import lora as lora_layers
 from engine_actors.lora_files import TARGETS
 from engine_actors.model_runner import ModelRunner
 from load_tests.bench_decode import decode_arguments, time_decode
+from load_tests.report import save_json
 
 
 def save_random_adapters(model_path: str, out_dir: str, count: int, rank: int,
@@ -122,9 +123,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     report = ({"device": torch.cuda.get_device_name(), "kernels": bench_kernels()}
               if args.kernels else bench_decode_steps(args))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

@@ -15,7 +15,6 @@ decode-only and mixed steps, to compare.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -24,6 +23,7 @@ from engine_actors.kv_cache import cdiv
 from engine_actors.messages import NewRequest, StepInput
 from engine_actors.model_runner import ModelRunner
 from kernels import split_kv
+from load_tests.report import save_json
 
 
 def replays(runner: ModelRunner) -> int:
@@ -100,9 +100,7 @@ def main(argv=None) -> dict:
             print(f"decode rows {d:4d}  prompt {plen:5d}  graph {row['graph_ms']:7.2f} ms "
                   f"({'replayed' if row['graph_replayed'] else 'eager'})  eager "
                   f"{row.get('eager_ms', float('nan')):7.2f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import tempfile
 import time
@@ -24,6 +23,7 @@ import time
 import torch
 
 from load_tests.traces import TraceRequest, orca_trace
+from load_tests.report import save_json
 
 SYSTEMS = ["orca", "hf-static", "hf-cb", "hf-cb-tuned"]
 TUNED_CB = dict(use_cuda_graph=True, max_batch_tokens=16384, default_compile_level=1)
@@ -241,9 +241,7 @@ def main(argv=None) -> dict:
               "trace": {"name": "orca", "num_requests": len(trace), "seed": 0,
                         "prompt_len": args.prompt_len, "output_len": args.output_len},
               "results": results, "failed": failed}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     print(format_table(report))
     return report
 

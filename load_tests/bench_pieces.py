@@ -17,6 +17,7 @@ import torch
 from engine_actors.finetune import Trainer
 from engine_actors.finetune_pieces import Pieces
 from load_tests.bench_finetune import HYPER, training_lines
+from load_tests.report import save_json
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -89,9 +90,7 @@ def main(argv=None) -> dict:
               f"{row['pieces']} pieces; " + "; ".join(
                   f"{k} x{v['n']}: device {v['device_ms']:.2f} ms, host {v['host_ms']:.2f} ms"
                   for k, v in row["kinds"].items()), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import subprocess
 import time
@@ -28,6 +27,7 @@ import httpx
 from load_tests.bench_http import launched
 from load_tests.load_client import LoadConfig, parse_rates, sweep
 from load_tests.traces import multi_turn_trace, orca_trace, shared_prefix_trace
+from load_tests.report import save_json
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 900.0) -> None:
@@ -136,9 +136,7 @@ def main(argv=None) -> dict:
     on = run_setting(True, engine_args, args)
     report = {"args": vars(args), "off": off, "on": on,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     print(table(off, on))
     return report
 

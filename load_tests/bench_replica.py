@@ -23,6 +23,7 @@ import time
 
 from load_tests.bench_http import _one, _server_pids, _wait_healthy, launched
 from load_tests.traces import TraceRequest
+from load_tests.report import save_json
 
 
 def _cpu_s(pid: int) -> float:
@@ -92,9 +93,7 @@ def main(argv=None) -> dict:
         report = asyncio.run(_measure(f"http://127.0.0.1:{args.port}", args))
     report.update(model=args.model, device=args.device, server_env=args.server_env)
     print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

@@ -23,11 +23,12 @@ they would add to the training rows' cost, never take from it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 import torch.nn.functional as F
+
+from load_tests.report import save_json
 
 
 def shapes(model: str) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
@@ -122,9 +123,7 @@ def main(argv=None) -> dict:
     print(f"{params / 1e9:.2f} B params in the products; decode alone reads them at "
           f"{2 * params / alone / 1e9:.2f} TB/s; copy {peak['copy_gb_s']:.0f} GB/s "
           f"(read + written), product {peak['mm_tflop_s']:.0f} TFLOP/s")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(args.out, result)
     return result
 
 

@@ -31,41 +31,10 @@ import statistics
 import time
 import urllib.request
 
+from load_tests.report import save_json
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2}
-
-
-def time_steps(runner, batch: int, drafts: int, context_len: int, iters: int) -> float:
-    """Mean ms per step of `batch` requests each with `drafts` draft tokens."""
-    import torch
-
-    from engine_actors.kv_cache import cdiv
-    from engine_actors.messages import NewRequest, StepInput
-    q = 1 + drafts  # (timed steps: 5 + iters, after the first)
-    blocks_each = cdiv(context_len + (iters + 8) * q, runner.block_size)
-    first = StepInput(new_requests=[NewRequest(r, 0.0, 1.0, 0, None) for r in range(batch)],
-                      rows=list(range(batch)), context_lens=[context_len] * batch,
-                      query_lens=[1] * batch, sample=[True] * batch, token_ids=[1] * batch,
-                      table_rows=[r for r in range(batch) for _ in range(blocks_each)],
-                      table_cols=list(range(blocks_each)) * batch,
-                      table_blocks=list(range(batch * blocks_each)))
-    runner.launch(first).wait()
-
-    def step(i):
-        return StepInput(rows=list(range(batch)), context_lens=[context_len + i * q] * batch,
-                         query_lens=[q] * batch, sample=[True] * batch,
-                         token_ids=[7] * (q * batch),
-                         num_drafts=[drafts] * batch if drafts else [])
-
-    for i in range(5):
-        runner.launch(step(i)).wait()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    pending = [runner.launch(step(5 + i)) for i in range(iters)]
-    stop.record()
-    pending[-1].wait()
-    stop.synchronize()
-    return start.elapsed_time(stop) / iters
 
 
 def run_steps(args) -> dict:
@@ -75,6 +44,7 @@ def run_steps(args) -> dict:
     from engine_actors.checkpoint import resolve_model_path
     from engine_actors.kv_cache import cdiv
     from engine_actors.model_runner import ModelRunner
+    from load_tests.bench_decode import time_decode
     if args.token_sizes:
         cuda_graphs.TOKEN_SIZES = [int(t) for t in args.token_sizes.split(",")]
     max_batch = max(args.batch_sizes)
@@ -87,7 +57,7 @@ def run_steps(args) -> dict:
         plain = None
         for d in args.drafts:
             replays = runner.num_graph_replays, runner.num_mixed_replays
-            ms = time_steps(runner, batch, d, args.context_len, args.iters)
+            ms = time_decode(runner, batch, args.context_len, args.iters, drafts=d)
             plain = plain or ms
             path = "decode graph" if runner.num_graph_replays - replays[0] > args.iters else \
                 "mixed graph" if runner.num_mixed_replays - replays[1] >= args.iters else "eager"
@@ -228,9 +198,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     report = run_steps(args) if args.what == "steps" else run_http(args)
     print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

@@ -32,6 +32,8 @@ import time
 import urllib.error
 import urllib.request
 
+from load_tests.report import save_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARD_BYTES = 5 * 10**9
 
@@ -223,9 +225,7 @@ def main(argv=None) -> dict:
         result["systems"][system] = r
         print(system, json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
     print(table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save_json(args.out, result)
     return result
 
 

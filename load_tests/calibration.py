@@ -85,7 +85,8 @@ def synthetic_step(shape: tuple[int, int, int, int], block_size: int, setup: boo
 
 def build_runner(model: str, device: str, block_size: int, shapes, num_threads: int):
     from engine_actors.checkpoint import load_hf_config, resolve_model_path
-    from engine_actors.model_runner import ModelRunner, resolve_dtype
+    from engine_actors.model_loader import resolve_dtype
+    from engine_actors.model_runner import ModelRunner
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
     if device == "cpu":

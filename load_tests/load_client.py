@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
@@ -31,6 +30,7 @@ from load_tests.metrics import SLO, RequestOutcome, summarize, worst_ttft_per_se
 from load_tests.sender import (LoadConfig, make_client, run_conversation, send_in_processes,
                                send_plan, send_request)
 from load_tests.traces import TraceRequest, arrival_times, make_trace
+from load_tests.report import save_json
 
 __all__ = ["LoadConfig", "WarmupFailed", "parse_rates", "run_conversation", "schedule",
            "send_request", "sweep"]
@@ -242,9 +242,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def save(results: list[dict]) -> None:
         report["runs"] = results
         print(markdown_table([{**report, "runs": results[-1:]}]), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
+        save_json(args.out, report)
 
     try:
         return asyncio.run(sweep(cfg, trace, args.rates, save))

@@ -22,6 +22,13 @@ import json
 import math
 
 
+def save_json(path: str | None, report) -> None:
+    """Write a benchmark's report as JSON to `path` (its --out), if one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def load_reports(paths: list[str]) -> list[dict]:
     """One report per system label, runs merged and sorted by offered rate."""
     systems: dict[str, dict] = {}

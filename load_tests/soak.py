@@ -23,6 +23,7 @@ import psutil
 
 from load_tests.load_client import LoadConfig, sweep
 from load_tests.traces import make_trace
+from load_tests.report import save_json
 
 
 def ray_memory_mb() -> dict:
@@ -122,9 +123,7 @@ def main(argv=None) -> dict:
               "ray_memory_mb_before": before_mb, "ray_memory_mb_after": after_mb,
               "ray_memory_mb_during": sampler.samples}
     print(json.dumps({k: v for k, v in report.items() if k != "result"}, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_json(args.out, report)
     return report
 
 

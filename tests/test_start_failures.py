@@ -123,13 +123,13 @@ def test_a_missing_model_is_named_as_the_cause():
 
 
 def test_start_failures_raised_in_a_worker_come_out_as_one_line_naming_the_cause():
-    """What /health, the API's 503 and serve run's stderr say (engine_loop.start_failure_cause):
+    """What /health, the API's 503 and serve run's stderr say (executor.start_failure_cause):
     running out of device memory while profiling, or a kernel that does not compile, arrive
     wrapped in Ray's task error with its traceback; a worker that dies has no cause object."""
     import ray
     import torch
 
-    from engine_actors.engine_loop import start_failure_cause
+    from engine_actors.executor import start_failure_cause
 
     def raised_in_a_worker(error):
         try:
