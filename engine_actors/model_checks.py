@@ -32,17 +32,14 @@ def check_model(hf_config, cfg, architecture: str) -> None:
     if architecture in MIXTURES_OF_EXPERTS and cfg.enable_finetuning:
         raise ValueError(f"enable_finetuning is not supported for {architecture} (a mixture "
                          "of experts; LoRA adapters of its attention are served)")
-    check_fp8(hf_config, cfg, architecture)
+    check_fp8(hf_config, cfg)
 
 
-def check_fp8(hf_config, cfg, architecture: str) -> None:
-    """FP8 weights (engine_actors/quantization.py) are served on dense models' projections."""
+def check_fp8(hf_config, cfg) -> None:
+    """FP8 weights (engine_actors/quantization.py): on the decoder's projections and experts."""
     fp8 = read_format(hf_config, cfg.quantization)
     if fp8 is None:
         return
-    if architecture in MIXTURES_OF_EXPERTS:
-        raise ValueError(f"FP8 weights are not supported for {architecture} (a mixture of "
-                         "experts)")
     if cfg.enable_finetuning:
         raise ValueError("enable_finetuning with FP8 weights is not supported (LoRA adapters "
                          "are served)")

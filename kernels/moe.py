@@ -18,9 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import GROUP, quantize_groups
+
 
 # BLOCK_M -> (BLOCK_N, BLOCK_K, num_warps, num_stages)
 CONFIGS = {16: (64, 128, 4, 3), 64: (128, 64, 4, 3), 128: (256, 64, 8, 3)}
+# with e4m3 activations (BLOCK_K: their scales' group)
+FP8_CONFIGS = {16: (64, 0, 4, 3), 64: (128, 0, 4, 3), 128: (128, 0, 8, 3)}
 
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
@@ -115,11 +119,13 @@ def align_pairs_triton(experts: torch.Tensor, num_experts: int, block_m: int,
 
 
 @triton.jit
-def _expert_matmul_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr,
-                          stride_a, stride_we, stride_wn, stride_out, N, K, num_pairs,
-                          NUM_EXPERTS: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
+def _expert_matmul_kernel(a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, pair_ids_ptr, block_experts_ptr,
+                          stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn,
+                          stride_out, N, K, num_pairs, NUM_EXPERTS: tl.constexpr,
+                          PAIRS_PER_ROW: tl.constexpr, SCALED: tl.constexpr,
+                          A_SCALED: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                          SCALE_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= NUM_EXPERTS:
@@ -130,6 +136,7 @@ def _expert_matmul_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    s_base = s_ptr + expert.to(tl.int64) * stride_se + (offs_n // SCALE_ROWS) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -138,30 +145,64 @@ def _expert_matmul_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_base + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None],
                     other=0.0)  # [BLOCK_K, BLOCK_N]: w[e]^T's tile
-        acc += tl.dot(a, w, input_precision=PRECISION)
+        if A_SCALED:  # W8A8: e4m3 rows, one scale per row and BLOCK_K columns
+            part = tl.dot(a, w) * tl.load(as_ptr + rows * stride_as + k0 // BLOCK_K,
+                                          mask=mask_m, other=0.0)[:, None]
+            if SCALE_COLS > 0:
+                part = part * tl.load(s_base + k0 // SCALE_COLS, mask=mask_n, other=0.0)[None, :]
+            acc += part
+        elif SCALED and SCALE_COLS > 0:  # e4m3 blocks: the tile's columns share one block
+            s = tl.load(s_base + k0 // SCALE_COLS, mask=mask_n, other=0.0)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * s[None, :]
+        else:  # (e4m3 with a scale per row: widened here, scaled once at the end)
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+    if SCALED and SCALE_COLS == 0:
+        acc *= tl.load(s_base, mask=mask_n, other=0.0)[None, :]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
                   block_experts: torch.Tensor, num_pairs: int, pairs_per_row: int,
-                  block_m: int, config: tuple[int, int, int, int] | None = None
-                  ) -> torch.Tensor:
+                  block_m: int, config: tuple[int, int, int, int] | None = None,
+                  scales: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                  quantize_a: bool = False) -> torch.Tensor:
     """a [R, K] (R = num_pairs / pairs_per_row: a token's row serves its top_k pairs, or a
     pair's own row), w [E, N, K] -> [num_pairs, N]: pair p is row p // pairs_per_row of `a`
     times its expert's w[e]^T. pair_ids and block_experts from align_pairs(block_m);
-    config: CONFIGS' entry for block_m unless given."""
+    config: CONFIGS' entry for block_m unless given.
+
+    An e4m3 w comes with fp32 `scales`: [E, ceil(N / rows), ceil(K / cols)] for `block`
+    (rows, cols), else [E, N] (one per row). Each tile is widened to a's dtype as it loads
+    and its products scaled (a decode step reads half the bytes of bf16 weights); with
+    `quantize_a`, a is quantized to e4m3 per row and group of columns (the blocks' width,
+    else 128) and the tiles multiply on FP8 tensor cores (W8A8: prompts)."""
     num_experts, n, k = w.shape
     assert a.stride(1) == 1 and w.stride(2) == 1 and a.shape[1] == k
+    assert scales is None or scales.stride(-1) == 1
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    block_n, block_k, num_warps, num_stages = config or CONFIGS[block_m]
+    block_n, block_k, num_warps, num_stages = config or (
+        FP8_CONFIGS if quantize_a else CONFIGS)[block_m]
+    scale_rows, scale_cols = block or (1, 0)
+    a_scales = None
+    if quantize_a:
+        block_k = scale_cols or GROUP
+        a, a_scales = quantize_groups(a, block_k)
+    elif scale_cols:  # a K tile within one block's columns
+        assert scale_cols & (scale_cols - 1) == 0, "block columns: a power of two"
+        block_k = min(block_k, scale_cols)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](
-        a, w, out, pair_ids, block_experts, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), n, k, num_pairs, NUM_EXPERTS=num_experts, PAIRS_PER_ROW=pairs_per_row,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages)
+        a, a_scales if a_scales is not None else a, w, scales if scales is not None else w,
+        out, pair_ids, block_experts, a.stride(0),
+        a_scales.stride(0) if a_scales is not None else 0, w.stride(0), w.stride(1),
+        scales.stride(0) if scales is not None else 0,
+        scales.stride(1) if scales is not None else 0, out.stride(0), n, k, num_pairs,
+        NUM_EXPERTS=num_experts, PAIRS_PER_ROW=pairs_per_row, SCALED=scales is not None,
+        A_SCALED=quantize_a, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 

@@ -36,6 +36,19 @@ for part in $BENCH; do
         tests/test_finetune_worker.py tests/test_kv_memory.py 2>&1 | tee "$OUT/ft-tests.log" | tail -8 ;;
     spec-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_speculative.py tests/test_parity.py \
         2>&1 | tee "$OUT/spec-tests.log" | tail -8 ;;
+    moe-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_moe.py tests/test_fp8.py \
+        tests/test_architectures.py tests/test_kernels.py -k "fp8 or e4m3 or expert or alignment or mixture" \
+        2>&1 | tee "$OUT/moe-tests.log" | tail -8 ;;
+    moe) python3 -m load_tests.bench_moe --shape ${SHAPE:-qwen3-30b-a3b} --no-sweep ${MOE_ARGS:-} --tokens ${TOKENS:-1 16 64 256 2048} \
+        --out "$OUT/moe-${SHAPE:-qwen3-30b-a3b}${LABEL:-}.json" 2>&1 | tail -8 ;;
+    decode-moe) for q in bf16 fp8; do  # qwen3-30b-a3b's decode step, its weights in bf16 then FP8
+        python3 -m load_tests.bench_decode --model qwen3-30b-a3b --batch-size 64 $([ $q = fp8 ] && echo --quantization fp8) \
+          --out "$OUT/decode-qwen3-30b-a3b-$q${LABEL:-}.json" > "$OUT/decode-moe-$q.log" 2>&1
+        echo "-- $q"; grep -E '"(weight_gb_per_rank|floor_ms|eager_ms|graph_ms)"' "$OUT/decode-moe-$q.log" | tr -d '\n'; echo; done ;;
+    http-moe) for q in bf16 fp8; do  # ORCA's offline trace through HTTP, bf16 then FP8 experts
+        python3 -m load_tests.bench_http --model qwen3-30b-a3b --systems orca,http-stream --replicas "" \
+          $([ $q = fp8 ] && echo --quantization fp8) --label="-$q" --out "$OUT/http-qwen3-30b-a3b-$q.json" \
+          > "$OUT/http-moe-$q.log" 2>&1; echo "-- $q"; tail -4 "$OUT/http-moe-$q.log"; done ;;
     spec-steps) python3 -m load_tests.bench_spec steps --model llama-8b ${SPEC_ARGS:-} --out "$OUT/spec-steps${LABEL:-}.json" \
         > "$OUT/spec-steps${LABEL:-}.log" 2>&1; grep "^B=" "$OUT/spec-steps${LABEL:-}.log" ;;
     spec-http) python3 -m load_tests.bench_spec http --model llama-8b ${SPEC_ARGS:-} --out "$OUT/spec-http${LABEL:-}.json" \

@@ -72,9 +72,10 @@ FORMATS = {
 }
 
 
-def write_fp8_checkpoint(src, fp8_dir, ref_dir, fmt: tuple) -> None:
-    """fp8_dir: src's projections quantized in format `fmt` (as FORMATS'); ref_dir: src with
-    those weights dequantized (what the FP8 checkpoint means, for transformers)."""
+def write_fp8_checkpoint(src, fp8_dir, ref_dir, fmt: tuple, projections=PROJECTION) -> None:
+    """fp8_dir: src's projections (the weights `projections` finds) quantized in format `fmt`
+    (as FORMATS'); ref_dir: src with those weights dequantized (what the FP8 checkpoint
+    means, for transformers)."""
     config, block, scale_name = fmt
     static = "static" in json.dumps(config.get("config_groups", {}))
     for d in (fp8_dir, ref_dir):
@@ -82,7 +83,7 @@ def write_fp8_checkpoint(src, fp8_dir, ref_dir, fmt: tuple) -> None:
     tensors = load_file(f"{src}/model.safetensors")
     fp8, ref = {}, {}
     for key, w in tensors.items():
-        if not PROJECTION.search(key):
+        if not projections.search(key):
             fp8[key] = ref[key] = w
             continue
         rows, cols = {"row": (1, w.shape[1]), "tensor": w.shape}.get(block, block)
@@ -243,13 +244,6 @@ def test_a_quantized_embedding_or_lm_head_is_refused():
         head.load("weight_scale", torch.ones(10, 1))
 
 
-def test_fp8_mixture_of_experts_is_refused(tmp_path):
-    save_random_checkpoint(str(tmp_path), "mixtral", intermediate_size=48,
-                           num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match="FP8 weights are not supported for Mixtral"):
-        model_info(EngineConfig(model=str(tmp_path), quantization="fp8"))
-
-
 # ---- the GPU kernels (CPU: the matmul in the Triton interpreter) ------------------------
 def group_quantized(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x per row and group of columns in e4m3, each group's absolute maximum mapped to 448."""
@@ -367,13 +361,13 @@ def hf_quantized(path, group: int | None):
     return model
 
 
-def rows_reference(base, ref) -> None:
+def rows_reference(base, ref, projections=PROJECTION) -> None:
     """ref: base with its projections quantized per row and dequantized (what online
     quantization serves)."""
     shutil.copytree(base, ref, dirs_exist_ok=True)
     tensors = load_file(f"{base}/model.safetensors")
     for key, w in tensors.items():
-        if PROJECTION.search(key):
+        if projections.search(key):
             tensors[key] = dequantize(*quantize(w, 1, w.shape[1]), 1, w.shape[1])
     save_file(tensors, f"{ref}/model.safetensors")
 

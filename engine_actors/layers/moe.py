@@ -13,6 +13,13 @@ graph like any other.
 Tensor parallelism splits each expert's intermediate features over the ranks, as a
 column-then-row parallel MLP: the router is replicated, and the weighted sums are partial
 sums, all-reduced at the end.
+
+Built inside quantization.fp8_weights, the experts hold e4m3 weights with fp32 scales (per
+block, or per row: `w13_scale`, `w2_scale`), as an FP8 checkpoint stores them or quantized
+per row as they load. On the GPU the fused kernel widens each weight tile to the
+activations' dtype as it loads (weights-only FP8: a decode step reads half the bytes); bf16
+prompts quantize the activations too and multiply on FP8 tensor cores. On CPU the weights
+are dequantized for each step, a reference path for tests.
 """
 from __future__ import annotations
 
@@ -20,11 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_actors.layers.linear import copy_checked
+from engine_actors.layers.linear import cdiv, copy_checked
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
+from engine_actors.quantization import building_format, quantize_weight_rows
+from kernels.fp8 import FP8
 from kernels.act_mul import act_mul
 from kernels.moe import align_pairs, block_rows, expert_matmul
 
+# FP8 experts' block rows from which activations are quantized too (W8A8): a step with more
+# than 8 pairs per expert, where the tensor cores, not the weights' bytes, bound it
+# (BENCHMARKS.md, 2026-11-29)
+W8A8_ROWS = 64
 # checkpoint names of an expert's projections (Qwen's; Mixtral's w1, w3, w2) -> Qwen's
 NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
          "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -39,10 +52,37 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.parallel, self.top_k = parallel, top_k
         self.norm_topk, self.weights_in_dtype = norm_topk, weights_in_dtype
+        self.inter = inter
         self.inter_start, local = shard_range(inter, parallel.tp_rank, parallel.tp_size)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local), requires_grad=False)
+        self.fp8 = building_format()
+        dtype = FP8 if self.fp8 is not None else None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local, dtype=dtype),
+                               requires_grad=False)
+        if self.fp8 is not None:
+            self.w13_scale, self.w2_scale = (
+                nn.Parameter(torch.empty(num_experts, *self.scale_shape(*w.shape[1:]),
+                                         dtype=torch.float32), requires_grad=False)
+                for w in (self.w13, self.w2))
+            self.check_blocks(inter, local)
+
+    def scale_shape(self, n: int, k: int) -> tuple[int, ...]:
+        return (cdiv(n, self.fp8.block[0]), cdiv(k, self.fp8.block[1])) if self.fp8.block \
+            else (n,)
+
+    def check_blocks(self, inter: int, local: int) -> None:
+        """Gate's and up's rows stack in w13 by whole blocks; a rank's share of the down
+        projection's columns starts on a block."""
+        if self.fp8.block is None:
+            return
+        rows, cols = self.fp8.block
+        if local % rows or self.inter_start % rows or self.inter_start % cols or (
+                local % cols and self.inter_start + local < inter):
+            raise ValueError(f"FP8 weight blocks of {list(self.fp8.block)} do not divide this "
+                             f"model's experts' {inter} intermediate features into whole "
+                             f"blocks (a rank's {local} from {self.inter_start})")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
@@ -61,18 +101,42 @@ class SparseMoE(nn.Module):
             num_pairs = experts.numel()
             block_m = block_rows(num_pairs, num_experts)
             pair_ids, block_experts = align_pairs(experts, num_experts, block_m)
+            block = self.fp8.block if self.fp8 is not None else None
+            # FP8 prompts (bf16) on FP8 tensor cores, activations quantized per token and group
+            w8a8 = self.fp8 is not None and x.dtype == torch.bfloat16 and block_m >= W8A8_ROWS
             hidden = act_mul(expert_matmul(x, self.w13, pair_ids, block_experts, num_pairs,
-                                           self.top_k, block_m))
-            out = expert_matmul(hidden, self.w2, pair_ids, block_experts, num_pairs, 1, block_m)
+                                           self.top_k, block_m, scales=self.scales("w13"),
+                                           block=block, quantize_a=w8a8))
+            out = expert_matmul(hidden, self.w2, pair_ids, block_experts, num_pairs, 1, block_m,
+                                scales=self.scales("w2"), block=block, quantize_a=w8a8)
         else:
-            out = grouped_experts(x, self.w13, self.w2, experts)
+            out = grouped_experts(x, *(self.dequantized(w, x.dtype) for w in ("w13", "w2")),
+                                  experts)
         out = out.view(x.shape[0], self.top_k, -1)
         return (out.float() * weights.float()[:, :, None]).sum(dim=1)
 
+    def scales(self, name: str) -> torch.Tensor | None:
+        return getattr(self, f"{name}_scale") if self.fp8 is not None else None
+
+    def dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The experts' weights `name` in dtype (FP8 ones times their scales)."""
+        w = getattr(self, name)
+        if self.fp8 is None:
+            return w
+        scales = self.scales(name)
+        if self.fp8.block is None:
+            full = scales[:, :, None]
+        else:
+            rows, cols = self.fp8.block
+            full = scales.repeat_interleave(rows, 1)[:, :w.shape[1]].repeat_interleave(
+                cols, 2)[:, :, :w.shape[2]]
+        return (w.float() * full).to(dtype)
+
     def load_checkpoint(self, name: str, tensor: torch.Tensor) -> list[str]:
-        """`name`: "gate" (the router), "<expert>.<projection>" of one expert, or
-        "gate_up_proj" / "down_proj" of all experts stacked (transformers 5's own layout);
-        returns the keys it filled (checkpoint_keys')."""
+        """`name`: "gate" (the router), "<expert>.<projection>" of one expert (its weight),
+        "<expert>.<projection>.weight_scale" (an FP8 checkpoint's scales), or "gate_up_proj"
+        / "down_proj" of all experts stacked (transformers 5's own layout); returns the keys
+        it filled (checkpoint_keys')."""
         if name == "gate":
             copy_checked(self.gate.data, tensor)
             return [name]
@@ -88,22 +152,62 @@ class SparseMoE(nn.Module):
         if name == "down_proj":  # [E, H, I]
             return [key for e in experts
                     for key in self.load_checkpoint(f"{e}.down_proj", tensor[e])]
-        expert, projection = name.split(".")
-        projection, local = NAMES[projection], self.w2.shape[2]
-        if int(expert) >= self.gate.shape[0]:
+        expert, projection, *scale = name.split(".")
+        projection, e = NAMES[projection], int(expert)
+        if e >= self.gate.shape[0]:
             raise ValueError(f"expert {expert} of a model with {self.gate.shape[0]}")
-        if projection == "down_proj":  # [H, I]: this rank's input columns
-            copy_checked(self.w2.data[int(expert)], tensor.narrow(1, self.inter_start, local))
-        else:  # [I, H]: this rank's output rows, into gate's or up's half of w13
-            part = 0 if projection == "gate_proj" else 1
-            copy_checked(self.w13.data[int(expert)].narrow(0, part * local, local),
-                  tensor.narrow(0, self.inter_start, local))
+        if scale:
+            self.load_scale(e, projection, tensor)
+            return [f"{expert}.{projection}.weight_scale"]
+        if self.fp8 is not None and not self.fp8.online and tensor.dtype != FP8:
+            raise ValueError(f"an FP8 checkpoint's expert weight is stored as {tensor.dtype}, "
+                             "not float8_e4m3fn")
+        w, rows, start = self.destination(projection)
+        src = tensor.narrow(*rows) if projection != "down_proj" else \
+            tensor.narrow(1, self.inter_start, self.w2.shape[2])
+        if self.fp8 is not None and self.fp8.online:  # one scale per row of this rank's part
+            src, scales = quantize_weight_rows(src)
+            getattr(self, f"{w}_scale").data[e].narrow(0, start, src.shape[0]).copy_(scales)
+        copy_checked(getattr(self, w).data[e].narrow(0, start, src.shape[0]), src)
         return [f"{expert}.{projection}"]
+
+    def destination(self, projection: str) -> tuple[str, tuple[int, int, int], int]:
+        """(the weights a projection goes to, its full tensor's rows held here as narrow's
+        (dim, start, length), the first of its rows there): gate's and up's rows [I, H] are
+        this rank's halves of w13; the down projection [H, I] is w2."""
+        local = self.w2.shape[2]
+        if projection == "down_proj":
+            return "w2", (0, 0, self.w2.shape[1]), 0
+        part = 0 if projection == "gate_proj" else 1
+        return "w13", (0, self.inter_start, local), part * local
+
+    def load_scale(self, e: int, projection: str, tensor: torch.Tensor) -> None:
+        """An FP8 checkpoint's scales of one expert's projection: per block (this rank's
+        rows of blocks, or columns for the down projection), per row or per tensor."""
+        if self.fp8 is None or self.fp8.online:
+            raise ValueError(f"a scale of expert {e}'s {projection} in a checkpoint that is "
+                             "not FP8")
+        w, (_, first, length), start = self.destination(projection)
+        dst = getattr(self, f"{w}_scale").data[e]
+        if self.fp8.block is not None:
+            rows, cols = self.fp8.block
+            if projection == "down_proj":
+                copy_checked(dst, tensor.narrow(1, self.inter_start // cols, dst.shape[1]))
+            else:
+                copy_checked(dst.narrow(0, start // rows, cdiv(length, rows)),
+                             tensor.narrow(0, first // rows, cdiv(length, rows)))
+            return
+        full = self.inter if w == "w13" else length
+        tensor = tensor.reshape(-1).expand(full) if tensor.numel() == 1 else tensor.reshape(-1)
+        copy_checked(dst.narrow(0, start, length), tensor.narrow(0, first, length))
 
     def checkpoint_keys(self) -> list[str]:
         """What a complete checkpoint fills: the router and each expert's projections."""
         projections = ("gate_proj", "up_proj", "down_proj")
-        return ["gate"] + [f"{e}.{p}" for e in range(self.gate.shape[0]) for p in projections]
+        scaled = self.fp8 is not None and not self.fp8.online
+        return ["gate"] + [f"{e}.{p}{suffix}" for e in range(self.gate.shape[0])
+                           for p in projections
+                           for suffix in ("", ".weight_scale")[:1 + scaled]]
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

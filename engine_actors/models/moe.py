@@ -24,11 +24,13 @@ from engine_actors.models.llama import (AttentionOptions, LlamaDecoderLayer, Lla
 from engine_actors.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from kernels.act_mul import act_mul
 
-# model.layers.<i>.<mlp | block_sparse_moe>.<gate | shared_expert_gate |
-# experts.<e>.<projection>>.weight, or
+# model.layers.<i>.<mlp | block_sparse_moe>.<gate | shared_expert_gate>.weight,
+# ....experts.<e>.<projection>.<weight | weight_scale_inv | weight_scale | input_scale> (an
+# FP8 checkpoint's scales; a static activation scale is not used), or
 # model.layers.<i>.mlp.experts.<gate_up_proj | down_proj> (all experts stacked)
 EXPERT_WEIGHT = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
-                           r"(?:(gate|shared_expert_gate)\.weight|experts\.(\d+)\.(\w+)\.weight|"
+                           r"(?:(gate|shared_expert_gate)\.weight|experts\.(\d+)\.(\w+)\."
+                           r"(weight|weight_scale_inv|weight_scale|input_scale)|"
                            r"experts\.(gate_up_proj|down_proj))")
 
 
@@ -42,7 +44,9 @@ class MoEWeights:
         layer = self.layers[m[1]] if m[1] in self.layers else None
         if layer is None or not isinstance(layer.mlp, SparseMoE):
             return None  # another stage's layer
-        name = m[2] or m[5] or f"{m[3]}.{m[4]}"
+        if m[5] == "input_scale":
+            return None
+        name = m[2] or m[6] or f"{m[3]}.{m[4]}" + ".weight_scale" * (m[5] != "weight")
         return [f"layers.{m[1]}.mlp.{key}" for key in layer.mlp.load_checkpoint(name, tensor)]
 
 
@@ -68,8 +72,8 @@ class SharedExpertMoE(SparseMoE):
                                                requires_grad=False)  # (on every rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = F.linear(act_mul(self.shared_expert.gate_up_proj(x)),
-                          self.shared_expert.down_proj.weight)
+        # (the down projection's partial sum: one all-reduce below for both)
+        shared = self.shared_expert.down_proj.matmul(act_mul(self.shared_expert.gate_up_proj(x)))
         gate = torch.sigmoid(F.linear(x, self.shared_expert_gate))
         total = self.routed(x) + (gate * shared).float()
         return self.parallel.all_reduce(total.to(x.dtype))
