@@ -3,6 +3,7 @@ adapters on it), checked at start so that a model it cannot run fails the start 
 why."""
 from __future__ import annotations
 
+from engine_actors.int4_format import Int4Format
 from engine_actors.quantization import read_format
 
 MIXTURES_OF_EXPERTS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
@@ -32,17 +33,22 @@ def check_model(hf_config, cfg, architecture: str) -> None:
     if architecture in MIXTURES_OF_EXPERTS and cfg.enable_finetuning:
         raise ValueError(f"enable_finetuning is not supported for {architecture} (a mixture "
                          "of experts; LoRA adapters of its attention are served)")
-    check_fp8(hf_config, cfg)
+    check_quantized(hf_config, cfg, architecture)
 
 
-def check_fp8(hf_config, cfg) -> None:
-    """FP8 weights (engine_actors/quantization.py): on the decoder's projections and experts."""
-    fp8 = read_format(hf_config, cfg.quantization)
-    if fp8 is None:
+def check_quantized(hf_config, cfg, architecture: str) -> None:
+    """FP8 weights (engine_actors/quantization.py): on the decoder's projections and experts;
+    INT4 ones (int4_format.py): on the projections of dense models."""
+    fmt = read_format(hf_config, cfg.quantization)
+    if fmt is None:
         return
+    kind = "INT4" if isinstance(fmt, Int4Format) else "FP8"
+    if kind == "INT4" and architecture in MIXTURES_OF_EXPERTS:
+        raise ValueError(f"INT4 weights are not supported for {architecture} (a mixture of "
+                         "experts; FP8 ones are)")
     if cfg.enable_finetuning:
-        raise ValueError("enable_finetuning with FP8 weights is not supported (LoRA adapters "
-                         "are served)")
+        raise ValueError(f"enable_finetuning with {kind} weights is not supported (LoRA "
+                         "adapters are served)")
 
 
 def qwen_sparse_layer(hf_config, i: int) -> bool:

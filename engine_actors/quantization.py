@@ -1,4 +1,5 @@
-"""FP8 weights: checkpoints quantized to float8 e4m3, and bf16 ones quantized as they load.
+"""Quantized weights: FP8 checkpoints (float8 e4m3), bf16 ones quantized to FP8 as they load,
+and INT4 checkpoints (engine_actors/int4_format.py).
 
 What config.json's `quantization_config` may say (anything else is refused at start):
 - `quant_method: "fp8"`, transformers' fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3): each
@@ -23,10 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_actors import int4_format
 from kernels.fp8 import FP8, FP8_MAX, GROUP
 
-SCALE_NAMES = {"weight_scale": "weight_scale", "weight_scale_inv": "weight_scale"}
-UNUSED = ("input_scale",)  # a static activation scale: activations are quantized per token
+# a checkpoint's names of a projection's quantized weight and scales -> the layer's
+SCALE_NAMES = {"weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
+               "weight_packed": "weight"}
+# a static activation scale (activations are quantized per token); a packed weight's shape
+# (the layer knows it)
+UNUSED = ("input_scale", "weight_shape")
 # an FP8 KV cache's per-tensor scales (kernels/kv_write.py): `self_attn.k_scale` and
 # `v_scale` (compressed-tensors' kv_cache_scheme), `k_proj`/`v_proj.output_scale`, or one
 # `kv_scale` for both (an older format, as vLLM reads it)
@@ -35,7 +41,10 @@ KV_SCALE = re.compile(r"(.*self_attn)\.(?:(k|v|kv)_scale|(k|v)_proj\.output_scal
 # dtype here
 UNUSED_ATTENTION = re.compile(r".*self_attn\.(?:q_scale|prob_scale)")
 # what an ignore list may name: modules that are never quantized here, or not served
-NEVER_QUANTIZED = re.compile(r"lm_head|embed|mlp\.gate$|shared_expert_gate|vision|multi_modal")
+# (a name, or llm-compressor's "re:" pattern such as "re:.*mlp.gate$"; a MoE's router is
+# mlp.gate, Mixtral's block_sparse_moe.gate)
+NEVER_QUANTIZED = re.compile(r"lm_head|embed|(mlp|block_sparse_moe)\.gate$|shared_expert_gate|"
+                             r"vision|multi_modal")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +59,11 @@ class Fp8Format:
         return self.block[1] if self.block else GROUP
 
 
-def read_format(hf_config, requested: str | None) -> Fp8Format | None:
-    """The checkpoint's FP8 format (or online quantization if `requested` is "fp8" for an
-    unquantized checkpoint); None: unquantized. ValueError for a format not served."""
+def read_format(hf_config, requested: str | None
+                ) -> Fp8Format | int4_format.Int4Format | None:
+    """The checkpoint's FP8 or INT4 format (or online FP8 quantization if `requested` is
+    "fp8" for an unquantized checkpoint); None: unquantized. ValueError for a format not
+    served."""
     config = getattr(hf_config, "quantization_config", None)
     if config is None:
         return Fp8Format(online=True) if requested == "fp8" else None
@@ -64,20 +75,30 @@ def read_format(hf_config, requested: str | None) -> Fp8Format | None:
         block, ignore = config.get("weight_block_size"), config.get("modules_to_not_convert")
         if block is None:
             raise ValueError("fp8 checkpoints need a weight_block_size")
+    elif method == "compressed-tensors" and int4_format.is_int4(config):
+        check_kv_cache_scheme(config)
+        check_ignored(config.get("ignore"))
+        return int4_format.read(config)
     elif method == "compressed-tensors":
         block, ignore = _compressed_tensors(config), config.get("ignore")
     else:
         raise ValueError(f"quantized checkpoints ({method!r}) are not supported; served: "
-                         "fp8 (weight_block_size) and compressed-tensors FP8")
-    partial = [name for name in ignore or [] if not NEVER_QUANTIZED.search(name)]
-    if partial:
-        raise ValueError(f"checkpoints with unquantized decoder projections are not "
-                         f"supported (not quantized: {partial[:4]})")
+                         "fp8 (weight_block_size), compressed-tensors FP8 and "
+                         "compressed-tensors INT4 (W4A16, pack-quantized)")
+    check_ignored(ignore)
     if block is not None:
         block = tuple(int(b) for b in block)
         if len(block) != 2 or min(block) < 1:
             raise ValueError(f"unusable FP8 weight block size {list(block)}")
     return Fp8Format(block)
+
+
+def check_ignored(ignore: list[str] | None) -> None:
+    partial = [name for name in ignore or []
+               if not NEVER_QUANTIZED.search(name.removeprefix("re:").removesuffix("$"))]
+    if partial:
+        raise ValueError(f"checkpoints with unquantized decoder projections are not "
+                         f"supported (not quantized: {partial[:4]})")
 
 
 def kv_scale_name(name: str) -> tuple[str, list[str]] | None:
@@ -133,7 +154,7 @@ def _compressed_tensors(config: dict) -> tuple[int, int] | None:
 
 def check_device(fmt: Fp8Format | None, device: torch.device) -> None:
     """FP8 matmuls need Ada or Hopper tensor cores, and block widths the kernel can tile."""
-    if fmt is None or device.type != "cuda":
+    if fmt is None or device.type != "cuda" or not isinstance(fmt, Fp8Format):
         return
     if torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("FP8 weights need a GPU of compute capability 8.9 or later")
@@ -160,18 +181,20 @@ def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def loaded_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor as the model takes it: e4m3 weights and their fp32 scales as
     stored, everything else in the model's dtype."""
-    if tensor.dtype == FP8 or name.rpartition(".")[2] in (*SCALE_NAMES, *UNUSED) \
+    if tensor.dtype == FP8 or not tensor.is_floating_point() \
+            or name.rpartition(".")[2] in (*SCALE_NAMES, *UNUSED) \
             or kv_scale_name(name):
         return tensor
     return tensor.to(dtype)
 
 
-_building: Fp8Format | None = None
+_building: Fp8Format | int4_format.Int4Format | None = None
 
 
 @contextmanager
-def fp8_weights(fmt: Fp8Format | None):
-    """The projections built inside hold FP8 weights in `fmt` (layers/linear.py reads it)."""
+def fp8_weights(fmt: Fp8Format | int4_format.Int4Format | None):
+    """The projections built inside hold quantized weights in `fmt` (FP8 or INT4:
+    layers/linear.py reads it)."""
     global _building
     _building = fmt
     try:
@@ -180,5 +203,5 @@ def fp8_weights(fmt: Fp8Format | None):
         _building = None
 
 
-def building_format() -> Fp8Format | None:
+def building_format() -> Fp8Format | int4_format.Int4Format | None:
     return _building

@@ -153,7 +153,14 @@ def test_tensor_parallel_ranks_hold_their_shards_of_weights_and_scales(tmp_path,
     concatenated part by part, row-parallel partial sums added."""
     save_random_checkpoint(str(tmp_path / "base"), "llama", seed=6, intermediate_size=192)
     write_fp8_checkpoint(tmp_path / "base", tmp_path / "fp8", tmp_path / "ref", fmt)
-    args = (str(tmp_path / "fp8"), "cpu", torch.float32, 256, 16, 4, 0)
+    check_shards_add_up(tmp_path / "fp8")
+
+
+def check_shards_add_up(checkpoint) -> None:
+    """Layer 1's projections on two ranks against one worker (a llama of intermediate size
+    192): column-parallel outputs concatenated part by part, row-parallel partial sums
+    added."""
+    args = (str(checkpoint), "cpu", torch.float32, 256, 16, 4, 0)
     whole = ModelRunner(*args).model.layers["1"]
     halves = [ModelRunner(*args, parallel=ParallelGroup(r, 2, 0, 1)).model.layers["1"]
               for r in range(2)]

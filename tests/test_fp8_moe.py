@@ -213,3 +213,32 @@ def test_fp8_experts_in_bf16_graphs_equal_eager_steps(tmp_path, monkeypatch):
     graphs, eager = InProcessEngine(**args), InProcessEngine(enforce_eager=True, **args)
     assert graphs.run(ragged_workload(seed=12)) == eager.run(ragged_workload(seed=12))
     assert graphs.worker.runner.num_graph_replays > 0 and quantized
+
+
+def test_a_quantized_router_is_refused(tmp_path):
+    """Every Linear quantized, the router included (no ignore entry for it): refused rather
+    than loaded as e4m3 values without their scale."""
+    moe_checkpoint(tmp_path / "base", "qwen3-moe")
+    with_router = re.compile(PROJECTIONS.pattern + r"|layers\.\d+\.mlp\.gate\.weight$")
+    write_fp8_checkpoint(tmp_path / "base", tmp_path / "fp8", tmp_path / "ref",
+                         FORMATS["compressed-tensors-channel"], with_router)
+    with pytest.raises(ValueError, match=r"mixture of experts' gate is quantized"):
+        engine(tmp_path / "fp8")
+
+
+@pytest.mark.parametrize("ignore,served", [
+    (["lm_head", "re:.*block_sparse_moe.gate"], True),  # llm-compressor's Mixtral recipe
+    (["lm_head", "model.layers.0.block_sparse_moe.gate"], True),
+    (["lm_head", "re:.*mlp.gate$"], True),  # its Qwen MoE recipes
+    (["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"], True),
+    (["lm_head", "re:.*down_proj"], False),
+])
+def test_ignore_lists_that_leave_out_the_router(ignore, served):
+    from engine_actors.quantization import read_format
+    config = type("Config", (), {"quantization_config": {
+        **FORMATS["compressed-tensors-channel"][0], "ignore": ignore}})()
+    if served:
+        assert read_format(config, None).block is None
+    else:
+        with pytest.raises(ValueError, match="unquantized decoder projections"):
+            read_format(config, None)

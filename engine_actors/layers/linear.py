@@ -7,7 +7,9 @@ RowParallelLinear splits the input features and all-reduces the partial sums. Wi
 both are plain linears. Either may carry LoRA slots (`lora`, see layers/lora.py): each
 token's low-rank update is added to the output (to the partial sums, before the reduce).
 Built inside quantization.fp8_weights, either holds an e4m3 weight and its `weight_scale`
-(per output row, or per block: shards then start and end on block boundaries).
+(per output row, or per block: shards then start and end on block boundaries), or an INT4
+weight packed 8 to an int32 along its input features with a scale per row or group
+(int4_format.py; a group is a block of one row).
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from torch import nn
 
 from engine_actors.layers.lora import LoRAWeights, add_lora
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
+from engine_actors.int4_format import Int4Format
 from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import FP8, fp8_linear
+from kernels.int4 import PACK, int4_linear
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -36,23 +40,29 @@ class Linear(nn.Module):
     """The weight (and bias) of either layer, in the model's dtype or in FP8."""
 
     def make_weight(self, out_features: int, in_features: int, bias: bool) -> None:
-        self.fp8 = building_format()
-        dtype = FP8 if self.fp8 is not None else None
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+        self.quant = building_format()
+        self.int4 = isinstance(self.quant, Int4Format)
+        self.in_features = in_features
+        dtype = torch.int32 if self.int4 else FP8 if self.quant is not None else None
+        self.weight = nn.Parameter(torch.empty(out_features, cdiv(in_features, PACK) if self.int4
+                                               else in_features, dtype=dtype),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.lora: LoRAWeights | None = None
-        if self.fp8 is not None:
-            rows, cols = self.fp8.block or (1, in_features)
-            shape = (out_features,) if self.fp8.block is None else \
+        if self.quant is not None:
+            rows, cols = self.quant.block or (1, in_features)
+            shape = (out_features,) if self.quant.block is None else \
                 (cdiv(out_features, rows), cdiv(in_features, cols))
             self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32),
                                              requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.fp8 is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias, out)
+        if self.int4:
+            return int4_linear(x, self.weight, self.weight_scale,
+                               self.quant.group or self.in_features, self.in_features, bias, out)
+        if self.quant is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.quant.block, bias, out)
         if out is not None:
             return torch.matmul(x, self.weight.t(), out=out)
         return F.linear(x, self.weight, bias)
@@ -64,8 +74,11 @@ class Linear(nn.Module):
     def check_stored(self, name: str, tensor: torch.Tensor) -> None:
         """An FP8 checkpoint's weights must be stored in e4m3 (not, say, fake-quantized bf16
         with the scales beside them, which would be cast here and scaled twice)."""
-        if name == "weight" and self.fp8 is not None and not self.fp8.online \
-                and tensor.dtype != FP8:
+        if name == "weight" and self.int4 and tensor.dtype != torch.int32:
+            raise ValueError(f"an INT4 checkpoint's weight is stored as {tensor.dtype}, not "
+                             "int32 words of packed 4-bit values (weight_packed)")
+        if name == "weight" and self.quant is not None and not self.quant.online \
+                and not self.int4 and tensor.dtype != FP8:
             raise ValueError(f"an FP8 checkpoint's weight is stored as {tensor.dtype}, not "
                              "float8_e4m3fn (compressed-tensors' format must be "
                              "float-quantized)")
@@ -74,7 +87,9 @@ class Linear(nn.Module):
         """Shards of a block-scaled weight must start and end on block boundaries."""
         for start, size, unit, last in starts_and_sizes:
             if start % unit or (size % unit and not last):
-                raise ValueError(f"FP8 weight blocks of {list(self.fp8.block)} do not divide "
+                what_unit = f"INT4 weight groups of {unit} columns" if self.int4 else \
+                    f"FP8 weight blocks of {list(self.quant.block)}"
+                raise ValueError(f"{what_unit} do not divide "
                                  f"this model's {what} features into whole blocks ({size} "
                                  f"from {start}, a part or a tensor-parallel shard)")
 
@@ -92,9 +107,9 @@ class ColumnParallelLinear(Linear):
                             for heads, _ in parts]
         self.part_sizes = [n * size for n, (_, size) in zip(self.local_heads, parts)]
         self.make_weight(sum(self.part_sizes), in_features, bias)
-        if self.fp8 is not None and self.fp8.block is not None:
+        if self.quant is not None and self.quant.block is not None:
             single = len(parts) == 1 and parallel.tp_size == 1  # (may end in a partial block)
-            self.check_blocks([(self.first_row(p), size, self.fp8.block[0], single)
+            self.check_blocks([(self.first_row(p), size, self.quant.block[0], single)
                                for p, size in enumerate(self.part_sizes)], "output")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +133,8 @@ class ColumnParallelLinear(Linear):
         self.check_stored(name, tensor)
         part = shard or 0
         size = self.part_sizes[part]
-        if name == "weight_scale" and self.fp8.block is not None:  # rows of blocks
-            rows = self.fp8.block[0]
+        if name == "weight_scale" and self.quant.block is not None:  # rows of blocks
+            rows = self.quant.block[0]
             src = tensor.narrow(0, self.first_row(part) // rows, cdiv(size, rows))
             start, size = sum(self.part_sizes[:part]) // rows, src.shape[0]
         elif name == "weight_scale":
@@ -127,7 +142,7 @@ class ColumnParallelLinear(Linear):
             start, src = self.local_rows(self.scale_rows(tensor, heads * head_size), part)
         else:
             start, src = self.local_rows(tensor, part)
-        if name == "weight" and self.fp8 is not None and self.fp8.online:
+        if name == "weight" and self.quant is not None and self.quant.online:
             src, scales = quantize_weight_rows(src)
             self.weight_scale.data.narrow(0, start, size).copy_(scales)
         copy_checked(getattr(self, name).data.narrow(0, start, size), src)
@@ -140,8 +155,10 @@ class RowParallelLinear(Linear):
         self.parallel = parallel
         self.in_start, local_in = shard_range(in_features, parallel.tp_rank, parallel.tp_size)
         self.make_weight(out_features, local_in, bias)
-        if self.fp8 is not None and self.fp8.block is not None:
-            self.check_blocks([(self.in_start, local_in, self.fp8.block[1],
+        if self.quant is not None and (self.quant.block is not None or self.int4):
+            # (INT4 by channel: shards of whole words)
+            self.check_blocks([(self.in_start, local_in,
+                                self.quant.block[1] if self.quant.block else PACK,
                                 parallel.tp_rank == parallel.tp_size - 1)], "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,23 +169,26 @@ class RowParallelLinear(Linear):
         out = self.parallel.all_reduce(out)  # partial sums -> full
         return out if self.bias is None else out + self.bias
 
-    def local_columns(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's columns (input features) of a full [*, in_features] tensor."""
-        return tensor.narrow(1, self.in_start, self.weight.shape[1])
+    def local_columns(self, tensor: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        """This rank's columns (input features) of a full [*, in_features] tensor; packed:
+        of an INT4 weight's words (a shard starts on a group: a whole number of words)."""
+        if packed:
+            return tensor.narrow(1, self.in_start // PACK, self.weight.shape[1])
+        return tensor.narrow(1, self.in_start, self.in_features)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         self.check_stored(name, tensor)
         if name == "bias":
             copy_checked(self.bias.data, tensor)
-        elif name == "weight_scale" and self.fp8.block is not None:  # columns of blocks
-            cols = self.fp8.block[1]
+        elif name == "weight_scale" and self.quant.block is not None:  # columns of blocks
+            cols = self.quant.block[1]
             copy_checked(self.weight_scale.data,
                          tensor.narrow(1, self.in_start // cols, self.weight_scale.shape[1]))
         elif name == "weight_scale":  # (one per output row: every rank's)
             copy_checked(self.weight_scale.data, self.scale_rows(tensor, self.weight.shape[0]))
-        elif self.fp8 is not None and self.fp8.online:
+        elif self.quant is not None and self.quant.online:
             weight, scales = quantize_weight_rows(self.local_columns(tensor))
             copy_checked(self.weight.data, weight)
             self.weight_scale.data.copy_(scales)
         else:
-            copy_checked(self.weight.data, self.local_columns(tensor))
+            copy_checked(self.weight.data, self.local_columns(tensor, packed=self.int4))

@@ -138,6 +138,7 @@ class SparseMoE(nn.Module):
         / "down_proj" of all experts stacked (transformers 5's own layout); returns the keys
         it filled (checkpoint_keys')."""
         if name == "gate":
+            check_unquantized(name, tensor)
             copy_checked(self.gate.data, tensor)
             return [name]
         experts = range(self.gate.shape[0])
@@ -208,6 +209,14 @@ class SparseMoE(nn.Module):
         return ["gate"] + [f"{e}.{p}{suffix}" for e in range(self.gate.shape[0])
                            for p in projections
                            for suffix in ("", ".weight_scale")[:1 + scaled]]
+
+
+def check_unquantized(name: str, tensor: torch.Tensor) -> None:
+    """A router (or shared-expert gate) stays in the model's dtype: a quantized one (every
+    Linear targeted, the router included) is refused, not loaded without its scale."""
+    if tensor.dtype == FP8 or not tensor.is_floating_point():
+        raise ValueError(f"the mixture of experts' {name} is quantized ({tensor.dtype}); "
+                         "served: a router left out of the quantization (its ignore list)")
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

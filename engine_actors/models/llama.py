@@ -181,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
             parts = range(len(module.parts)) if isinstance(module, ColumnParallelLinear) \
                 else [None]
             for param, _ in module.named_parameters(recurse=False):
-                if param != "weight_scale" or not module.fp8.online:  # (made as it loads)
+                if param != "weight_scale" or not module.quant.online:  # (made as it loads)
                     keys.update(f"{path}.{param}[{p}]" for p in parts)
         return keys
 

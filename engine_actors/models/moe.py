@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_actors.layers.linear import copy_checked
-from engine_actors.layers.moe import SparseMoE
+from engine_actors.layers.moe import SparseMoE, check_unquantized
 from engine_actors.model_checks import layer_window, qwen_sparse_layer
 from engine_actors.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM,
                                         LlamaMLP)
@@ -81,6 +81,7 @@ class SharedExpertMoE(SparseMoE):
     def load_checkpoint(self, name: str, tensor: torch.Tensor) -> list[str]:
         if name != "shared_expert_gate":
             return super().load_checkpoint(name, tensor)
+        check_unquantized(name, tensor)
         copy_checked(self.shared_expert_gate.data, tensor)
         return [name]
 

@@ -1,0 +1,73 @@
+"""INT4 weights (W4A16): compressed-tensors' pack-quantized checkpoints, as llm-compressor
+writes them (RedHatAI's `quantized.w4a16` releases).
+
+Each decoder projection stores `weight_packed` [N, ceil(K / 8)] int32 (8 four-bit values a
+word, kernels/int4.py has the layout), `weight_scale` [N, ceil(K / group)] (strategy
+"group") or [N, 1] ("channel"), and `weight_shape`; w ~ q * scale, q in [-8, 7]
+(symmetric). Activations stay in the model's dtype. Served: symmetric 4-bit int weights by
+group (a power of two, at least 16) or channel, with static or no activation ordering.
+Refused at start: asymmetric weights (zero points), `actorder: "group"` (a g_idx
+permutation), quantized activations, other bit widths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Format:
+    group: int | None  # columns per scale; None: one per row (strategy "channel")
+    online: bool = False  # (never: INT4 comes from checkpoints only)
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """As FP8's blocks: (rows, columns) that share a scale; None: one per row."""
+        return (1, self.group) if self.group else None
+
+
+def is_int4(config: dict) -> bool:
+    """Does a compressed-tensors config quantize weights to integers (of any width)?"""
+    return any((group.get("weights") or {}).get("type") == "int"
+               for group in (config.get("config_groups") or {}).values())
+
+
+def read(config: dict) -> Int4Format:
+    """The format of a compressed-tensors config with int weights; ValueError naming what is
+    not served."""
+    groups = list(config["config_groups"].values())
+    formats = set()
+    for group in groups:
+        weights, inputs = group.get("weights") or {}, group.get("input_activations")
+        bits, kind = weights.get("num_bits"), weights.get("type")
+        stored = group.get("format") or config.get("format")
+        if (bits, kind) != (4, "int"):
+            raise ValueError(f"compressed-tensors {kind} weights of {bits} bits are not "
+                             "supported; served: symmetric 8-bit float (FP8) and 4-bit int "
+                             "(W4A16)")
+        if stored != "pack-quantized":
+            raise ValueError(f"compressed-tensors format {stored!r} is not supported for 4-bit "
+                             "int weights; served: pack-quantized")
+        if not weights.get("symmetric", True):
+            raise ValueError("asymmetric INT4 weights (zero points) are not supported; served: "
+                             "symmetric")
+        if weights.get("actorder") == "group":
+            raise ValueError("INT4 weights with actorder \"group\" (a g_idx permutation) are "
+                             "not supported; served: actorder null or \"weight\"")
+        if inputs:
+            raise ValueError("INT4 weights with quantized activations are not supported; "
+                             "served: W4A16 (no input_activations)")
+        if group.get("targets") != ["Linear"]:
+            raise ValueError(f"compressed-tensors groups targeting {group.get('targets')} are "
+                             "not supported; served: every Linear layer (targets [\"Linear\"])")
+        strategy, size = weights.get("strategy"), weights.get("group_size")
+        if strategy == "group" and (not size or size < 16 or size & (size - 1)):
+            raise ValueError(f"INT4 groups of {size} columns are not supported; served: a "
+                             "power of two, at least 16")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"INT4 weights by {strategy!r} are not supported; served: group, "
+                             "channel")
+        formats.add(Int4Format(size if strategy == "group" else None))
+    if len(formats) > 1:
+        raise ValueError("compressed-tensors groups with different INT4 formats are not "
+                         "supported")
+    return formats.pop()

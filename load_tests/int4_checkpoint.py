@@ -1,0 +1,87 @@
+"""Write an INT4 (W4A16) copy of a checkpoint, in compressed-tensors' pack-quantized format, to
+benchmark INT4 serving beside the original (no quantized checkpoint reaches these machines).
+
+    python -m load_tests.int4_checkpoint --model llama-8b --group 128 --out /tmp/llama-8b-w4a16
+
+Every decoder projection's weight becomes `weight_packed` (8 four-bit values an int32, low
+nibble first, offset by 8), `weight_scale` (each group's absolute maximum over 7, in the
+model's dtype) and `weight_shape`, as llm-compressor writes them; everything else is copied.
+The quantization here is this script's own (round to nearest), not the engine's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine_actors.checkpoint import RANDOM_MARKER, iter_checkpoint_tensors, resolve_model_path
+
+PROJECTION = re.compile(r".*layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+SHARD_BYTES = 4 * 10**9
+
+
+def pack(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    scales = g.abs().amax(-1) / 7
+    q = (g / scales[..., None]).round().clamp(-8, 7).to(torch.int32).reshape(n, k // 8, 8) + 8
+    words = sum(q[..., i] << (4 * i) for i in range(8))  # (bit 31 set: a negative int32)
+    return {"weight_packed": words.to(torch.int32), "weight_scale": scales.to(w.dtype),
+            "weight_shape": torch.tensor([n, k])}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-8b")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    src, out = Path(resolve_model_path(args.model)), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():  # config, tokenizer, generation config (not the weights)
+        if f.suffix in (".json", ".jinja", ".txt", ".model") and "index" not in f.name:
+            shutil.copy(f, out / f.name)
+    shard, size, index = {}, 0, {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def flush():
+        nonlocal shard, size
+        name = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+        save_file({k: v.cpu().contiguous() for k, v in shard.items()}, str(out / name))
+        index.update(dict.fromkeys(shard, name))
+        shard, size = {}, 0
+    for name, tensor in iter_checkpoint_tensors(str(src), device):
+        parts = {name: tensor}
+        if PROJECTION.fullmatch(name):
+            stem = name.removesuffix("weight")
+            parts = {stem + k: v for k, v in pack(tensor, args.group).items()}
+        for key, value in parts.items():
+            shard[key] = value
+            size += value.numel() * value.element_size()
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": index}))
+    (out / RANDOM_MARKER).unlink(missing_ok=True)  # (the weights are on disk now)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int",
+                                                  "symmetric": True, "strategy": "group",
+                                                  "group_size": args.group, "dynamic": False,
+                                                  "actorder": None}}}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    print(f"wrote {out}: {len(set(index.values()))} shards, {len(index)} tensors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""INT4 weights (W4A16, compressed-tensors' pack-quantized checkpoints): served with greedy
+outputs equal to transformers' on the same weights dequantized (fp32, CPU: the weights are
+dequantized for each matmul); two ranks' shards of packed weights and scales; the Triton
+kernel in the interpreter; what is refused at start. The quantization below is this test's
+own; the packing is compressed-tensors' (the library that writes these checkpoints)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from compressed_tensors.compressors import pack_to_int32
+from safetensors.torch import load_file, save_file
+
+from engine_actors.checkpoint import model_info, save_random_checkpoint
+from engine_actors.config import EngineConfig
+from engine_actors.model_runner import ModelRunner
+from engine_actors.parallel import ParallelGroup
+from tests.engine_harness import InProcessEngine
+from tests.test_fp8 import check_shards_add_up
+from tests.test_parity import check_parity, ragged_workload
+
+PROJECTION = re.compile(r"layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+
+
+def quantize(w: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] int8 in [-8, 7], scales [N, K / group] or [N, 1]): each group's
+    absolute maximum maps to 7."""
+    n, k = w.shape
+    g = group or k
+    scales = w.reshape(n, k // g, g).abs().amax(-1) / 7
+    q = (w.reshape(n, k // g, g) / scales[..., None]).round().clamp(-8, 7)
+    return q.reshape(n, k).to(torch.int8), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, group: int | None) -> torch.Tensor:
+    n, k = q.shape
+    g = group or k
+    return (q.float().reshape(n, k // g, g) * scales.float()[..., None]).reshape(n, k)
+
+
+def w4a16_config(group: int | None, **weights) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                          "weights": {"num_bits": 4, "type": "int",
+                                                      "symmetric": True, "dynamic": False,
+                                                      "strategy": "group" if group else "channel",
+                                                      "group_size": group, "actorder": None,
+                                                      **weights}}}}
+
+
+def write_int4_checkpoint(src, int4_dir, ref_dir, group: int | None,
+                          scale_dtype=torch.float32) -> None:
+    """int4_dir: src's projections in INT4 (pack-quantized); ref_dir: src with them
+    dequantized (what the INT4 checkpoint means, for transformers)."""
+    for d in (int4_dir, ref_dir):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    tensors = load_file(f"{src}/model.safetensors")
+    packed, ref = {}, {}
+    for key, w in tensors.items():
+        if not PROJECTION.search(key):
+            packed[key] = ref[key] = w
+            continue
+        q, scales = quantize(w.float(), group)
+        scales = scales.to(scale_dtype)
+        stem = key.removesuffix("weight")
+        packed[stem + "weight_packed"] = pack_to_int32(q, 4)
+        packed[stem + "weight_scale"] = scales
+        packed[stem + "weight_shape"] = torch.tensor(list(w.shape))
+        ref[key] = dequantize(q, scales, group)
+    save_file(packed, f"{int4_dir}/model.safetensors")
+    save_file(ref, f"{ref_dir}/model.safetensors")
+    cfg = json.loads((int4_dir / "config.json").read_text())
+    (int4_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config":
+                                                      w4a16_config(group)}))
+
+
+def engine(model, **args) -> InProcessEngine:
+    return InProcessEngine(model=str(model), max_batch_size=8, block_size=4,
+                           max_num_batched_tokens=24, max_num_tokens=4096, **args)
+
+
+@pytest.mark.parametrize("arch,group,scale_dtype", [
+    ("llama", 16, torch.float32),
+    ("llama", None, torch.float32),  # strategy "channel"
+    ("qwen2", 32, torch.bfloat16),  # q/k/v biases; scales stored in bf16, as released
+    ("phi3", 16, torch.float32),  # fused qkv_proj and gate_up_proj split by rows
+])
+def test_int4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path, arch, group,
+                                                                         scale_dtype):
+    extra = {"num_key_value_heads": 1} if arch == "phi3" else {}
+    save_random_checkpoint(str(tmp_path / "base"), arch, seed=5, intermediate_size=192, **extra)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group,
+                          scale_dtype)
+    served = engine(tmp_path / "int4")
+    down = served.worker.runner.model.layers["0"].mlp.down_proj
+    assert down.weight.dtype == torch.int32 and down.weight.shape == (64, 192 // 8)
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
+
+
+@pytest.mark.parametrize("group", [32, None], ids=["groups", "channel"])
+def test_two_ranks_hold_their_shards_of_packed_weights_and_scales(tmp_path, group):
+    """Two ranks' projections together give the one worker's: column-parallel outputs
+    concatenated part by part, row-parallel partial sums added."""
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=6, intermediate_size=192)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group)
+    check_shards_add_up(tmp_path / "int4")
+
+
+def test_lora_adapter_on_int4_weights_matches_transformers_peft(tmp_path):
+    from tests.test_lora import ADAPTERS, check_against_peft, save_adapter
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 16)
+    save_adapter(str(tmp_path / "ref"), str(tmp_path / "lora"), 8, 16, ADAPTERS["chat"][2],
+                 seed=6)
+    check_against_peft(str(tmp_path / "ref"), str(tmp_path / "lora"), str(tmp_path / "int4"))
+
+
+def test_groups_that_straddle_shards_are_refused(tmp_path):
+    """64-column groups over a rank's 96 input features of the down projection."""
+    save_random_checkpoint(str(tmp_path / "base"), "llama", intermediate_size=192)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 64)
+    args = (str(tmp_path / "int4"), "cpu", torch.float32, 256, 16, 4, 0)
+    ModelRunner(*args)  # one worker: fine
+    with pytest.raises(ValueError, match="INT4 weight groups of 64 columns do not divide"):
+        ModelRunner(*args, parallel=ParallelGroup(0, 2, 0, 1))
+
+
+def test_int4_weights_stored_unpacked_are_refused(tmp_path):
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 16)
+    tensors = load_file(f"{tmp_path}/int4/model.safetensors")
+    key = "model.layers.0.mlp.up_proj.weight_packed"
+    tensors[key] = tensors[key].to(torch.int64)
+    save_file(tensors, f"{tmp_path}/int4/model.safetensors")
+    with pytest.raises(ValueError, match="weight is stored as torch.int64, not int32"):
+        engine(tmp_path / "int4")
+
+
+@pytest.mark.parametrize("change,args,message", [
+    ({"symmetric": False}, {}, "asymmetric INT4 weights"),
+    ({"actorder": "group"}, {}, r"actorder \"group\""),
+    ({"group_size": 48}, {}, "INT4 groups of 48 columns"),
+    ({"num_bits": 8}, {}, "int weights of 8 bits are not supported"),
+    ({"strategy": "tensor"}, {}, "INT4 weights by 'tensor'"),
+    ({}, {"enable_finetuning": True}, "enable_finetuning with INT4"),
+])
+def test_unserved_int4_variants_are_refused_at_start(tmp_path, change, args, message):
+    save_random_checkpoint(str(tmp_path), "llama", seed=5)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    quantization = w4a16_config(32)
+    quantization["config_groups"]["group_0"]["weights"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization}))
+    with pytest.raises(ValueError, match=message):
+        model_info(EngineConfig(model=str(tmp_path), **args))
+
+
+def test_int4_mixture_of_experts_and_quantized_activations_are_refused(tmp_path):
+    save_random_checkpoint(str(tmp_path), "mixtral", intermediate_size=48,
+                           num_local_experts=4, num_experts_per_tok=2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config":
+                                                      w4a16_config(16)}))
+    with pytest.raises(ValueError, match="INT4 weights are not supported for Mixtral"):
+        model_info(EngineConfig(model=str(tmp_path)))
+    w4a8 = w4a16_config(16)
+    w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": w4a8}))
+    with pytest.raises(ValueError, match="INT4 weights with quantized activations"):
+        model_info(EngineConfig(model=str(tmp_path)))
+
+
+# ---- the GPU kernel (CPU: the Triton interpreter) -----------------------------------------
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("m,n,k,group", [(1, 48, 256, 128), (5, 40, 96, 32),
+                                         (20, 72, 160, None), (70, 130, 256, 64),
+                                         (300, 256, 512, 128)])
+def test_int4_matmul_kernel(monkeypatch, device, m, n, k, group):
+    """x times each packed tile unpacked and scaled as it loads, against the dequantized
+    weight's fp32 matmul (channel scales; groups narrower and wider than the K tile; rows
+    and columns past the tiles')."""
+    if device == "cpu":
+        if m * n * k > 3e6:
+            pytest.skip("too slow in the interpreter")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.int4 import int4_matmul
+    torch.manual_seed(m + k)
+    q, scales = quantize(torch.randn(n, k), group)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    want = x @ dequantize(q, scales, group).T + bias
+    got = int4_matmul(*(t.to(device) for t in (x, pack_to_int32(q, 4), scales)), group or k,
+                      bias.to(device))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_int4_on_gpu_matches_transformers(tmp_path):
+    """fp32 activations (the kernel widens the weights to fp32), CUDA graphs and prompts."""
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, intermediate_size=192)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 32)
+    served = InProcessEngine(device="cuda", model=str(tmp_path / "int4"), dtype="float32",
+                             max_batch_size=8, max_num_tokens=4096)
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3), device="cuda")
+    assert served.worker.runner.num_graph_replays > 0
