@@ -25,17 +25,20 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, words, stride_x,
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    rw = tl.arange(0, BLOCK_K // 8)  # the tile's words along K
     mask_m, mask_n = rm < M, rn < N
-    shifts = (rk % 8) * 4
+    shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + rk
-        mask_k = offs_k < K
         x = tl.load(x_ptr + rm[:, None] * stride_x + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        packed = tl.load(w_ptr + rn[None, :] * words + offs_k[:, None] // 8,
-                         mask=mask_k[:, None] & mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N]
-        q = ((packed >> shifts[:, None]) & 0xF) - 8
+                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        offs_w = k0 // 8 + rw
+        packed = tl.load(w_ptr + rn[None, :] * words + offs_w[:, None],
+                         mask=(offs_w < words)[:, None] & mask_n[None, :], other=0)
+        # [BLOCK_K / 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N]: row 8 w + j is word w's nibble j
+        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N)) - 8
         s = tl.load(s_ptr + rn * stride_s + k0 // GROUP, mask=mask_n, other=0.0)
         w = (q.to(tl.float32) * s[None, :]).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
