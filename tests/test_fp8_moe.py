@@ -242,3 +242,20 @@ def test_ignore_lists_that_leave_out_the_router(ignore, served):
     else:
         with pytest.raises(ValueError, match="unquantized decoder projections"):
             read_format(config, None)
+
+
+@pytest.mark.parametrize("fmt,shape", [("fp8-blocks", (1, 2)),
+                                       ("compressed-tensors-channel", (16,))])
+def test_a_scale_of_the_wrong_shape_is_refused(tmp_path, fmt, shape):
+    """A scale tensor that does not cover its expert's projection (say, of smaller blocks
+    than the config says) is refused, not loaded in part."""
+    moe_checkpoint(tmp_path / "base", "qwen3-moe")
+    write_fp8_checkpoint(tmp_path / "base", tmp_path / "fp8", tmp_path / "ref", FORMATS[fmt],
+                         PROJECTIONS)
+    tensors = load_file(f"{tmp_path}/fp8/model.safetensors")
+    key = next(k for k in tensors if k.endswith("experts.5.down_proj.weight_scale")
+               or k.endswith("experts.5.down_proj.weight_scale_inv"))
+    tensors[key] = torch.ones(shape)
+    save_file(tensors, f"{tmp_path}/fp8/model.safetensors")
+    with pytest.raises(ValueError, match=r"expert 5's down_proj scale has shape"):
+        engine(tmp_path / "fp8")

@@ -190,6 +190,13 @@ class SparseMoE(nn.Module):
                              "not FP8")
         w, (_, first, length), start = self.destination(projection)
         dst = getattr(self, f"{w}_scale").data[e]
+        hidden = self.gate.shape[1]
+        n, k = (hidden, self.inter) if projection == "down_proj" else (self.inter, hidden)
+        expected = self.scale_shape(n, k)  # the whole projection's: per block, or per row
+        if (tuple(tensor.shape) != expected) if self.fp8.block else tensor.numel() not in (1, n):
+            raise ValueError(f"expert {e}'s {projection} scale has shape "
+                             f"{tuple(tensor.shape)}, not {expected}"
+                             + " (or one per tensor)" * (self.fp8.block is None))
         if self.fp8.block is not None:
             rows, cols = self.fp8.block
             if projection == "down_proj":
