@@ -50,9 +50,10 @@ def read(config: dict) -> Int4Format:
         if not weights.get("symmetric", True):
             raise ValueError("asymmetric INT4 weights (zero points) are not supported; served: "
                              "symmetric")
-        if weights.get("actorder") == "group":
-            raise ValueError("INT4 weights with actorder \"group\" (a g_idx permutation) are "
-                             "not supported; served: actorder null or \"weight\"")
+        if weights.get("actorder") not in (None, False, "weight", "static"):
+            raise ValueError(f"INT4 weights with actorder {weights.get('actorder')!r} (a g_idx "
+                             "permutation) are not supported; served: actorder null or "
+                             "\"weight\"")
         if inputs:
             raise ValueError("INT4 weights with quantized activations are not supported; "
                              "served: W4A16 (no input_activations)")

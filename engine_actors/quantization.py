@@ -69,6 +69,12 @@ def read_format(hf_config, requested: str | None
         return Fp8Format(online=True) if requested == "fp8" else None
     config = config if isinstance(config, dict) else config.to_dict()
     method = config.get("quant_method")
+    if config.get("transform_config"):
+        raise ValueError("quantized checkpoints with transforms (transform_config: rotations "
+                         "applied at run time, as QuIP or SpinQuant) are not supported")
+    sparsity = (config.get("sparsity_config") or {}).get("format")
+    if sparsity not in (None, "dense"):
+        raise ValueError(f"compressed-tensors sparsity format {sparsity!r} is not supported")
     if method == "fp8":
         if config.get("activation_scheme", "dynamic") != "dynamic":
             raise ValueError("fp8 checkpoints with static activation scales are not supported")
@@ -76,6 +82,9 @@ def read_format(hf_config, requested: str | None
         if block is None:
             raise ValueError("fp8 checkpoints need a weight_block_size")
     elif method == "compressed-tensors" and int4_format.is_int4(config):
+        if requested == "fp8":
+            raise ValueError("quantization fp8 quantizes an unquantized checkpoint as it loads; "
+                             "this checkpoint is INT4 already (leave quantization unset)")
         check_kv_cache_scheme(config)
         check_ignored(config.get("ignore"))
         return int4_format.read(config)

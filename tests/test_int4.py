@@ -142,7 +142,10 @@ def test_int4_weights_stored_unpacked_are_refused(tmp_path):
 
 @pytest.mark.parametrize("change,args,message", [
     ({"symmetric": False}, {}, "asymmetric INT4 weights"),
-    ({"actorder": "group"}, {}, r"actorder \"group\""),
+    ({"actorder": "group"}, {}, r"actorder 'group'"),
+    ({"actorder": "dynamic"}, {}, r"actorder 'dynamic'"),  # (group's other names)
+    ({"actorder": True}, {}, r"actorder True"),
+    ({}, {"quantization": "fp8"}, "this checkpoint is INT4 already"),
     ({"group_size": 48}, {}, "INT4 groups of 48 columns"),
     ({"num_bits": 8}, {}, "int weights of 8 bits are not supported"),
     ({"strategy": "tensor"}, {}, "INT4 weights by 'tensor'"),
@@ -206,3 +209,26 @@ def test_int4_on_gpu_matches_transformers(tmp_path):
                              max_batch_size=8, max_num_tokens=4096)
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3), device="cuda")
     assert served.worker.runner.num_graph_replays > 0
+
+
+def test_transforms_sparsity_and_stray_tensors_are_refused(tmp_path):
+    """Rotations applied at run time (QuIP, SpinQuant) and 2:4 sparsity are refused at
+    start; a tensor a projection has no place for (a g_idx) when it loads."""
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 16)
+    cfg = json.loads((tmp_path / "int4" / "config.json").read_text())
+    for extra, message in [
+            ({"transform_config": {"config_groups": {"u": {"type": "random-hadamard"}}}},
+             "transforms"),
+            ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format")]:
+        quantization = {**cfg["quantization_config"], **extra}
+        (tmp_path / "int4" / "config.json").write_text(json.dumps(
+            {**cfg, "quantization_config": quantization}))
+        with pytest.raises(ValueError, match=message):
+            model_info(EngineConfig(model=str(tmp_path / "int4")))
+    (tmp_path / "int4" / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(f"{tmp_path}/int4/model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight_g_idx"] = torch.zeros(176, dtype=torch.int32)
+    save_file(tensors, f"{tmp_path}/int4/model.safetensors")
+    with pytest.raises(ValueError, match="'weight_g_idx' tensor is not served"):
+        engine(tmp_path / "int4")

@@ -73,7 +73,12 @@ class Linear(nn.Module):
 
     def check_stored(self, name: str, tensor: torch.Tensor) -> None:
         """An FP8 checkpoint's weights must be stored in e4m3 (not, say, fake-quantized bf16
-        with the scales beside them, which would be cast here and scaled twice)."""
+        with the scales beside them, which would be cast here and scaled twice); a tensor
+        this layer has no place for (a zero point, a g_idx, a sparsity mask) is refused."""
+        if name not in ("weight", "bias", "weight_scale") or (
+                name == "weight_scale" and self.quant is None):
+            raise ValueError(f"a projection's {name!r} tensor is not served here (a "
+                             "quantization format this engine does not read)")
         if name == "weight" and self.int4 and tensor.dtype != torch.int32:
             raise ValueError(f"an INT4 checkpoint's weight is stored as {tensor.dtype}, not "
                              "int32 words of packed 4-bit values (weight_packed)")
