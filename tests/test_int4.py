@@ -232,3 +232,11 @@ def test_transforms_sparsity_and_stray_tensors_are_refused(tmp_path):
     save_file(tensors, f"{tmp_path}/int4/model.safetensors")
     with pytest.raises(ValueError, match="'weight_g_idx' tensor is not served"):
         engine(tmp_path / "int4")
+
+
+def test_a_quantized_lm_head_is_refused():
+    """ignore [] quantizes the LM head too: refused as it loads, saying so."""
+    from engine_actors.layers.embedding import ParallelLMHead
+    head = ParallelLMHead(10, 16)
+    with pytest.raises(ValueError, match="quantized embedding or LM head"):
+        head.load("weight", pack_to_int32(torch.zeros(10, 16, dtype=torch.int8), 4))

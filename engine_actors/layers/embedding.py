@@ -30,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.parallel.all_reduce(out)  # exactly one rank contributes each row
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        if name != "weight" or tensor.dtype == torch.float8_e4m3fn:
+        if name != "weight" or not tensor.is_floating_point() or tensor.dtype.itemsize == 1:
             raise ValueError(f"a quantized embedding or LM head ({name}, {tensor.dtype}) is "
                              "not supported")
         if tensor.shape[0] != self.vocab_size or tensor.shape[1] != self.weight.shape[1]:
