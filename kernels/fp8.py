@@ -231,13 +231,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,
                dtype: torch.dtype) -> torch.Tensor:
-    """The weight w [N, K] e4m3 times its scales, in dtype (block: (rows, columns) of a
-    scale's block; None: one scale per row)."""
-    n, k = w.shape
+    """The weight w [..., N, K] e4m3 (a mixture's experts: [E, N, K]) times its scales, in
+    dtype (block: (rows, columns) of a scale's block; None: one scale per row)."""
+    n, k = w.shape[-2:]
     if block is None:
-        full = scales.reshape(n, 1)
+        full = scales.reshape(*w.shape[:-1], 1)
     else:
-        full = scales.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        full = scales.repeat_interleave(block[0], -2)[..., :n, :].repeat_interleave(
+            block[1], -1)[..., :k]
     return (w.to(torch.float32) * full).to(dtype)
 
 

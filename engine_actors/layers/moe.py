@@ -30,7 +30,7 @@ from torch import nn
 from engine_actors.layers.linear import cdiv, copy_checked
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from engine_actors.quantization import building_format, quantize_weight_rows
-from kernels.fp8 import FP8
+from kernels.fp8 import FP8, dequantize
 from kernels.act_mul import act_mul
 from kernels.moe import align_pairs, block_rows, expert_matmul
 
@@ -121,16 +121,7 @@ class SparseMoE(nn.Module):
     def dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The experts' weights `name` in dtype (FP8 ones times their scales)."""
         w = getattr(self, name)
-        if self.fp8 is None:
-            return w
-        scales = self.scales(name)
-        if self.fp8.block is None:
-            full = scales[:, :, None]
-        else:
-            rows, cols = self.fp8.block
-            full = scales.repeat_interleave(rows, 1)[:, :w.shape[1]].repeat_interleave(
-                cols, 2)[:, :, :w.shape[2]]
-        return (w.float() * full).to(dtype)
+        return w if self.fp8 is None else dequantize(w, self.scales(name), self.fp8.block, dtype)
 
     def load_checkpoint(self, name: str, tensor: torch.Tensor) -> list[str]:
         """`name`: "gate" (the router), "<expert>.<projection>" of one expert (its weight),
