@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors
+from engine_actors.layers.linear import Linear
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import ParallelGroup
@@ -53,5 +54,8 @@ def load_model(path: str, hf_config, dtype: torch.dtype, device: torch.device,
             model.lm_head = None
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.tile_int4()
     return model.eval()
 

@@ -2,81 +2,179 @@
 
 compressed-tensors' pack-quantized layout: element k of a row is bits 4 (k % 8) .. +3 of
 word k // 8, as an unsigned nibble offset by 8 (q = nibble - 8, in [-8, 7]); each row has a
-scale per group of `group` columns, w ~ q * scale (symmetric). On the GPU, `int4_matmul`
-streams the packed words, unpacks and scales each [BLOCK_K, BLOCK_N] tile in registers and
-multiplies it in x's dtype: a decode step reads a quarter of bf16's bytes. On CPU the
-weight is dequantized for each matmul, a reference path for tests.
+scale per group of `group` columns, w ~ q * scale (symmetric).
+
+On the GPU a weight is stored tiled (`tile`, once, as it loads): each block of TILE_N rows
+is transposed to [words, TILE_N], so that a [BLOCK_K, TILE_N] tile of the kernel is one
+contiguous read. Then
+- up to KERNEL_MAX_TOKENS tokens (decode steps): `int4_matmul`'s kernel streams the packed
+  tiles, unpacks and scales each in registers and multiplies it in x's dtype; the K range is
+  split over up to 8 programs (their fp32 partial sums added by a second kernel) so that a
+  projection with few column tiles still fills the GPU;
+- more tokens (prompts): the weight is unpacked to x's dtype (`dequantize_tiled`) and
+  multiplied by cuBLAS, which is faster there than unpacking each tile once per row block.
+BENCHMARKS.md (2026-11-29, sixth part) has the measurements behind these choices.
+On CPU the plain (untiled) weight is dequantized for each matmul, a reference path.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 PACK = 8  # 4-bit values per int32
-# largest M -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K at most the group
-CONFIGS = ((16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 3)), (None, (128, 128, 64, 8, 3)))
+TILE_N = 128  # rows per stored tile
+KERNEL_MAX_TOKENS = 128
+# largest M -> (BLOCK_M, BLOCK_K, num_warps, num_stages); BLOCK_K at most the group
+CONFIGS = ((16, (16, 128, 4, 3)), (64, (64, 128, 4, 3)), (None, (128, 64, 4, 3)))
+MAX_SPLIT = 8
 
 
 @triton.jit
 def _int4_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, words, stride_x, stride_s,
-                 GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 k_per_split, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(2) * k_per_split
     rk = tl.arange(0, BLOCK_K)
     rw = tl.arange(0, BLOCK_K // 8)  # the tile's words along K
     mask_m, mask_n = rm < M, rn < N
     shifts = tl.arange(0, 8) * 4
+    tile = w_ptr + tl.program_id(1) * words * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         offs_k = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_x + offs_k[None, :],
                     mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
         offs_w = k0 // 8 + rw
-        packed = tl.load(w_ptr + rn[None, :] * words + offs_w[:, None],
-                         mask=(offs_w < words)[:, None] & mask_n[None, :], other=0)
+        packed = tl.load(tile + offs_w[:, None] * BLOCK_N, mask=(offs_w < words)[:, None],
+                         other=0)
         # [BLOCK_K / 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N]: row 8 w + j is word w's nibble j
         q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
         q = tl.reshape(q, (BLOCK_K, BLOCK_N)) - 8
         s = tl.load(s_ptr + rn * stride_s + k0 // GROUP, mask=mask_n, other=0.0)
         w = (q.to(tl.float32) * s[None, :]).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT > 1:  # this program's partial sums, added up by _add_splits_kernel
+        tl.store(c_ptr + tl.program_id(2) * M * N + rm[:, None] * N + rn[None, :], acc,
+                 mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _add_splits_kernel(part_ptr, c_ptr, bias_ptr, total, N, SPLIT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + i * total + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, words, stride_s, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_K, BLOCK_N] tile (within one group) unpacked, scaled and stored as rows
+    of out [N, K]."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(w_ptr + tl.program_id(0) * words * BLOCK_N + rw[:, None] * BLOCK_N
+                     + tl.arange(0, BLOCK_N)[None, :], mask=(rw < words)[:, None], other=0)
+    q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+    q = tl.reshape(q, (BLOCK_K, BLOCK_N)) - 8
+    s = tl.load(s_ptr + rn * stride_s + k0 // GROUP, mask=rn < N, other=0.0)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rn[None, :] * K + rk[:, None],
+             (q.to(tl.float32) * s[None, :]).to(out_ptr.dtype.element_ty),
+             mask=(rn < N)[None, :] & (rk < K)[:, None])
+
+
+def tile(w: torch.Tensor) -> torch.Tensor:
+    """Plain packed w [N, words] as [ceil(N / TILE_N), words, TILE_N] (rows past N: zeros)."""
+    n, words = w.shape
+    padded = torch.zeros(triton.cdiv(n, TILE_N) * TILE_N, words, dtype=w.dtype, device=w.device)
+    padded[:n] = w
+    return padded.view(-1, TILE_N, words).transpose(1, 2).contiguous()
+
+
+def block_k(group: int, k: int) -> int:
+    """The K tile: 128 columns, or the group when narrower (a tile within one group)."""
+    if group >= k:
+        return 128
+    assert group % 16 == 0 and group & (group - 1) == 0, "groups: a power of two >= 16"
+    return min(128, group)
+
+
+@functools.cache
+def _num_sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ dequantized(w).T (+ bias): w [N, ceil(K / 8)] int32, scales
-    [N, ceil(K / group)] fp32 (group >= K: one per row)."""
+                config: tuple[int, int, int, int] | None = None, split_k: int | None = None
+                ) -> torch.Tensor:
+    """x [M, K] @ dequantized(w).T (+ bias) in the kernel: w tiled ([ceil(N / TILE_N),
+    ceil(K / 8), TILE_N] int32), scales [N, ceil(K / group)] fp32 (group >= K: one per row).
+    split_k: programs along K (default: enough for about 4 per SM, at most MAX_SPLIT)."""
     m, k = x.shape
-    n = w.shape[0]
+    n = scales.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not m:
         return out
-    block_m, block_n, block_k, warps, stages = config or next(
+    block_m, bk, warps, stages = config or next(
         c for limit, c in CONFIGS if limit is None or m <= limit)
-    if group < k:  # a K tile within one group
-        assert group % 16 == 0 and group & (group - 1) == 0, "groups: a power of two >= 16"
-        block_k = min(block_k, group)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int4_kernel[grid](x, w, scales, out, bias if bias is not None else out, m, n, k,
-                       w.shape[1], x.stride(0), scales.stride(0), GROUP=min(group, k),
-                       HAS_BIAS=bias is not None,
-                       PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                       num_stages=stages)
+    bk = min(bk, block_k(group, k))
+    tiles = triton.cdiv(m, block_m) * w.shape[0]
+    if split_k is None:
+        want = triton.cdiv(4 * _num_sms(x.device.index or 0) if x.is_cuda else 1, tiles)
+        split_k = min(MAX_SPLIT, triton.next_power_of_2(want))
+    k_per_split = triton.cdiv(triton.cdiv(k, bk), split_k) * bk
+    split_k = triton.cdiv(k, k_per_split)
+    part = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32,
+                                                device=x.device)
+    _int4_kernel[(triton.cdiv(m, block_m), w.shape[0], split_k)](
+        x, w, scales, part, bias if bias is not None else out, m, n, k, w.shape[1],
+        x.stride(0), scales.stride(0), k_per_split, GROUP=min(group, k),
+        HAS_BIAS=bias is not None, SPLIT=split_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
+        BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    if split_k > 1:
+        _add_splits_kernel[(triton.cdiv(m * n, 1024),)](
+            part, out, bias if bias is not None else out, m * n, n, SPLIT=split_k,
+            HAS_BIAS=bias is not None, BLOCK=1024)
+    return out
+
+
+def dequantize_tiled(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, k] of tiled w times its scales, in dtype (one kernel)."""
+    n = scales.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    bk = block_k(group, k)
+    _dequantize_kernel[(w.shape[0], triton.cdiv(k, bk))](
+        w, scales, out, n, k, w.shape[1], scales.stride(0), GROUP=min(group, k),
+        BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=8)
     return out
 
 
 def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
                dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, k] of packed w times its scales, in dtype."""
+    """The weight [N, k] of plain packed w times its scales, in dtype."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
     q = ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(w.shape[0], -1)[:, :k] - 8
     full = scales.repeat_interleave(group, 1)[:, :k] if group < k else scales.reshape(-1, 1)
@@ -86,12 +184,19 @@ def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
-    """x [..., k] @ w.T (+ bias; into `out` if given) for a packed INT4 weight."""
+    """x [..., k] @ w.T (+ bias; into `out` if given) for an INT4 weight: tiled on the
+    GPU, plain on CPU."""
     if not x.is_cuda:
         y = torch.nn.functional.linear(x, dequantize(w, scales, group, k, x.dtype), bias)
         return y if out is None else out.copy_(y)
     flat = x.reshape(-1, k)
     flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-    n = w.shape[0]
-    y = int4_matmul(flat, w, scales, group, bias, None if out is None else out.view(-1, n))
+    n = scales.shape[0]
+    out = None if out is None else out.view(-1, n)
+    if flat.shape[0] <= KERNEL_MAX_TOKENS:
+        y = int4_matmul(flat, w, scales, group, bias, out)
+    else:
+        weight = dequantize_tiled(w, scales, group, k, x.dtype)
+        y = torch.addmm(bias, flat, weight.t(), out=out) if bias is not None else \
+            torch.mm(flat, weight.t(), out=out)
     return y.view(*x.shape[:-1], n)

@@ -1,11 +1,14 @@
 """INT4 projections (W4A16) against bf16 ones: llama-8b's four matmuls of one layer.
 
-    python -m load_tests.bench_int4 --tokens 1 16 64 256 2048 [--sweep]
+    python -m load_tests.bench_int4 --tokens 1 16 64 128 256 2048 [--sweep]
 
-Per token count M, the summed time of the qkv, o, gate_up and down projections:
-bf16 F.linear (cuBLAS), kernels.int4.int4_matmul (groups of 128) with its default tile,
-and with --sweep each config of SWEEP; the floor is the INT4 weights' bytes (words and
-scales) at the measured copy bandwidth. Each is timed over a CUDA graph of 20 calls.
+Per token count M, the summed time of the qkv, o, gate_up and down projections (groups of
+128): bf16 F.linear (cuBLAS); kernels.int4's kernel (int4_matmul, its default tile and
+split of K) and its other path, the weight unpacked to bf16 then cuBLAS, each at every M;
+and what int4_linear picks. With --sweep, each (tile, split) of TILES at up to 128 tokens.
+The floor is the INT4 weights' bytes (words and scales) at the measured copy bandwidth.
+Each is timed over a CUDA graph of 20 calls; each kernel's output is checked against the
+dequantized weight's matmul first.
 """
 from __future__ import annotations
 
@@ -14,15 +17,20 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from kernels.int4 import CONFIGS, int4_matmul
+from kernels.int4 import (CONFIGS, dequantize, dequantize_tiled, int4_linear, int4_matmul,
+                          tile)
 from load_tests.bench_fp8 import SHAPES, graph_ms
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
 from load_tests.report import save_json
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-SWEEP = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4),
-         (16, 32, 64, 2, 4), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
-         (64, 64, 32, 4, 4), (128, 128, 32, 8, 3), (128, 64, 64, 4, 3)]
+# (BLOCK_M, BLOCK_K, num_warps, num_stages)
+TILES = [(16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3),
+         (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3)]
+
+
+def sweep(m: int):
+    """(tile, split_k) to try at m tokens."""
+    return [(t, split) for t in TILES if t[0] <= max(16, m) * 2 for split in (1, 2, 4, 8)]
 
 
 def packed(n: int, k: int, group: int):
@@ -33,35 +41,65 @@ def packed(n: int, k: int, group: int):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 2048])
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     bandwidth = copy_bandwidth_gbs()
-    weights = {name: (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
-                      *packed(n, k, args.group)) for name, (n, k) in SHAPES.items()}
-    floor = sum(w.numel() * 4 + s.numel() * 4 for _, w, s in weights.values()) / bandwidth / 1e6
+    g = args.group
+    weights = {}
+    for name, (n, k) in SHAPES.items():
+        words, scales = packed(n, k, g)
+        weights[name] = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
+                         words, tile(words), scales)
+    floor = sum(w.numel() * 4 + s.numel() * 4 for _, w, _, s in weights.values()) \
+        / bandwidth / 1e6
+    paths = {"bf16_ms": lambda x, w, q, s: F.linear(x, w),
+             "kernel_ms": lambda x, w, q, s: int4_matmul(x, q, s, g),
+             "dequantized_cublas_ms": lambda x, w, q, s: F.linear(
+                 x, dequantize_tiled(q, s, g, x.shape[1], x.dtype)),
+             "int4_linear_ms": lambda x, w, q, s: int4_linear(x, q, s, g, x.shape[1])}
     rows = []
     for m in args.tokens:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
               for name, (n, k) in SHAPES.items()}
+        wants = {name: F.linear(xs[name].float(), dequantize(plain, s, g, k, torch.float32))
+                 for name, (_, k) in SHAPES.items() for _, plain, _, s in [weights[name]]}
 
-        def run(fn):
-            return lambda: [fn(xs[name], *weights[name]) for name in SHAPES]
-        row = {"tokens": m, "int4_floor_ms": floor,
-               "bf16_ms": graph_ms(run(lambda x, w, q, s: F.linear(x, w))),
-               "int4_ms": graph_ms(run(lambda x, w, q, s: int4_matmul(x, q, s, args.group)))}
-        for config in SWEEP * args.sweep:
-            row.setdefault("sweep_ms", {})[str(config)] = graph_ms(run(
-                lambda x, w, q, s: int4_matmul(x, q, s, args.group, config=config)))
-        best = min(row.get("sweep_ms", {"-": row["int4_ms"]}).items(), key=lambda kv: kv[1])
+        def check(label, fn):
+            for name in SHAPES:
+                got, want = fn(name).float(), wants[name]
+                error = ((got - want).norm() / want.norm()).item()
+                if error > 1e-2:
+                    raise AssertionError(f"{label} {name} M={m}: relative error {error:.3g}")
+
+        def operands(name):  # x, the bf16 weight, the tiled INT4 weight, its scales
+            w, _, q, s = weights[name]
+            return xs[name], w, q, s
+
+        row = {"tokens": m, "int4_floor_ms": floor}
+        for label, fn in paths.items():
+            if label != "bf16_ms":
+                check(label, lambda name: fn(*operands(name)))
+            row[label] = graph_ms(lambda: [fn(*operands(name)) for name in SHAPES])
+        for t, split in sweep(m) if args.sweep and m <= 128 else []:
+            key = str((t, split))
+            check(key, lambda name: int4_matmul(*operands(name)[::2], operands(name)[3], g,
+                                                config=t, split_k=split))
+            for name in SHAPES:
+                x, _, q, s = operands(name)
+                row.setdefault("sweep_ms", {}).setdefault(key, {})[name] = graph_ms(
+                    lambda: int4_matmul(x, q, s, g, config=t, split_k=split))
         default = next(c for limit, c in CONFIGS if limit is None or m <= limit)
-        print(f"M={m:5d}: bf16 {row['bf16_ms']:.3f} ms | int4 {row['int4_ms']:.3f} ms "
-              f"(default {default}) | best {best[1]:.3f} {best[0]} | int4 floor {floor:.3f}",
-              flush=True)
+        print(f"M={m:5d}: bf16 {row['bf16_ms']:.3f} | kernel {row['kernel_ms']:.3f} "
+              f"(tile {default}) | dequantized + cuBLAS {row['dequantized_cublas_ms']:.3f} | "
+              f"int4_linear {row['int4_linear_ms']:.3f} | floor {floor:.3f} ms", flush=True)
+        by_total = sorted(row.get("sweep_ms", {}).items(), key=lambda kv: sum(kv[1].values()))
+        for key, t in by_total[:4]:
+            print(f"    {sum(t.values()):.3f} {key}", flush=True)
         rows.append(row)
-    report = {"shapes": SHAPES, "group": args.group, "copy_gbs": bandwidth, "rows": rows}
+    report = {"shapes": SHAPES, "group": g, "copy_gbs": bandwidth, "rows": rows}
     save_json(args.out, report)
     return report
 

@@ -51,6 +51,8 @@ for part in $BENCH; do
           > "$OUT/http-moe-$q.log" 2>&1; echo "-- $q"; tail -4 "$OUT/http-moe-$q.log"; done ;;
     int4-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_int4.py tests/test_fp8.py \
         2>&1 | tee "$OUT/int4-tests.log" | tail -6 ;;
+    int4-layer) python3 -m load_tests.bench_int4 ${INT4_ARGS:-} --out "$OUT/int4-layer${LABEL:-}.json" \
+        > "$OUT/int4-layer${LABEL:-}.log" 2>&1; grep -v "^ *[\"{}\[\]]" "$OUT/int4-layer${LABEL:-}.log" | tail -60 ;;
     decode-int4) # llama-8b's decode step, bf16 then INT4 (W4A16, groups of 128: written here first)
       [ -f /tmp/llama-8b-w4a16/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b --out /tmp/llama-8b-w4a16
       for m in llama-8b /tmp/llama-8b-w4a16; do n=$([ $m = llama-8b ] && echo bf16 || echo int4)

@@ -176,28 +176,58 @@ def test_int4_mixture_of_experts_and_quantized_activations_are_refused(tmp_path)
         model_info(EngineConfig(model=str(tmp_path)))
 
 
-# ---- the GPU kernel (CPU: the Triton interpreter) -----------------------------------------
+# ---- the GPU kernels (CPU: the Triton interpreter) ----------------------------------------
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("m,n,k,group", [(1, 48, 256, 128), (5, 40, 96, 32),
-                                         (20, 72, 160, None), (70, 130, 256, 64),
-                                         (300, 256, 512, 128)])
-def test_int4_matmul_kernel(monkeypatch, device, m, n, k, group):
-    """x times each packed tile unpacked and scaled as it loads, against the dequantized
-    weight's fp32 matmul (channel scales; groups narrower and wider than the K tile; rows
-    and columns past the tiles')."""
+@pytest.mark.parametrize("m,n,k,group,split", [(1, 48, 256, 128, 1), (5, 40, 96, 32, 2),
+                                               (20, 72, 160, None, 3), (70, 130, 256, 64, 2),
+                                               (300, 256, 512, 128, 1)])
+def test_int4_matmul_kernel(monkeypatch, device, m, n, k, group, split):
+    """x times each tiled tile unpacked and scaled as it loads, the K range split over
+    programs or not, against the dequantized weight's fp32 matmul (channel scales; groups
+    narrower than the K tile; rows, columns and words past the tiles')."""
     if device == "cpu":
         if m * n * k > 3e6:
             pytest.skip("too slow in the interpreter")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels.int4 import int4_matmul
+    from kernels.int4 import int4_matmul, tile
     torch.manual_seed(m + k)
     q, scales = quantize(torch.randn(n, k), group)
     x, bias = torch.randn(m, k), torch.randn(n)
     want = x @ dequantize(q, scales, group).T + bias
-    got = int4_matmul(*(t.to(device) for t in (x, pack_to_int32(q, 4), scales)), group or k,
-                      bias.to(device))
+    w = tile(pack_to_int32(q, 4).to(device))
+    got = int4_matmul(x.to(device), w, scales.to(device), group or k, bias.to(device),
+                      split_k=split)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n,k,group", [(130, 192, 64), (40, 100, None), (64, 256, 16)])
+def test_dequantize_tiled(monkeypatch, device, n, k, group):
+    """The prompt path's unpacking of a tiled weight equals this test's dequantization."""
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.int4 import dequantize_tiled, tile
+    q, scales = quantize(torch.randn(n, k), group)
+    got = dequantize_tiled(tile(pack_to_int32(q, 4).to(device)), scales.to(device), group or k,
+                           k, torch.float32)
+    torch.testing.assert_close(got.cpu(), dequantize(q, scales, group), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 100, 128, 129, 300])
+def test_int4_linear_bf16_on_gpu(m):
+    """bf16 activations on both paths (the kernel up to KERNEL_MAX_TOKENS rows, the weight
+    unpacked for cuBLAS beyond), against the dequantized weight's matmul."""
+    from kernels.int4 import int4_linear, tile
+    torch.manual_seed(m)
+    q, scales = quantize(torch.randn(6144, 4096), 128)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    want = x.float() @ dequantize(q, scales, 128).cuda().T
+    got = int4_linear(x, tile(pack_to_int32(q, 4).cuda()), scales.cuda(), 128, 4096)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu

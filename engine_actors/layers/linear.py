@@ -9,7 +9,8 @@ token's low-rank update is added to the output (to the partial sums, before the 
 Built inside quantization.fp8_weights, either holds an e4m3 weight and its `weight_scale`
 (per output row, or per block: shards then start and end on block boundaries), or an INT4
 weight packed 8 to an int32 along its input features with a scale per row or group
-(int4_format.py; a group is a block of one row).
+(int4_format.py; a group is a block of one row), tiled for the kernel once it is loaded on
+a GPU (`tile_int4`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from engine_actors.int4_format import Int4Format
 from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import FP8, fp8_linear
-from kernels.int4 import PACK, int4_linear
+from kernels.int4 import PACK, int4_linear, tile
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -66,6 +67,11 @@ class Linear(nn.Module):
         if out is not None:
             return torch.matmul(x, self.weight.t(), out=out)
         return F.linear(x, self.weight, bias)
+
+    def tile_int4(self) -> None:
+        """Once loaded, an INT4 weight on the GPU is stored as the kernel reads it."""
+        if self.int4 and self.weight.is_cuda:
+            self.weight = nn.Parameter(tile(self.weight.data), requires_grad=False)
 
     def scale_rows(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
         """A checkpoint's per-channel or per-tensor scale as one scale per output row."""
