@@ -99,11 +99,11 @@ class Policy(abc.ABC):
     def victim(self, admitted: list[Request]) -> Request | None:
         """Which admitted request gives up its KV (None: none may): by default the latest
         arrival."""
-        return max(admitted, key=lambda r: r.arrival_time)
+        return max(admitted, key=lambda r: r.arrival)
 
     def outranks(self, a: Request, b: Request) -> bool:
         """Does the policy prefer `a` to `b`? Earlier arrivals win by default."""
-        return a.arrival_time < b.arrival_time
+        return a.arrival < b.arrival
 
     def select(self, ready: list[Request], waiting: Sequence[Request],
                admitted: Iterable[Request], kv: KVCacheManager, budget: Budget,
@@ -203,15 +203,15 @@ class FCFS(Policy):
 
     def key(self, req):  # (a request's priority counts only while it waits)
         if req.is_admitted:
-            return (False, 0, req.arrival_time)
-        return (True, req.priority, req.arrival_time)
+            return (False, 0, req.arrival)
+        return (True, req.priority, req.arrival)
 
     def reservation(self, req):
         return req.max_num_tokens if req.sampling.max_tokens_given else 0
 
     def victim(self, admitted):
         growing = [r for r in admitted if not r.sampling.max_tokens_given]
-        return max(growing, key=lambda r: r.arrival_time) if growing else None
+        return max(growing, key=lambda r: r.arrival) if growing else None
 
 
 class PriorityPolicy(Policy):
@@ -222,27 +222,27 @@ class PriorityPolicy(Policy):
     recomputed later."""
 
     def key(self, req):
-        return (req.priority, req.arrival_time)
+        return (req.priority, req.arrival)
 
     def victim(self, admitted):
-        return max(admitted, key=lambda r: (r.priority, r.arrival_time))
+        return max(admitted, key=lambda r: (r.priority, r.arrival))
 
     def outranks(self, a, b):
-        return (a.priority, a.arrival_time) < (b.priority, b.arrival_time)
+        return (a.priority, a.arrival) < (b.priority, b.arrival)
 
 
 class ShortestJobFirst(Policy):
     """Baseline: shortest prompt first (running requests keep going first)."""
 
     def key(self, req):
-        return (not req.is_admitted, req.num_prompt_tokens, req.arrival_time)
+        return (not req.is_admitted, req.num_prompt_tokens, req.arrival)
 
 
 class EarliestDeadlineFirst(Policy):
     """Baseline: earliest deadline first; requests without one come last, in arrival order."""
 
     def key(self, req):
-        return (not req.is_admitted, req.deadline, req.arrival_time)
+        return (not req.is_admitted, req.deadline, req.arrival)
 
 
 class DeadlineAware(Policy):
@@ -258,10 +258,10 @@ class DeadlineAware(Policy):
         self.eta, self.q = eta, 1.0 - eta
 
     def key(self, req):
-        return (-req.utility, req.arrival_time)
+        return (-req.utility, req.arrival)
 
     def order(self, ready, waiting, budget):
-        running = sorted(ready, key=lambda r: r.arrival_time)
+        running = sorted(ready, key=lambda r: r.arrival)
         tokens = budget.max_num_tokens - sum(r.num_new_tokens for r in running)
         slots = budget.max_num_requests - len(running)
         return itertools.chain(running, self._das(waiting, tokens, slots))
@@ -279,7 +279,7 @@ class DeadlineAware(Policy):
         dominant, rest = by_utility[:p], by_utility[p:]
         mean = sum(r.utility for r in dominant) / len(dominant)
         aware = sorted((r for r in rest if r.utility >= self.q * mean),
-                       key=lambda r: (r.deadline, r.arrival_time))
+                       key=lambda r: (r.deadline, r.arrival))
         chosen = {id(r) for r in aware}
         return [*dominant, *aware, *(r for r in rest if id(r) not in chosen)]
 

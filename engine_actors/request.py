@@ -83,6 +83,7 @@ class Request:
     sink: Any = None  # who receives this request's outputs; opaque to the scheduler
     priority: int = 0  # lower runs first (vLLM's convention); batches get 1
     deadline: float = float("inf")  # absolute (arrival + deadline_ms); DAS/EDF order by it
+    seq: int = 0  # the scheduler's count of requests added before this one
     # prompt followed by the generated tokens received so far
     token_ids: list[int] = field(default_factory=list)
     # tokens whose keys/values are in the KV cache or being computed by an in-flight step
@@ -123,6 +124,12 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.lora is not None:  # its KV differs from the base model's on the same tokens
             self.cache_salt = f"{self.lora.cache_salt}\x00{self.cache_salt}"
+
+    @property
+    def arrival(self) -> tuple[float, int]:
+        """Arrival order, total (policies order and preempt by it): requests with the same
+        arrival_time in the order the scheduler got them, so no two preempt each other."""
+        return (self.arrival_time, self.seq)
 
     @property
     def num_prompt_tokens(self) -> int:

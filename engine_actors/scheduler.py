@@ -66,6 +66,7 @@ class Scheduler:
         self.allow_continuation = allow_continuation
         self.stride = stride  # steps between a request's consecutive steps, at least
         self.num_steps = 0  # steps built so far: the next one's index
+        self.num_added = 0  # requests ever added (each one's Request.seq)
         self.pool: dict[str, Request] = {}  # unfinished requests
         self.admitted: dict[str, Request] = {}  # those holding a table row and KV
         self.waiting: list[Request] = []  # the others, sorted by policy.key
@@ -126,6 +127,8 @@ class Scheduler:
             raise RequestRejected(
                 f"prompt + max_tokens = {req.max_num_tokens} tokens exceeds the KV cache capacity "
                 f"of {self.kv.num_blocks * self.kv.block_size} tokens")
+        req.seq = self.num_added
+        self.num_added += 1
         self.pool[req.request_id] = req
         self._enqueue(req)
         if req.deadline != float("inf"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -133,7 +134,7 @@ def make_scheduler(speculator=None, num_blocks=256, policy="fcfs", prefix_cachin
 
 
 def workload(seed, n=8):
-    """(Arrival times differ, as the engine's always do: preemption orders by them.)"""
+    """Requests with arrival times 0, 1, 2, ..."""
     rng = random.Random(seed)
     return [Request(f"r{i}", [rng.randrange(190) for _ in range(rng.randint(1, 30))],
                     SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True), float(i))
@@ -218,6 +219,22 @@ def test_preempted_requests_with_drafts_recompute_the_same_tokens(continuation):
     outputs, _, _ = run(sched, FakeRunner(4, mostly_repeating), workload(2, n=6))
     assert sched.num_preemptions > 0 and s.num_accepted_tokens > 0
     for r in workload(2, n=6):
+        assert outputs[r.request_id] == reference(mostly_repeating, r.prompt_token_ids,
+                                                  r.sampling.max_tokens)
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "drafts"])
+def test_requests_that_arrive_together_do_not_preempt_each_other_without_end(continuation,
+                                                                            speculate):
+    """Equal arrival times (several requests in one call, a coarse clock) under KV pressure:
+    each preemption goes to the later request in a total order (time, then the order the
+    scheduler got them), so none takes back the KV its victim just took from it."""
+    requests = [dataclasses.replace(r, arrival_time=0.0) for r in workload(2, n=6)]
+    sched = make_scheduler(spec() if speculate else None, num_blocks=24, policy="priority",
+                           continuation=continuation)
+    outputs, _, _ = run(sched, FakeRunner(4, mostly_repeating), requests)
+    assert sched.num_preemptions > 0
+    for r in requests:
         assert outputs[r.request_id] == reference(mostly_repeating, r.prompt_token_ids,
                                                   r.sampling.max_tokens)
 
