@@ -5,7 +5,8 @@ bn x bk block, as transformers' fine-grained FP8 checkpoints store them). `fp8_l
 picks one of three paths on the GPU:
 - per-channel scales, up to WEIGHT_ONLY_MAX_TOKENS tokens (small decode steps), or
   activations other than bf16: `weight_only_matmul`, where x stays in its dtype and each
-  e4m3 weight tile is widened (times its scales) as it loads;
+  e4m3 weight tile is widened (times its scales) as it loads, the K range split over
+  programs (split_k.py);
 - per-channel scales, more tokens, on Hopper: the activations quantized per token
   (`quantize_rows`) and cuBLASLt's FP8 matmul (torch._scaled_mm);
 - 128 x 128 blocks, more than TRITON_BLOCKS_MAX_TOKENS tokens, on Hopper: the activations
@@ -26,6 +27,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels.split_k import add_splits, num_splits
 
 try:  # (torch 2.9+)
     from torch.nn.functional import ScalingType
@@ -151,18 +154,20 @@ def fp8_matmul(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_scale
 
 @triton.jit
 def _weight_only_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, stride_x, stride_s,
-                        SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr, PER_BLOCK: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        k_per_split, SCALE_ROWS: tl.constexpr, GROUP: tl.constexpr,
+                        PER_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    k_begin = tl.program_id(2) * k_per_split
+    rk = k_begin + tl.arange(0, BLOCK_K)
     mask_m, mask_n = rm < M, rn < N
     x_ptrs = x_ptr + rm[:, None] * stride_x + rk[None, :]
     w_ptrs = w_ptr + rn[None, :] * K + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     scale_row = s_ptr + (tl.program_id(1) * BLOCK_N // SCALE_ROWS) * stride_s  # (one per tile)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, tl.minimum(k_per_split, K - k_begin), BLOCK_K):
         mask_k = rk < K - k0
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
@@ -172,15 +177,23 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, stride_x,
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _epilogue(acc, c_ptr, s_ptr, bias_ptr, rm, rn, M, N, not PER_BLOCK, HAS_BIAS)
+    if SPLIT > 1:  # this program's partial sums (row scales applied), for split_k.add_splits
+        if not PER_BLOCK:
+            acc = acc * tl.load(s_ptr + rn, mask=mask_n, other=0.0)[None, :]
+        tl.store(c_ptr + tl.program_id(2) * M * N + rm[:, None] * N + rn[None, :], acc,
+                 mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        _epilogue(acc, c_ptr, s_ptr, bias_ptr, rm, rn, M, N, not PER_BLOCK, HAS_BIAS)
 
 
 def weight_only_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                        block: tuple[int, int] | None, bias: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, split_k: int | None = None
+                       ) -> torch.Tensor:
     """x [M, K] @ dequantized(w).T with x unquantized: each e4m3 tile is widened to x's dtype
     (times its blocks' scales) as it loads. A decode step's few rows only stream the weights,
-    so this is bound by their bytes (half of bf16's), with no launch to quantize x."""
+    so this is bound by their bytes (half of bf16's), with no launch to quantize x. The K
+    range is split over programs as split_k.num_splits says (split_k: that many)."""
     m, k = x.shape
     n = w.shape[0]
     if out is None:
@@ -191,14 +204,20 @@ def weight_only_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         c for limit, c in SMALL_CONFIGS if limit is None or m <= limit)
     while block is not None and block[0] % block_n:  # a tile within one row of blocks
         block_n //= 2
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _weight_only_kernel[grid](x, w, scales, out, bias if bias is not None else out, m, n, k,
-                              x.stride(0), scales.stride(0), SCALE_ROWS=block[0] if block else 1,
-                              GROUP=block[1] if block else k, PER_BLOCK=block is not None,
-                              HAS_BIAS=bias is not None,
-                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                              num_warps=warps, num_stages=stages)
+    grid = [triton.cdiv(m, block_m), triton.cdiv(n, block_n), 1]
+    grid[2] = num_splits(x, grid[0] * grid[1], triton.cdiv(k, block_k), split_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), grid[2]) * block_k
+    grid[2] = triton.cdiv(k, k_per_split)
+    part = out if grid[2] == 1 else torch.empty(grid[2], m, n, dtype=torch.float32,
+                                                device=x.device)
+    _weight_only_kernel[tuple(grid)](
+        x, w, scales, part, bias if bias is not None else out, m, n, k, x.stride(0),
+        scales.stride(0), k_per_split, SCALE_ROWS=block[0] if block else 1,
+        GROUP=block[1] if block else k, PER_BLOCK=block is not None, HAS_BIAS=bias is not None,
+        SPLIT=grid[2], PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if grid[2] > 1:
+        add_splits(part, out, bias)
     return out
 
 

@@ -18,18 +18,17 @@ On CPU the plain (untiled) weight is dequantized for each matmul, a reference pa
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.split_k import add_splits, num_splits
 
 PACK = 8  # 4-bit values per int32
 TILE_N = 128  # rows per stored tile
 KERNEL_MAX_TOKENS = 128
 # largest M -> (BLOCK_M, BLOCK_K, num_warps, num_stages); BLOCK_K at most the group
 CONFIGS = ((16, (16, 128, 4, 3)), (64, (64, 128, 4, 3)), (None, (128, 64, 4, 3)))
-MAX_SPLIT = 8
 
 
 @triton.jit
@@ -60,7 +59,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, words, stride_x,
         w = (q.to(tl.float32) * s[None, :]).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT > 1:  # this program's partial sums, added up by _add_splits_kernel
+    if SPLIT > 1:  # this program's partial sums, added up by split_k.add_splits
         tl.store(c_ptr + tl.program_id(2) * M * N + rm[:, None] * N + rn[None, :], acc,
                  mask=mask)
     else:
@@ -68,19 +67,6 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, words, stride_x,
             acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=mask)
-
-
-@triton.jit
-def _add_splits_kernel(part_ptr, c_ptr, bias_ptr, total, N, SPLIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for i in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + i * total + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -118,18 +104,13 @@ def block_k(group: int, k: int) -> int:
     return min(128, group)
 
 
-@functools.cache
-def _num_sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 config: tuple[int, int, int, int] | None = None, split_k: int | None = None
                 ) -> torch.Tensor:
     """x [M, K] @ dequantized(w).T (+ bias) in the kernel: w tiled ([ceil(N / TILE_N),
     ceil(K / 8), TILE_N] int32), scales [N, ceil(K / group)] fp32 (group >= K: one per row).
-    split_k: programs along K (default: enough for about 4 per SM, at most MAX_SPLIT)."""
+    split_k: programs along K (default: split_k.num_splits's)."""
     m, k = x.shape
     n = scales.shape[0]
     if out is None:
@@ -139,10 +120,7 @@ def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
     block_m, bk, warps, stages = config or next(
         c for limit, c in CONFIGS if limit is None or m <= limit)
     bk = min(bk, block_k(group, k))
-    tiles = triton.cdiv(m, block_m) * w.shape[0]
-    if split_k is None:
-        want = triton.cdiv(4 * _num_sms(x.device.index or 0) if x.is_cuda else 1, tiles)
-        split_k = min(MAX_SPLIT, triton.next_power_of_2(want))
+    split_k = num_splits(x, triton.cdiv(m, block_m) * w.shape[0], triton.cdiv(k, bk), split_k)
     k_per_split = triton.cdiv(triton.cdiv(k, bk), split_k) * bk
     split_k = triton.cdiv(k, k_per_split)
     part = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32,
@@ -154,9 +132,7 @@ def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
         BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     if split_k > 1:
-        _add_splits_kernel[(triton.cdiv(m * n, 1024),)](
-            part, out, bias if bias is not None else out, m * n, n, SPLIT=split_k,
-            HAS_BIAS=bias is not None, BLOCK=1024)
+        add_splits(part, out, bias)
     return out
 
 

@@ -9,7 +9,8 @@ Per token count M, the summed time of the qkv, o, gate_up and down projections o
   quantization included) with one scale per output row, or per 128 x 128 block;
 - w8a8_triton_blocks: kernels.fp8's own W8A8 kernel (its fallback for blocks), quantization
   included;
-- weight_only_*: its kernel for few tokens (weights widened as they load), at any M;
+- weight_only_*: its kernel for few tokens (weights widened as they load), at any M, with
+  its K range split over programs as the engine does, and unsplit (`_unsplit`);
 - scaled_mm_rows_matmul: torch._scaled_mm (cuBLASLt) alone, activations quantized beforehand;
 - floor: the weights' bytes (bf16 or e4m3) at the measured copy bandwidth.
 Each is timed over a CUDA graph of 20 repetitions. --sweep times each tile config of the
@@ -82,6 +83,9 @@ def paths(ws, xs) -> dict:
                                      for n in ws],
         "weight_only_blocks": lambda: [fp8.weight_only_matmul(xs[n], *ws[n]["blocks"],
                                                               (128, 128)) for n in ws],
+        "weight_only_rows_unsplit": lambda: [fp8.weight_only_matmul(xs[n], *ws[n]["rows"],
+                                                                    None, split_k=1)
+                                             for n in ws],
         "scaled_mm_rows_matmul": rows_prequantized,
     }
 

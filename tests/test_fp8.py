@@ -299,11 +299,13 @@ def test_fp8_matmul_kernel(monkeypatch, device, m, n, k, block):
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("m,n,k,block", [(1, 48, 200, None), (5, 64, 300, (16, 64)),
-                                         (20, 96, 256, (32, 128))])
-def test_weight_only_kernel(monkeypatch, device, m, n, k, block):
+@pytest.mark.parametrize("m,n,k,block,split", [(1, 48, 200, None, 1), (3, 40, 600, None, 3),
+                                               (5, 64, 300, (16, 64), 2),
+                                               (20, 96, 256, (32, 128), 1)])
+def test_weight_only_kernel(monkeypatch, device, m, n, k, block, split):
     """x unquantized times each weight tile widened as it loads (with tiles 128 columns
-    deep: two 64-column blocks' scales in one tile, a tile of a partial block at the end)."""
+    deep: two 64-column blocks' scales in one tile, a tile of a partial block at the end),
+    the K range split over programs or not."""
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kernels.fp8 import weight_only_matmul
@@ -314,7 +316,8 @@ def test_weight_only_kernel(monkeypatch, device, m, n, k, block):
     x, bias = torch.randn(m, k), torch.randn(n)
     want = x @ dequantize(w, w_scales.reshape(n, 1) if block is None else w_scales, rows,
                           cols).T + bias
-    got = weight_only_matmul(*(t.to(device) for t in (x, w, w_scales)), block, bias.to(device))
+    got = weight_only_matmul(*(t.to(device) for t in (x, w, w_scales)), block, bias.to(device),
+                             split_k=split)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
 
 
