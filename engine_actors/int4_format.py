@@ -18,6 +18,8 @@ from dataclasses import dataclass
 class Int4Format:
     group: int | None  # columns per scale; None: one per row (strategy "channel")
     online: bool = False  # (never: INT4 comes from checkpoints only)
+    # a GPTQ checkpoint's stored symmetric zero point (gptq_format.py); None: compressed-tensors
+    gptq_zero: int | None = None
 
     @property
     def block(self) -> tuple[int, int] | None:

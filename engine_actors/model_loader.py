@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from engine_actors import gptq_format
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors
+from engine_actors.int4_format import Int4Format
 from engine_actors.layers.linear import Linear
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
@@ -37,7 +39,13 @@ def load_model(path: str, hf_config, dtype: torch.dtype, device: torch.device,
     finally:
         torch.set_default_dtype(default_dtype)
     loaded = set()
+    gptq = isinstance(fp8, Int4Format) and fp8.gptq_zero is not None
     for name, tensor in iter_checkpoint_tensors(path, device):
+        if gptq:  # (as compressed-tensors' INT4 tensors)
+            translated = gptq_format.translate(name, tensor, fp8)
+            if translated is None:
+                continue
+            name, tensor = translated
         keep_classifier(pooling, name, tensor, hf_config.tie_word_embeddings, device)
         keys = model.load_weight(name, loaded_dtype(name, tensor, dtype))
         loaded.update(keys if isinstance(keys, list) else [keys])  # (a list: experts')

@@ -1,5 +1,5 @@
 """Quantized weights: FP8 checkpoints (float8 e4m3), bf16 ones quantized to FP8 as they load,
-and INT4 checkpoints (engine_actors/int4_format.py).
+and INT4 checkpoints (engine_actors/int4_format.py; GPTQ's: gptq_format.py).
 
 What config.json's `quantization_config` may say (anything else is refused at start):
 - `quant_method: "fp8"`, transformers' fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3): each
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_actors import int4_format
+from engine_actors import gptq_format, int4_format
 from kernels.fp8 import FP8, FP8_MAX, GROUP
 
 # a checkpoint's names of a projection's quantized weight and scales -> the layer's
@@ -65,10 +65,13 @@ def read_format(hf_config, requested: str | None
     "fp8" for an unquantized checkpoint); None: unquantized. ValueError for a format not
     served."""
     config = getattr(hf_config, "quantization_config", None)
+    config = config if isinstance(config, dict) or config is None else config.to_dict()
+    method = (config or {}).get("quant_method")
+    if requested in ("gptq", "gptq_marlin") and method != "gptq":
+        raise ValueError(f"quantization {requested} serves GPTQ checkpoints; this one is "
+                         f"{method or 'unquantized'} (leave quantization unset)")
     if config is None:
         return Fp8Format(online=True) if requested == "fp8" else None
-    config = config if isinstance(config, dict) else config.to_dict()
-    method = config.get("quant_method")
     if config.get("transform_config"):
         raise ValueError("quantized checkpoints with transforms (transform_config: rotations "
                          "applied at run time, as QuIP or SpinQuant) are not supported")
@@ -90,10 +93,16 @@ def read_format(hf_config, requested: str | None
         return int4_format.read(config)
     elif method == "compressed-tensors":
         block, ignore = _compressed_tensors(config), config.get("ignore")
+    elif method == "gptq":
+        if requested == "fp8":
+            raise ValueError("quantization fp8 quantizes an unquantized checkpoint as it loads; "
+                             "this checkpoint is GPTQ (INT4) already (leave quantization unset)")
+        return gptq_format.read(config)
     else:
         raise ValueError(f"quantized checkpoints ({method!r}) are not supported; served: "
-                         "fp8 (weight_block_size), compressed-tensors FP8 and "
-                         "compressed-tensors INT4 (W4A16, pack-quantized)")
+                         "fp8 (weight_block_size), compressed-tensors FP8, "
+                         "compressed-tensors INT4 (W4A16, pack-quantized) and GPTQ (4-bit, "
+                         "symmetric)")
     check_ignored(ignore)
     if block is not None:
         block = tuple(int(b) for b in block)

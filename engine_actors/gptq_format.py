@@ -1,0 +1,79 @@
+"""GPTQ checkpoints (`quant_method: "gptq"`, as AutoGPTQ, GPTQModel and optimum write them:
+TheBloke's, Qwen's `-GPTQ-Int4` releases), served as the INT4 weights of int4_format.py.
+
+Each projection stores, for K input and N output features and groups of G columns:
+- `qweight` [K / 8, N] int32: column n's values k = 8 i .. 8 i + 7 in word i, value
+  8 i + j at bits 4 j, unsigned (q + 8). That is compressed-tensors' `weight_packed`
+  [N, K / 8] transposed, word for word;
+- `scales` [K / G, N] (fp16): transposed, `weight_scale`;
+- `qzeros` [K / G, N / 8], packed along N: the zero point of every group and column. A
+  symmetric checkpoint's are all 8, stored as 7 in the original format (which subtracts 1;
+  `checkpoint_format` "gptq", the default) and as 8 in "gptq_v2". Checked, then dropped;
+- `g_idx` [K]: each column's group. Without act-order it is k // G; checked, then dropped.
+`translate` turns each tensor into its compressed-tensors name and layout as it loads, so the
+rest (tensor-parallel shards, fused Phi-3 tensors, the kernels) is INT4's.
+Served: 4 bits, `sym: true`, `desc_act: false`, groups of a power of two of at least 16
+columns or one per row (group_size -1). Refused at start: other widths, asymmetric
+weights, act-order, a quantized LM head, per-module overrides (`dynamic`), partial
+quantization (`modules_in_block_to_quantize`), other checkpoint formats (Marlin, BitBLAS).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine_actors.int4_format import Int4Format
+
+ZEROS = {"gptq": 7, "gptq_v2": 8}  # a symmetric 4-bit zero point (8), as stored
+
+
+def read(config: dict) -> Int4Format:
+    """The INT4 format of a GPTQ quantization_config; ValueError naming what is not served."""
+    bits, group = config.get("bits"), config.get("group_size", -1)
+    stored = config.get("checkpoint_format") or "gptq"
+    if bits != 4:
+        raise ValueError(f"GPTQ weights of {bits} bits are not supported; served: 4 bits")
+    if not config.get("sym", True):
+        raise ValueError("asymmetric GPTQ weights (sym: false, zero points) are not "
+                         "supported; served: sym true")
+    if config.get("desc_act"):
+        raise ValueError("GPTQ weights with act-order (desc_act: true, a g_idx "
+                         "permutation) are not supported; served: desc_act false")
+    if stored not in ZEROS:
+        raise ValueError(f"GPTQ checkpoint_format {stored!r} is not supported; served: "
+                         "gptq, gptq_v2")
+    if config.get("lm_head"):
+        raise ValueError("GPTQ checkpoints with a quantized LM head are not supported")
+    if config.get("dynamic") or config.get("modules_in_block_to_quantize"):
+        raise ValueError("GPTQ checkpoints with per-module settings (dynamic, "
+                         "modules_in_block_to_quantize) are not supported; served: every "
+                         "projection of every layer alike")
+    if group != -1 and (not isinstance(group, int) or group < 16 or group & (group - 1)):
+        raise ValueError(f"GPTQ groups of {group} columns are not supported; served: a "
+                         "power of two, at least 16, or -1 (one per row)")
+    return Int4Format(None if group == -1 else group, gptq_zero=ZEROS[stored])
+
+
+def translate(name: str, tensor: torch.Tensor, fmt: Int4Format
+              ) -> tuple[str, torch.Tensor] | None:
+    """A GPTQ checkpoint tensor as compressed-tensors' INT4 (name, tensor); None for one
+    that is only checked. ValueError if it holds what is not served."""
+    stem, _, param = name.rpartition(".")
+    if param == "qweight":
+        return f"{stem}.weight_packed", tensor.t().contiguous()
+    if param == "scales":
+        return f"{stem}.weight_scale", tensor.t().float().contiguous()
+    if param == "qzeros":
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=tensor.device)
+        nibbles = (tensor.unsqueeze(-1) >> shifts) & 0xF
+        if not bool((nibbles == fmt.gptq_zero).all()):
+            raise ValueError(f"{name}: zero points other than the symmetric "
+                             f"{fmt.gptq_zero} (an asymmetric checkpoint) are not supported")
+        return None
+    if param == "g_idx":
+        k = tensor.shape[0]
+        expected = torch.arange(k, device=tensor.device) // (fmt.group or k)
+        if not torch.equal(tensor.to(expected.dtype), expected):
+            raise ValueError(f"{name}: columns out of their groups' order (act-order) are "
+                             "not supported")
+        return None
+    return name, tensor

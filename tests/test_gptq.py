@@ -1,0 +1,136 @@
+"""GPTQ checkpoints (4-bit, symmetric, no act-order): served with greedy outputs equal to
+transformers' on the same weights dequantized (fp32, CPU); both checkpoint formats (zero
+points stored as 7 or 8); two ranks' shards; what is refused. The checkpoints are written
+here: quantized by this test (tests/test_int4.py's rounding), packed by compressed-tensors'
+pack_to_int32 along GPTQ's axes (qweight along K within each column, qzeros along N), an
+independent reference of the bit layout."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from compressed_tensors.compressors import pack_to_int32
+from safetensors.torch import load_file, save_file
+
+from engine_actors.checkpoint import model_info, save_random_checkpoint
+from engine_actors.config import EngineConfig
+from tests.test_fp8 import check_shards_add_up
+from tests.test_int4 import PROJECTION, dequantize, engine, quantize
+from tests.test_parity import check_parity, ragged_workload
+
+
+def gptq_config(group: int, checkpoint_format: str | None = None, **changes) -> dict:
+    config = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+              "desc_act": False, "damp_percent": 0.01, "true_sequential": True,
+              "modules_in_block_to_quantize": None, "use_exllama": True}
+    if checkpoint_format:
+        config["checkpoint_format"] = checkpoint_format
+    return {**config, **changes}
+
+
+def write_gptq_checkpoint(src, gptq_dir, ref_dir, group: int, checkpoint_format=None,
+                          g_idx: bool = True) -> None:
+    """gptq_dir: src's projections in GPTQ's layout; ref_dir: src with them dequantized."""
+    for d in (gptq_dir, ref_dir):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+    tensors = load_file(f"{src}/model.safetensors")
+    zero = 8 if checkpoint_format == "gptq_v2" else 7  # (v1 stores zero - 1)
+    packed, ref = {}, {}
+    for key, w in tensors.items():
+        if not PROJECTION.search(key):
+            packed[key] = ref[key] = w
+            continue
+        n, k = w.shape
+        q, scales = quantize(w.float(), None if group == -1 else group)  # [N, K], [N, groups]
+        stem = key.removesuffix("weight")
+        packed[stem + "qweight"] = pack_to_int32(q.T.contiguous(), 4, packed_dim=0)
+        groups = scales.shape[1]
+        # pack_to_int32 stores value + 8: a zero point z as z - 8
+        packed[stem + "qzeros"] = pack_to_int32(
+            torch.full((groups, n), zero - 8, dtype=torch.int8), 4)
+        packed[stem + "scales"] = scales.T.to(torch.float16).contiguous()
+        if g_idx:
+            packed[stem + "g_idx"] = (torch.arange(k) // (k // groups)).to(torch.int32)
+        ref[key] = dequantize(q, scales.to(torch.float16).float(),
+                              None if group == -1 else group)
+    save_file(packed, f"{gptq_dir}/model.safetensors")
+    save_file(ref, f"{ref_dir}/model.safetensors")
+    cfg = json.loads((gptq_dir / "config.json").read_text())
+    (gptq_dir / "config.json").write_text(json.dumps(
+        {**cfg, "quantization_config": gptq_config(group, checkpoint_format)}))
+
+
+@pytest.mark.parametrize("arch,group,checkpoint_format", [
+    ("llama", 32, None),  # the original format: zero points stored as 7
+    ("llama", -1, "gptq_v2"),  # one scale per row; zero points stored as 8
+    ("qwen2", 16, "gptq"),  # q/k/v biases
+    ("phi3", 16, None),  # fused qkv_proj and gate_up_proj
+])
+def test_gptq_checkpoint_matches_transformers_on_its_dequantized_weights(
+        tmp_path, arch, group, checkpoint_format):
+    extra = {"num_key_value_heads": 1} if arch == "phi3" else {}
+    save_random_checkpoint(str(tmp_path / "base"), arch, seed=5, intermediate_size=192, **extra)
+    write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", group,
+                          checkpoint_format, g_idx=arch != "qwen2")
+    served = engine(tmp_path / "gptq")
+    down = served.worker.runner.model.layers["0"].mlp.down_proj
+    assert down.weight.dtype == torch.int32 and down.weight.shape == (64, 192 // 8)
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
+
+
+def test_two_ranks_hold_their_shards_of_gptq_weights(tmp_path):
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=6, intermediate_size=192)
+    write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", 32)
+    check_shards_add_up(tmp_path / "gptq")
+
+
+@pytest.mark.parametrize("change,args,message", [
+    ({"bits": 8}, {}, "GPTQ weights of 8 bits"),
+    ({"sym": False}, {}, "asymmetric GPTQ weights"),
+    ({"desc_act": True}, {}, "act-order"),
+    ({"checkpoint_format": "marlin"}, {}, "checkpoint_format 'marlin'"),
+    ({"lm_head": True}, {}, "quantized LM head"),
+    ({"dynamic": {"-:.*down_proj": {}}}, {}, "per-module settings"),
+    ({"group_size": 48}, {}, "GPTQ groups of 48 columns"),
+    ({}, {"quantization": "fp8"}, "GPTQ \\(INT4\\) already"),
+    ({}, {"enable_finetuning": True}, "enable_finetuning with INT4"),
+])
+def test_unserved_gptq_variants_are_refused_at_start(tmp_path, change, args, message):
+    save_random_checkpoint(str(tmp_path), "llama", seed=5)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**cfg, "quantization_config": gptq_config(32, **change)}))
+    with pytest.raises(ValueError, match=message):
+        model_info(EngineConfig(model=str(tmp_path), **args))
+
+
+def test_vllm_quantization_names_need_a_gptq_checkpoint(tmp_path):
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5)
+    with pytest.raises(ValueError, match="quantization gptq_marlin serves GPTQ checkpoints; "
+                                         "this one is unquantized"):
+        model_info(EngineConfig(model=str(tmp_path / "base"), quantization="gptq_marlin"))
+    write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", 16)
+    model_info(EngineConfig(model=str(tmp_path / "gptq"), quantization="gptq"))
+
+
+@pytest.mark.parametrize("tensor,value,message", [
+    ("qzeros", 5, "zero points other than the symmetric 7"),
+    ("g_idx", None, "out of their groups' order"),
+])
+def test_asymmetric_zero_points_and_act_order_are_refused_as_they_load(tmp_path, tensor, value,
+                                                                      message):
+    """A config that says symmetric, no act-order, over tensors that are not."""
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5)
+    write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", 16)
+    tensors = load_file(f"{tmp_path}/gptq/model.safetensors")
+    key = f"model.layers.1.mlp.up_proj.{tensor}"
+    if tensor == "qzeros":
+        tensors[key] = pack_to_int32(torch.full(tensors[key].shape[:1] + (
+            tensors[key].shape[1] * 8,), value - 8, dtype=torch.int8), 4)
+    else:
+        tensors[key] = tensors[key].flip(0).contiguous()
+    save_file(tensors, f"{tmp_path}/gptq/model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        engine(tmp_path / "gptq")
