@@ -6,16 +6,18 @@ Each projection stores, for K input and N output features and groups of G column
   8 i + j at bits 4 j, unsigned (q + 8). That is compressed-tensors' `weight_packed`
   [N, K / 8] transposed, word for word;
 - `scales` [K / G, N] (fp16): transposed, `weight_scale`;
-- `qzeros` [K / G, N / 8], packed along N: the zero point of every group and column. A
-  symmetric checkpoint's are all 8, stored as 7 in the original format (which subtracts 1;
-  `checkpoint_format` "gptq", the default) and as 8 in "gptq_v2". Checked, then dropped;
+- `qzeros` [K / G, N / 8], packed along N (column 8 c + j at bits 4 j of word c): the zero
+  point of every group and column, stored minus 1 in the original format
+  (`checkpoint_format` "gptq", the default; its runtimes add the 1 back, unmasked) and as
+  is in "gptq_v2". A symmetric checkpoint's are all 8: checked, then dropped; an
+  asymmetric one's (`sym: false`) become `weight_zero_point` [N, K / G];
 - `g_idx` [K]: each column's group. Without act-order it is k // G; checked, then dropped.
 `translate` turns each tensor into its compressed-tensors name and layout as it loads, so the
 rest (tensor-parallel shards, fused Phi-3 tensors, the kernels) is INT4's.
-Served: 4 bits, `sym: true`, `desc_act: false`, groups of a power of two of at least 16
-columns or one per row (group_size -1). Refused at start: other widths, asymmetric
-weights, act-order, a quantized LM head, per-module overrides (`dynamic`), partial
-quantization (`modules_in_block_to_quantize`), other checkpoint formats (Marlin, BitBLAS).
+Served: 4 bits, symmetric or not, `desc_act: false`, groups of a power of two of at least
+16 columns or one per row (group_size -1). Refused at start: other widths, act-order, a
+quantized LM head, per-module overrides (`dynamic`), partial quantization
+(`modules_in_block_to_quantize`), other checkpoint formats (Marlin, BitBLAS).
 """
 from __future__ import annotations
 
@@ -32,9 +34,6 @@ def read(config: dict) -> Int4Format:
     stored = config.get("checkpoint_format") or "gptq"
     if bits != 4:
         raise ValueError(f"GPTQ weights of {bits} bits are not supported; served: 4 bits")
-    if not config.get("sym", True):
-        raise ValueError("asymmetric GPTQ weights (sym: false, zero points) are not "
-                         "supported; served: sym true")
     if config.get("desc_act"):
         raise ValueError("GPTQ weights with act-order (desc_act: true, a g_idx "
                          "permutation) are not supported; served: desc_act false")
@@ -50,7 +49,8 @@ def read(config: dict) -> Int4Format:
     if group != -1 and (not isinstance(group, int) or group < 16 or group & (group - 1)):
         raise ValueError(f"GPTQ groups of {group} columns are not supported; served: a "
                          "power of two, at least 16, or -1 (one per row)")
-    return Int4Format(None if group == -1 else group, gptq_zero=ZEROS[stored])
+    return Int4Format(None if group == -1 else group, source="gptq", gptq_zero=ZEROS[stored],
+                      zero_points=not config.get("sym", True))
 
 
 def translate(name: str, tensor: torch.Tensor, fmt: Int4Format
@@ -64,7 +64,10 @@ def translate(name: str, tensor: torch.Tensor, fmt: Int4Format
         return f"{stem}.weight_scale", tensor.t().float().contiguous()
     if param == "qzeros":
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=tensor.device)
-        nibbles = (tensor.unsqueeze(-1) >> shifts) & 0xF
+        nibbles = ((tensor.unsqueeze(-1) >> shifts) & 0xF).reshape(tensor.shape[0], -1)
+        if fmt.zero_points:  # [N, groups], as stored plus the 1 that "gptq" takes off
+            return f"{stem}.weight_zero_point", \
+                (nibbles.t().float() + (8 - fmt.gptq_zero)).contiguous()
         if not bool((nibbles == fmt.gptq_zero).all()):
             raise ValueError(f"{name}: zero points other than the symmetric "
                              f"{fmt.gptq_zero} (an asymmetric checkpoint) are not supported")

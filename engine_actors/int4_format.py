@@ -18,8 +18,13 @@ from dataclasses import dataclass
 class Int4Format:
     group: int | None  # columns per scale; None: one per row (strategy "channel")
     online: bool = False  # (never: INT4 comes from checkpoints only)
-    # a GPTQ checkpoint's stored symmetric zero point (gptq_format.py); None: compressed-tensors
-    gptq_zero: int | None = None
+    # the checkpoint's format: compressed-tensors', or one translated to it as it loads
+    # ("gptq": gptq_format.py, "awq": awq_format.py)
+    source: str = "compressed-tensors"
+    gptq_zero: int | None = None  # a GPTQ checkpoint's symmetric zero point, as stored
+    # asymmetric: a zero point z per scale, w ~ (u - z) * scale for the stored unsigned u
+    # (AWQ's, GPTQ's sym false); without, z is 8 (q = u - 8)
+    zero_points: bool = False
 
     @property
     def block(self) -> tuple[int, int] | None:

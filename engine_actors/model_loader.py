@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_actors import gptq_format
+from engine_actors import awq_format, gptq_format
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors
 from engine_actors.int4_format import Int4Format
 from engine_actors.layers.linear import Linear
@@ -14,6 +14,8 @@ from engine_actors.pooling import keep_classifier
 from engine_actors.quantization import check_device, fp8_weights, loaded_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# INT4 checkpoints read as compressed-tensors' after each tensor is translated
+TRANSLATIONS = {"gptq": gptq_format.translate, "awq": awq_format.translate}
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
              "fp8_e5m2": torch.float8_e5m2}
 
@@ -39,10 +41,10 @@ def load_model(path: str, hf_config, dtype: torch.dtype, device: torch.device,
     finally:
         torch.set_default_dtype(default_dtype)
     loaded = set()
-    gptq = isinstance(fp8, Int4Format) and fp8.gptq_zero is not None
+    translate = TRANSLATIONS.get(fp8.source) if isinstance(fp8, Int4Format) else None
     for name, tensor in iter_checkpoint_tensors(path, device):
-        if gptq:  # (as compressed-tensors' INT4 tensors)
-            translated = gptq_format.translate(name, tensor, fp8)
+        if translate:  # (to compressed-tensors' INT4 tensors)
+            translated = translate(name, tensor, fp8)
             if translated is None:
                 continue
             name, tensor = translated
@@ -64,6 +66,6 @@ def load_model(path: str, hf_config, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")
     for module in model.modules():
         if isinstance(module, Linear):
-            module.tile_int4()
+            module.finish_loading()
     return model.eval()
 

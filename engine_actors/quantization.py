@@ -1,5 +1,6 @@
 """Quantized weights: FP8 checkpoints (float8 e4m3), bf16 ones quantized to FP8 as they load,
-and INT4 checkpoints (engine_actors/int4_format.py; GPTQ's: gptq_format.py).
+and INT4 checkpoints (engine_actors/int4_format.py; GPTQ's and AWQ's: gptq_format.py,
+awq_format.py).
 
 What config.json's `quantization_config` may say (anything else is refused at start):
 - `quant_method: "fp8"`, transformers' fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3): each
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_actors import gptq_format, int4_format
+from engine_actors import awq_format, gptq_format, int4_format
 from kernels.fp8 import FP8, FP8_MAX, GROUP
 
 # a checkpoint's names of a projection's quantized weight and scales -> the layer's
@@ -44,7 +45,7 @@ UNUSED_ATTENTION = re.compile(r".*self_attn\.(?:q_scale|prob_scale)")
 # (a name, or llm-compressor's "re:" pattern such as "re:.*mlp.gate$"; a MoE's router is
 # mlp.gate, Mixtral's block_sparse_moe.gate)
 NEVER_QUANTIZED = re.compile(r"lm_head|embed|(mlp|block_sparse_moe)\.gate$|shared_expert_gate|"
-                             r"vision|multi_modal")
+                             r"vision|visual|multi_modal")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +68,11 @@ def read_format(hf_config, requested: str | None
     config = getattr(hf_config, "quantization_config", None)
     config = config if isinstance(config, dict) or config is None else config.to_dict()
     method = (config or {}).get("quant_method")
-    if requested in ("gptq", "gptq_marlin") and method != "gptq":
-        raise ValueError(f"quantization {requested} serves GPTQ checkpoints; this one is "
-                         f"{method or 'unquantized'} (leave quantization unset)")
+    if requested in ("gptq", "gptq_marlin", "awq", "awq_marlin") \
+            and method != requested.removesuffix("_marlin"):
+        raise ValueError(f"quantization {requested} serves {requested[:4].upper()} "
+                         f"checkpoints; this one is {method or 'unquantized'} (leave "
+                         "quantization unset)")
     if config is None:
         return Fp8Format(online=True) if requested == "fp8" else None
     if config.get("transform_config"):
@@ -93,6 +96,12 @@ def read_format(hf_config, requested: str | None
         return int4_format.read(config)
     elif method == "compressed-tensors":
         block, ignore = _compressed_tensors(config), config.get("ignore")
+    elif method == "awq":
+        if requested == "fp8":
+            raise ValueError("quantization fp8 quantizes an unquantized checkpoint as it loads; "
+                             "this checkpoint is AWQ (INT4) already (leave quantization unset)")
+        check_ignored(config.get("modules_to_not_convert"))
+        return awq_format.read(config)
     elif method == "gptq":
         if requested == "fp8":
             raise ValueError("quantization fp8 quantizes an unquantized checkpoint as it loads; "
@@ -101,8 +110,8 @@ def read_format(hf_config, requested: str | None
     else:
         raise ValueError(f"quantized checkpoints ({method!r}) are not supported; served: "
                          "fp8 (weight_block_size), compressed-tensors FP8, "
-                         "compressed-tensors INT4 (W4A16, pack-quantized) and GPTQ (4-bit, "
-                         "symmetric)")
+                         "compressed-tensors INT4 (W4A16, pack-quantized), GPTQ and AWQ "
+                         "(4-bit)")
     check_ignored(ignore)
     if block is not None:
         block = tuple(int(b) for b in block)

@@ -157,6 +157,17 @@ def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
     return (q.to(torch.float32) * full).to(dtype)
 
 
+def add_zero_points(y: torch.Tensor, x: torch.Tensor, term: torch.Tensor, group: int,
+                    k: int) -> torch.Tensor:
+    """y += what zero points add to x @ w.T: w = (u - z) s = (u - 8) s + (8 - z) s, so each
+    group's sum of x times term = (8 - z) s [N, groups] (fp32; group >= k: one group)."""
+    group = min(group, k)
+    groups = term.shape[1]
+    sums = torch.nn.functional.pad(x.float(), (0, groups * group - k))
+    sums = sums.view(*x.shape[:-1], groups, group).sum(-1)
+    return y.add_((sums @ term.t()).to(y.dtype))
+
+
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None
                 ) -> torch.Tensor:

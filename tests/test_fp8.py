@@ -200,7 +200,8 @@ def test_blocks_that_straddle_shards_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("quantization_config,args,message", [
-    ({"quant_method": "awq", "bits": 4}, {}, r"quantized checkpoints \('awq'\) are not"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, {},
+     r"quantized checkpoints \('bitsandbytes'\) are not"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 16]},
      {}, "static activation scales"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16],

@@ -1,13 +1,12 @@
-"""GPTQ checkpoints (4-bit, symmetric, no act-order): served with greedy outputs equal to
-transformers' on the same weights dequantized (fp32, CPU); both checkpoint formats (zero
-points stored as 7 or 8); two ranks' shards; what is refused. The checkpoints are written
-here: quantized by this test (tests/test_int4.py's rounding), packed by compressed-tensors'
-pack_to_int32 along GPTQ's axes (qweight along K within each column, qzeros along N), an
-independent reference of the bit layout."""
+"""GPTQ checkpoints (4-bit, symmetric, no act-order; with zero points: tests/test_awq.py):
+served with greedy outputs equal to transformers' on the same weights dequantized (fp32,
+CPU); both checkpoint formats (zero points stored as 7 or 8); two ranks' shards; what is
+refused. The checkpoints are written here: quantized by this test (tests/test_int4.py's
+rounding), packed by compressed-tensors' pack_to_int32 along GPTQ's axes (qweight along K
+within each column, qzeros along N), an independent reference of the bit layout."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from engine_actors.checkpoint import model_info, save_random_checkpoint
 from engine_actors.config import EngineConfig
 from tests.test_fp8 import check_shards_add_up
-from tests.test_int4 import PROJECTION, dequantize, engine, quantize
+from tests.test_int4 import dequantize, engine, quantize, write_quantized
 from tests.test_parity import check_parity, ragged_workload
 
 
@@ -33,33 +32,23 @@ def gptq_config(group: int, checkpoint_format: str | None = None, **changes) -> 
 def write_gptq_checkpoint(src, gptq_dir, ref_dir, group: int, checkpoint_format=None,
                           g_idx: bool = True) -> None:
     """gptq_dir: src's projections in GPTQ's layout; ref_dir: src with them dequantized."""
-    for d in (gptq_dir, ref_dir):
-        shutil.copytree(src, d, dirs_exist_ok=True)
-    tensors = load_file(f"{src}/model.safetensors")
     zero = 8 if checkpoint_format == "gptq_v2" else 7  # (v1 stores zero - 1)
-    packed, ref = {}, {}
-    for key, w in tensors.items():
-        if not PROJECTION.search(key):
-            packed[key] = ref[key] = w
-            continue
+    size = None if group == -1 else group
+
+    def convert(w):
         n, k = w.shape
-        q, scales = quantize(w.float(), None if group == -1 else group)  # [N, K], [N, groups]
-        stem = key.removesuffix("weight")
-        packed[stem + "qweight"] = pack_to_int32(q.T.contiguous(), 4, packed_dim=0)
+        q, scales = quantize(w, size)  # [N, K], [N, groups]
         groups = scales.shape[1]
-        # pack_to_int32 stores value + 8: a zero point z as z - 8
-        packed[stem + "qzeros"] = pack_to_int32(
-            torch.full((groups, n), zero - 8, dtype=torch.int8), 4)
-        packed[stem + "scales"] = scales.T.to(torch.float16).contiguous()
+        scales = scales.to(torch.float16)
+        stored = {"qweight": pack_to_int32(q.T.contiguous(), 4, packed_dim=0),
+                  # pack_to_int32 stores value + 8: a zero point z as z - 8
+                  "qzeros": pack_to_int32(torch.full((groups, n), zero - 8, dtype=torch.int8),
+                                          4),
+                  "scales": scales.T.contiguous()}
         if g_idx:
-            packed[stem + "g_idx"] = (torch.arange(k) // (k // groups)).to(torch.int32)
-        ref[key] = dequantize(q, scales.to(torch.float16).float(),
-                              None if group == -1 else group)
-    save_file(packed, f"{gptq_dir}/model.safetensors")
-    save_file(ref, f"{ref_dir}/model.safetensors")
-    cfg = json.loads((gptq_dir / "config.json").read_text())
-    (gptq_dir / "config.json").write_text(json.dumps(
-        {**cfg, "quantization_config": gptq_config(group, checkpoint_format)}))
+            stored["g_idx"] = (torch.arange(k) // (k // groups)).to(torch.int32)
+        return stored, dequantize(q, scales.float(), size)
+    write_quantized(src, gptq_dir, ref_dir, convert, gptq_config(group, checkpoint_format))
 
 
 @pytest.mark.parametrize("arch,group,checkpoint_format", [
@@ -88,7 +77,6 @@ def test_two_ranks_hold_their_shards_of_gptq_weights(tmp_path):
 
 @pytest.mark.parametrize("change,args,message", [
     ({"bits": 8}, {}, "GPTQ weights of 8 bits"),
-    ({"sym": False}, {}, "asymmetric GPTQ weights"),
     ({"desc_act": True}, {}, "act-order"),
     ({"checkpoint_format": "marlin"}, {}, "checkpoint_format 'marlin'"),
     ({"lm_head": True}, {}, "quantized LM head"),

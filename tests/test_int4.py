@@ -52,30 +52,36 @@ def w4a16_config(group: int | None, **weights) -> dict:
                                                       **weights}}}}
 
 
-def write_int4_checkpoint(src, int4_dir, ref_dir, group: int | None,
-                          scale_dtype=torch.float32) -> None:
-    """int4_dir: src's projections in INT4 (pack-quantized); ref_dir: src with them
-    dequantized (what the INT4 checkpoint means, for transformers)."""
-    for d in (int4_dir, ref_dir):
+def write_quantized(src, out_dir, ref_dir, convert, quantization_config: dict) -> None:
+    """out_dir: src with each projection's weight w replaced by the tensors of convert(w)[0]
+    (names after the projection's path); ref_dir: src with w replaced by convert(w)[1], its
+    dequantized weight (what the checkpoint means, for transformers)."""
+    for d in (out_dir, ref_dir):
         shutil.copytree(src, d, dirs_exist_ok=True)
-    tensors = load_file(f"{src}/model.safetensors")
     packed, ref = {}, {}
-    for key, w in tensors.items():
+    for key, w in load_file(f"{src}/model.safetensors").items():
         if not PROJECTION.search(key):
             packed[key] = ref[key] = w
             continue
-        q, scales = quantize(w.float(), group)
-        scales = scales.to(scale_dtype)
-        stem = key.removesuffix("weight")
-        packed[stem + "weight_packed"] = pack_to_int32(q, 4)
-        packed[stem + "weight_scale"] = scales
-        packed[stem + "weight_shape"] = torch.tensor(list(w.shape))
-        ref[key] = dequantize(q, scales, group)
-    save_file(packed, f"{int4_dir}/model.safetensors")
+        stored, ref[key] = convert(w.float())
+        packed.update({key.removesuffix("weight") + name: t for name, t in stored.items()})
+    save_file(packed, f"{out_dir}/model.safetensors")
     save_file(ref, f"{ref_dir}/model.safetensors")
-    cfg = json.loads((int4_dir / "config.json").read_text())
-    (int4_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config":
-                                                      w4a16_config(group)}))
+    cfg = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config":
+                                                     quantization_config}))
+
+
+def write_int4_checkpoint(src, int4_dir, ref_dir, group: int | None,
+                          scale_dtype=torch.float32) -> None:
+    """int4_dir: src's projections in INT4 (pack-quantized); ref_dir: src with them
+    dequantized."""
+    def convert(w):
+        q, scales = quantize(w, group)
+        scales = scales.to(scale_dtype)
+        return ({"weight_packed": pack_to_int32(q, 4), "weight_scale": scales,
+                 "weight_shape": torch.tensor(list(w.shape))}, dequantize(q, scales, group))
+    write_quantized(src, int4_dir, ref_dir, convert, w4a16_config(group))
 
 
 def engine(model, **args) -> InProcessEngine:

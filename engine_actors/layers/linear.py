@@ -9,8 +9,8 @@ token's low-rank update is added to the output (to the partial sums, before the 
 Built inside quantization.fp8_weights, either holds an e4m3 weight and its `weight_scale`
 (per output row, or per block: shards then start and end on block boundaries), or an INT4
 weight packed 8 to an int32 along its input features with a scale per row or group
-(int4_format.py; a group is a block of one row), tiled for the kernel once it is loaded on
-a GPU (`tile_int4`).
+(int4_format.py; a group is a block of one row) and, if asymmetric, a `weight_zero_point`
+per scale; once loaded, `finish_loading` tiles it for the kernel on a GPU.
 """
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from engine_actors.int4_format import Int4Format
 from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import FP8, fp8_linear
-from kernels.int4 import PACK, int4_linear, tile
+from kernels.int4 import PACK, add_zero_points, int4_linear, tile
+
+
+# a quantized weight's tensors shaped as its scales (sharded alike)
+SCALES = ("weight_scale", "weight_zero_point")
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -56,20 +60,33 @@ class Linear(nn.Module):
                 (cdiv(out_features, rows), cdiv(in_features, cols))
             self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32),
                                              requires_grad=False)
+        self.zero_term = None  # INT4 zero points' (8 - z) * scale, made once loaded
+        if self.int4 and self.quant.zero_points:
+            self.weight_zero_point = nn.Parameter(torch.empty(shape, dtype=torch.float32),
+                                                  requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
         if self.int4:
-            return int4_linear(x, self.weight, self.weight_scale,
-                               self.quant.group or self.in_features, self.in_features, bias, out)
+            group = self.quant.group or self.in_features
+            y = int4_linear(x, self.weight, self.weight_scale, group, self.in_features, bias,
+                            out)
+            if self.zero_term is not None:
+                add_zero_points(y, x, self.zero_term, group, self.in_features)
+            return y
         if self.quant is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.quant.block, bias, out)
         if out is not None:
             return torch.matmul(x, self.weight.t(), out=out)
         return F.linear(x, self.weight, bias)
 
-    def tile_int4(self) -> None:
-        """Once loaded, an INT4 weight on the GPU is stored as the kernel reads it."""
+    def finish_loading(self) -> None:
+        """Once loaded, an INT4 weight on the GPU is stored as the kernel reads it, and zero
+        points become the term they add (kernels.int4.add_zero_points)."""
+        if self.int4 and self.quant.zero_points:
+            rows = self.weight_scale.shape[0]
+            self.zero_term = (8 - self.weight_zero_point.data.reshape(rows, -1)) \
+                * self.weight_scale.data.reshape(rows, -1)
         if self.int4 and self.weight.is_cuda:
             self.weight = nn.Parameter(tile(self.weight.data), requires_grad=False)
 
@@ -81,8 +98,9 @@ class Linear(nn.Module):
         """An FP8 checkpoint's weights must be stored in e4m3 (not, say, fake-quantized bf16
         with the scales beside them, which would be cast here and scaled twice); a tensor
         this layer has no place for (a zero point, a g_idx, a sparsity mask) is refused."""
-        if name not in ("weight", "bias", "weight_scale") or (
-                name == "weight_scale" and self.quant is None):
+        if name not in ("weight", "bias", "weight_scale", "weight_zero_point") or (
+                name == "weight_scale" and self.quant is None) or (
+                name == "weight_zero_point" and not (self.int4 and self.quant.zero_points)):
             raise ValueError(f"a projection's {name!r} tensor is not served here (a "
                              "quantization format this engine does not read)")
         if name == "weight" and self.int4 and tensor.dtype != torch.int32:
@@ -144,11 +162,11 @@ class ColumnParallelLinear(Linear):
         self.check_stored(name, tensor)
         part = shard or 0
         size = self.part_sizes[part]
-        if name == "weight_scale" and self.quant.block is not None:  # rows of blocks
+        if name in SCALES and self.quant.block is not None:  # rows of blocks
             rows = self.quant.block[0]
             src = tensor.narrow(0, self.first_row(part) // rows, cdiv(size, rows))
             start, size = sum(self.part_sizes[:part]) // rows, src.shape[0]
-        elif name == "weight_scale":
+        elif name in SCALES:
             heads, head_size = self.parts[part]
             start, src = self.local_rows(self.scale_rows(tensor, heads * head_size), part)
         else:
@@ -191,12 +209,13 @@ class RowParallelLinear(Linear):
         self.check_stored(name, tensor)
         if name == "bias":
             copy_checked(self.bias.data, tensor)
-        elif name == "weight_scale" and self.quant.block is not None:  # columns of blocks
+        elif name in SCALES and self.quant.block is not None:  # columns of blocks
             cols = self.quant.block[1]
-            copy_checked(self.weight_scale.data,
+            copy_checked(getattr(self, name).data,
                          tensor.narrow(1, self.in_start // cols, self.weight_scale.shape[1]))
-        elif name == "weight_scale":  # (one per output row: every rank's)
-            copy_checked(self.weight_scale.data, self.scale_rows(tensor, self.weight.shape[0]))
+        elif name in SCALES:  # (one per output row: every rank's)
+            copy_checked(getattr(self, name).data,
+                         self.scale_rows(tensor, self.weight.shape[0]))
         elif self.quant is not None and self.quant.online:
             weight, scales = quantize_weight_rows(self.local_columns(tensor))
             copy_checked(self.weight.data, weight)
