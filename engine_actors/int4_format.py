@@ -4,14 +4,17 @@ writes them (RedHatAI's `quantized.w4a16` releases).
 Each decoder projection stores `weight_packed` [N, ceil(K / 8)] int32 (8 four-bit values a
 word, kernels/int4.py has the layout), `weight_scale` [N, ceil(K / group)] (strategy
 "group") or [N, 1] ("channel"), and `weight_shape`; w ~ q * scale, q in [-8, 7]
-(symmetric). Activations stay in the model's dtype. Served: symmetric 4-bit int weights by
-group (a power of two, at least 16) or channel, with static or no activation ordering.
-Refused at start: asymmetric weights (zero points), `actorder: "group"` (a g_idx
-permutation), quantized activations, other bit widths.
+(symmetric); asymmetric ones also store `weight_zero_point` [ceil(N / 8), groups], packed
+along N as the weights are along K (`translate` unpacks it), w ~ (q - zero point) * scale.
+Activations stay in the model's dtype. Served: 4-bit int weights by group (a power of two,
+at least 16) or channel, with static or no activation ordering. Refused at start:
+`actorder: "group"` (a g_idx permutation), quantized activations, other bit widths.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +57,6 @@ def read(config: dict) -> Int4Format:
         if stored != "pack-quantized":
             raise ValueError(f"compressed-tensors format {stored!r} is not supported for 4-bit "
                              "int weights; served: pack-quantized")
-        if not weights.get("symmetric", True):
-            raise ValueError("asymmetric INT4 weights (zero points) are not supported; served: "
-                             "symmetric")
         if weights.get("actorder") not in (None, False, "weight", "static"):
             raise ValueError(f"INT4 weights with actorder {weights.get('actorder')!r} (a g_idx "
                              "permutation) are not supported; served: actorder null or "
@@ -74,8 +74,19 @@ def read(config: dict) -> Int4Format:
         if strategy not in ("group", "channel"):
             raise ValueError(f"INT4 weights by {strategy!r} are not supported; served: group, "
                              "channel")
-        formats.add(Int4Format(size if strategy == "group" else None))
+        formats.add(Int4Format(size if strategy == "group" else None,
+                               zero_points=not weights.get("symmetric", True)))
     if len(formats) > 1:
         raise ValueError("compressed-tensors groups with different INT4 formats are not "
                          "supported")
     return formats.pop()
+
+
+def translate(name: str, tensor: torch.Tensor, fmt: Int4Format) -> tuple[str, torch.Tensor]:
+    """An asymmetric checkpoint's packed zero points [ceil(N / 8), groups] as the layer holds
+    them: [N, groups], unsigned (the stored nibble: zero point + 8)."""
+    if not name.endswith(".weight_zero_point"):
+        return name, tensor
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=tensor.device)
+    nibbles = (tensor.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # [words, 8, groups]
+    return name, nibbles.reshape(-1, tensor.shape[1]).float()

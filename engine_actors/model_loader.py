@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_actors import awq_format, gptq_format
+from engine_actors import awq_format, gptq_format, int4_format
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors
 from engine_actors.int4_format import Int4Format
 from engine_actors.layers.linear import Linear
@@ -15,7 +15,8 @@ from engine_actors.quantization import check_device, fp8_weights, loaded_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # INT4 checkpoints read as compressed-tensors' after each tensor is translated
-TRANSLATIONS = {"gptq": gptq_format.translate, "awq": awq_format.translate}
+TRANSLATIONS = {"compressed-tensors": int4_format.translate, "gptq": gptq_format.translate,
+                "awq": awq_format.translate}
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
              "fp8_e5m2": torch.float8_e5m2}
 

@@ -2,7 +2,9 @@
 
 compressed-tensors' pack-quantized layout: element k of a row is bits 4 (k % 8) .. +3 of
 word k // 8, as an unsigned nibble offset by 8 (q = nibble - 8, in [-8, 7]); each row has a
-scale per group of `group` columns, w ~ q * scale (symmetric).
+scale per group of `group` columns, w ~ q * scale (symmetric). Weights with zero points
+(AWQ's, asymmetric GPTQ's) run the same kernels, and `add_zero_points` adds what the zero
+points change.
 
 On the GPU a weight is stored tiled (`tile`, once, as it loads): each block of TILE_N rows
 is transposed to [words, TILE_N], so that a [BLOCK_K, TILE_N] tile of the kernel is one

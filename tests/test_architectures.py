@@ -319,6 +319,8 @@ def test_gemma3_multimodal_top_level_fields_and_quantized_checkpoints(tmp_path):
     hf = load_hf_config(str(tmp_path))
     assert (hf.architectures, hf.tie_word_embeddings, hf.eos_token_id) == \
         (["Gemma3ForCausalLM"], False, [1, 106])
-    write_config(tmp_path, quantization_config={"quant_method": "gptq", "bits": 4})
-    with pytest.raises(ValueError, match=r"quantized checkpoints \('gptq'\) are not supported"):
+    write_config(tmp_path, quantization_config={"quant_method": "bitsandbytes",
+                                                "load_in_4bit": True})
+    with pytest.raises(ValueError,
+                       match=r"quantized checkpoints \('bitsandbytes'\) are not supported"):
         model_info(EngineConfig(model=str(tmp_path)))

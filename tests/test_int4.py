@@ -107,6 +107,37 @@ def test_int4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_pat
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
 
 
+def write_asymmetric_checkpoint(src, out_dir, ref_dir, group: int | None) -> None:
+    """Zero points: quantized, packed and dequantized by compressed-tensors itself (its
+    qparams, its PackedQuantizationCompressor), an independent reference of their layout."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    config = w4a16_config(group, symmetric=False)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        **config["config_groups"]["group_0"]["weights"]))
+
+    def convert(w):
+        n, k = w.shape
+        g = w.reshape(n, k // (group or k), -1)
+        scales, zeros = calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights)
+        stored = PackedQuantizationCompressor.compress(
+            {"weight": w, "weight_scale": scales, "weight_zero_point": zeros}, scheme)
+        ref = PackedQuantizationCompressor.decompress(dict(stored), scheme)["weight"]
+        return stored, ref
+    write_quantized(src, out_dir, ref_dir, convert, config)
+
+
+@pytest.mark.parametrize("group", [16, None], ids=["groups", "channel"])
+def test_asymmetric_int4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path,
+                                                                                   group):
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, intermediate_size=192)
+    write_asymmetric_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group)
+    served = engine(tmp_path / "int4")
+    assert served.worker.runner.model.layers["0"].mlp.down_proj.zero_term is not None
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
+
+
 @pytest.mark.parametrize("group", [32, None], ids=["groups", "channel"])
 def test_two_ranks_hold_their_shards_of_packed_weights_and_scales(tmp_path, group):
     """Two ranks' projections together give the one worker's: column-parallel outputs
@@ -147,7 +178,6 @@ def test_int4_weights_stored_unpacked_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("change,args,message", [
-    ({"symmetric": False}, {}, "asymmetric INT4 weights"),
     ({"actorder": "group"}, {}, r"actorder 'group'"),
     ({"actorder": "dynamic"}, {}, r"actorder 'dynamic'"),  # (group's other names)
     ({"actorder": True}, {}, r"actorder True"),
