@@ -31,6 +31,7 @@ from engine_actors.config import EngineConfig
 # build, ends `serve run` 3 s after it logs that: deployments.serve_run_stop)
 CONNECT_EVERY_S = 1.0
 REAP_GRACE_S = 10.0  # what `serve run` leaves running gets this long to go (reap_session)
+REAP_ROUNDS = 50  # then SIGKILL rounds, 0.1 s apart, until its session is empty
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # HAProxy's own words when a port it must listen on is taken (Serve's error then ends
 # `serve run` after a traceback that buries them)
@@ -38,14 +39,16 @@ PORT_TAKEN = re.compile(r"cannot bind socket \(Address already in use\) for \[[^
 
 
 def session_pids(sid: int) -> list[int]:
-    """The processes of session `sid` (`serve run` and its Ray cluster: it runs in a
-    session of its own); [] where /proc cannot say."""
+    """The live processes of session `sid` (`serve run` and its Ray cluster: it runs in a
+    session of its own; zombies are dead already); [] where /proc cannot say."""
     pids = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         try:
             if entry.isdigit() and os.getsid(int(entry)) == sid:
-                pids.append(int(entry))
-        except OSError:  # gone meanwhile
+                with open(f"/proc/{entry}/stat", "rb") as f:  # (state: after the name)
+                    if f.read().rpartition(b")")[2].split()[0] != b"Z":
+                        pids.append(int(entry))
+        except (OSError, IndexError):  # gone meanwhile
             continue
     return pids
 
@@ -68,16 +71,22 @@ def cluster_address(pid: int | None) -> str | None:
 
 def reap_session(sid: int, grace_s: float = REAP_GRACE_S) -> None:
     """Once `serve run` has ended: what its Ray cluster left in its session gets grace_s to
-    go, then SIGKILL. Under load, Ray's dashboard and runtime-env agents were seen to
+    go, then SIGKILL, again until none is left (a raylet killed among them may have started
+    an agent meanwhile). Under load, Ray's dashboard and runtime-env agents were seen to
     outlive their raylet by over 40 s."""
     deadline = time.monotonic() + grace_s
     while session_pids(sid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    for pid in session_pids(sid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:  # gone meanwhile
-            continue
+    for _ in range(REAP_ROUNDS):
+        left = session_pids(sid)
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone meanwhile
+                continue
+        time.sleep(0.1)
 
 
 class Drainer:

@@ -75,9 +75,11 @@ def wait_gone(sessions: set[int], timeout=40.0):
         time.sleep(0.5)
     left = {}
     for pid in session_processes(sessions):
-        try:
-            left[pid] = " ".join(psutil.Process(pid).cmdline())[:160]
-        except psutil.Error:
+        try:  # (which session, and whose child: what the launcher's reap did not reach)
+            p = psutil.Process(pid)
+            left[pid] = (f"session {os.getsid(pid)}, parent {p.ppid()}, {p.status()}: "
+                         + " ".join(p.cmdline())[:120])
+        except (psutil.Error, OSError):
             continue  # (gone meanwhile)
     assert not left, f"processes left behind: {left}"
 
@@ -98,7 +100,9 @@ def test_serve_run_config_then_ctrl_c(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
         proc.wait(timeout=60)
-    wait_gone(sessions)
+    # (Ray's dashboard and runtime-env agents were seen alive 40 s after the launcher had
+    # ended, on a loaded 2-core machine; why is not known: the message says where they run)
+    wait_gone(sessions, timeout=90.0)
 
 
 def test_sigterm_drains_then_stops(tmp_path):
