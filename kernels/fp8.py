@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.split_k import add_splits, num_splits
+from kernels.split_k import add_splits, plan
 
 try:  # (torch 2.9+)
     from torch.nn.functional import ScalingType
@@ -193,7 +193,7 @@ def weight_only_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     """x [M, K] @ dequantized(w).T with x unquantized: each e4m3 tile is widened to x's dtype
     (times its blocks' scales) as it loads. A decode step's few rows only stream the weights,
     so this is bound by their bytes (half of bf16's), with no launch to quantize x. The K
-    range is split over programs as split_k.num_splits says (split_k: that many)."""
+    range is split over programs as split_k.plan says (split_k: that many)."""
     m, k = x.shape
     n = w.shape[0]
     if out is None:
@@ -204,19 +204,15 @@ def weight_only_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         c for limit, c in SMALL_CONFIGS if limit is None or m <= limit)
     while block is not None and block[0] % block_n:  # a tile within one row of blocks
         block_n //= 2
-    grid = [triton.cdiv(m, block_m), triton.cdiv(n, block_n), 1]
-    grid[2] = num_splits(x, grid[0] * grid[1], triton.cdiv(k, block_k), split_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), grid[2]) * block_k
-    grid[2] = triton.cdiv(k, k_per_split)
-    part = out if grid[2] == 1 else torch.empty(grid[2], m, n, dtype=torch.float32,
-                                                device=x.device)
-    _weight_only_kernel[tuple(grid)](
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    split, k_per_split, part = plan(x, grid[0] * grid[1], k, block_k, out, split_k)
+    _weight_only_kernel[(*grid, split)](
         x, w, scales, part, bias if bias is not None else out, m, n, k, x.stride(0),
         scales.stride(0), k_per_split, SCALE_ROWS=block[0] if block else 1,
         GROUP=block[1] if block else k, PER_BLOCK=block is not None, HAS_BIAS=bias is not None,
-        SPLIT=grid[2], PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SPLIT=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    if grid[2] > 1:
+    if split > 1:
         add_splits(part, out, bias)
     return out
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.split_k import add_splits, num_splits
+from kernels.split_k import add_splits, plan
 
 PACK = 8  # 4-bit values per int32
 TILE_N = 128  # rows per stored tile
@@ -112,7 +112,7 @@ def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
                 ) -> torch.Tensor:
     """x [M, K] @ dequantized(w).T (+ bias) in the kernel: w tiled ([ceil(N / TILE_N),
     ceil(K / 8), TILE_N] int32), scales [N, ceil(K / group)] fp32 (group >= K: one per row).
-    split_k: programs along K (default: split_k.num_splits's)."""
+    split_k: programs along K (default: split_k.plan's)."""
     m, k = x.shape
     n = scales.shape[0]
     if out is None:
@@ -122,11 +122,8 @@ def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
     block_m, bk, warps, stages = config or next(
         c for limit, c in CONFIGS if limit is None or m <= limit)
     bk = min(bk, block_k(group, k))
-    split_k = num_splits(x, triton.cdiv(m, block_m) * w.shape[0], triton.cdiv(k, bk), split_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, bk), split_k) * bk
-    split_k = triton.cdiv(k, k_per_split)
-    part = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32,
-                                                device=x.device)
+    split_k, k_per_split, part = plan(x, triton.cdiv(m, block_m) * w.shape[0], k, bk, out,
+                                      split_k)
     _int4_kernel[(triton.cdiv(m, block_m), w.shape[0], split_k)](
         x, w, scales, part, bias if bias is not None else out, m, n, k, w.shape[1],
         x.stride(0), scales.stride(0), k_per_split, GROUP=min(group, k),

@@ -43,6 +43,18 @@ def num_splits(x: torch.Tensor, tiles: int, k_tiles: int, split_k: int | None) -
     return max(1, min(split_k, k_tiles))
 
 
+def plan(x: torch.Tensor, tiles: int, k: int, block_k: int, out: torch.Tensor,
+         split_k: int | None) -> tuple[int, int, torch.Tensor]:
+    """(programs along K, the K columns of each, where the kernel writes: out itself, or
+    fp32 partial sums [split, M, N] for add_splits) for `tiles` output tiles."""
+    split = num_splits(x, tiles, triton.cdiv(k, block_k), split_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    split = triton.cdiv(k, k_per_split)
+    part = out if split == 1 else torch.empty(split, *out.shape, dtype=torch.float32,
+                                              device=out.device)
+    return split, k_per_split, part
+
+
 def add_splits(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
     """out [M, N] = the sum over part [split, M, N] (+ bias)."""
     split, m, n = part.shape
