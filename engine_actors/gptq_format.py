@@ -11,12 +11,14 @@ Each projection stores, for K input and N output features and groups of G column
   (`checkpoint_format` "gptq", the default; its runtimes add the 1 back, unmasked) and as
   is in "gptq_v2". A symmetric checkpoint's are all 8: checked, then dropped; an
   asymmetric one's (`sym: false`) become `weight_zero_point` [N, K / G];
-- `g_idx` [K]: each column's group. Without act-order it is k // G; checked, then dropped.
+- `g_idx` [K]: each column's group. Without act-order it is k // G: checked, then dropped;
+  with act-order (`desc_act: true`) it becomes `weight_g_idx`, and the layer stores each
+  projection's columns sorted by group (kernels.int4.sort_columns).
 `translate` turns each tensor into its compressed-tensors name and layout as it loads, so the
 rest (tensor-parallel shards, fused Phi-3 tensors, the kernels) is INT4's.
-Served: 4 bits, symmetric or not, `desc_act: false`, groups of a power of two of at least
-16 columns or one per row (group_size -1). Refused at start: other widths, act-order, a
-quantized LM head, per-module overrides (`dynamic`), partial quantization
+Served: 4 bits, symmetric or not, with act-order or without (with: at tensor_parallel_size
+1), groups of a power of two of at least 16 columns or one per row (group_size -1).
+Refused at start: other widths, a quantized LM head, per-module overrides (`dynamic`), partial quantization
 (`modules_in_block_to_quantize`), other checkpoint formats (Marlin, BitBLAS).
 """
 from __future__ import annotations
@@ -34,9 +36,6 @@ def read(config: dict) -> Int4Format:
     stored = config.get("checkpoint_format") or "gptq"
     if bits != 4:
         raise ValueError(f"GPTQ weights of {bits} bits are not supported; served: 4 bits")
-    if config.get("desc_act"):
-        raise ValueError("GPTQ weights with act-order (desc_act: true, a g_idx "
-                         "permutation) are not supported; served: desc_act false")
     if stored not in ZEROS:
         raise ValueError(f"GPTQ checkpoint_format {stored!r} is not supported; served: "
                          "gptq, gptq_v2")
@@ -50,7 +49,8 @@ def read(config: dict) -> Int4Format:
         raise ValueError(f"GPTQ groups of {group} columns are not supported; served: a "
                          "power of two, at least 16, or -1 (one per row)")
     return Int4Format(None if group == -1 else group, source="gptq", gptq_zero=ZEROS[stored],
-                      zero_points=not config.get("sym", True))
+                      zero_points=not config.get("sym", True),
+                      act_order=bool(config.get("desc_act")) and group != -1)
 
 
 def translate(name: str, tensor: torch.Tensor, fmt: Int4Format
@@ -72,11 +72,13 @@ def translate(name: str, tensor: torch.Tensor, fmt: Int4Format
             raise ValueError(f"{name}: zero points other than the symmetric "
                              f"{fmt.gptq_zero} (an asymmetric checkpoint) are not supported")
         return None
+    if param == "g_idx" and fmt.act_order:
+        return f"{stem}.weight_g_idx", tensor.to(torch.int32)
     if param == "g_idx":
         k = tensor.shape[0]
         expected = torch.arange(k, device=tensor.device) // (fmt.group or k)
         if not torch.equal(tensor.to(expected.dtype), expected):
-            raise ValueError(f"{name}: columns out of their groups' order (act-order) are "
-                             "not supported")
+            raise ValueError(f"{name}: columns out of their groups' order (act-order) in a "
+                             "checkpoint whose config says desc_act false")
         return None
     return name, tensor

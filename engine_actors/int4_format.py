@@ -4,17 +4,23 @@ writes them (RedHatAI's `quantized.w4a16` releases).
 Each decoder projection stores `weight_packed` [N, ceil(K / 8)] int32 (8 four-bit values a
 word, kernels/int4.py has the layout), `weight_scale` [N, ceil(K / group)] (strategy
 "group") or [N, 1] ("channel"), and `weight_shape`; w ~ q * scale, q in [-8, 7]
-(symmetric); asymmetric ones also store `weight_zero_point` [ceil(N / 8), groups], packed
+(symmetric); actorder "group" ones also store `weight_g_idx` [K], each column's group;
+asymmetric ones also store `weight_zero_point` [ceil(N / 8), groups], packed
 along N as the weights are along K (`translate` unpacks it), w ~ (q - zero point) * scale.
 Activations stay in the model's dtype. Served: 4-bit int weights by group (a power of two,
-at least 16) or channel, with static or no activation ordering. Refused at start:
-`actorder: "group"` (a g_idx permutation), quantized activations, other bit widths.
+at least 16) or channel, with any activation ordering (actorder "group" at
+tensor_parallel_size 1). Refused at start: quantized activations, other bit widths.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+# compressed-tensors' activation orderings and their aliases: the weights' columns in order
+# ("weight"), or a g_idx of each column's group ("group": act-order)
+STATIC_ORDER, GROUP_ORDER = ("weight", "static"), ("group", "dynamic", True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +34,9 @@ class Int4Format:
     # asymmetric: a zero point z per scale, w ~ (u - z) * scale for the stored unsigned u
     # (AWQ's, GPTQ's sym false); without, z is 8 (q = u - 8)
     zero_points: bool = False
+    # act-order (GPTQ's desc_act, compressed-tensors' actorder "group"): a `weight_g_idx`
+    # [K] per projection gives each input column's group (kernels.int4.sort_columns)
+    act_order: bool = False
 
     @property
     def block(self) -> tuple[int, int] | None:
@@ -57,10 +66,9 @@ def read(config: dict) -> Int4Format:
         if stored != "pack-quantized":
             raise ValueError(f"compressed-tensors format {stored!r} is not supported for 4-bit "
                              "int weights; served: pack-quantized")
-        if weights.get("actorder") not in (None, False, "weight", "static"):
-            raise ValueError(f"INT4 weights with actorder {weights.get('actorder')!r} (a g_idx "
-                             "permutation) are not supported; served: actorder null or "
-                             "\"weight\"")
+        if weights.get("actorder") not in (None, False, *STATIC_ORDER, *GROUP_ORDER):
+            raise ValueError(f"INT4 weights with actorder {weights.get('actorder')!r} are not "
+                             "supported; served: null, \"weight\", \"group\"")
         if inputs:
             raise ValueError("INT4 weights with quantized activations are not supported; "
                              "served: W4A16 (no input_activations)")
@@ -75,7 +83,8 @@ def read(config: dict) -> Int4Format:
             raise ValueError(f"INT4 weights by {strategy!r} are not supported; served: group, "
                              "channel")
         formats.add(Int4Format(size if strategy == "group" else None,
-                               zero_points=not weights.get("symmetric", True)))
+                               zero_points=not weights.get("symmetric", True),
+                               act_order=weights.get("actorder") in GROUP_ORDER))
     if len(formats) > 1:
         raise ValueError("compressed-tensors groups with different INT4 formats are not "
                          "supported")

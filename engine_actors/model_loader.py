@@ -65,8 +65,11 @@ def load_model(path: str, hf_config, dtype: torch.dtype, device: torch.device,
             model.lm_head = None
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear):
-            module.finish_loading()
+            try:
+                module.finish_loading()
+            except ValueError as e:  # (an act-order g_idx, or its parts off the tiles)
+                raise ValueError(f"{name}: {e}") from None
     return model.eval()
 

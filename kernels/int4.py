@@ -3,8 +3,8 @@
 compressed-tensors' pack-quantized layout: element k of a row is bits 4 (k % 8) .. +3 of
 word k // 8, as an unsigned nibble offset by 8 (q = nibble - 8, in [-8, 7]); each row has a
 scale per group of `group` columns, w ~ q * scale (symmetric). Weights with zero points
-(AWQ's, asymmetric GPTQ's) run the same kernels, and `add_zero_points` adds what the zero
-points change.
+(AWQ's, asymmetric GPTQ's) also have a zero point z per scale, w ~ (nibble - z) * scale
+(`zeros`, fp32 [N, groups], shaped as the scales).
 
 On the GPU a weight is stored tiled (`tile`, once, as it loads): each block of TILE_N rows
 is transposed to [words, TILE_N], so that a [BLOCK_K, TILE_N] tile of the kernel is one
@@ -17,8 +17,16 @@ contiguous read. Then
   multiplied by cuBLAS, which is faster there than unpacking each tile once per row block.
 BENCHMARKS.md (2026-11-29, sixth part) has the measurements behind these choices.
 On CPU the plain (untiled) weight is dequantized for each matmul, a reference path.
+
+Act-order weights (GPTQ's desc_act, a g_idx mapping each input column to its group) are
+stored with each part's columns sorted by group (`ColumnOrder`), so that groups are
+contiguous as above. x is then gathered once into each part's column order ([M, parts, K]):
+the kernel reads each tile's part's copy (a part's rows start on a tile), and the prompt
+path multiplies each part's copy by its rows of the unpacked weight.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,11 +41,20 @@ KERNEL_MAX_TOKENS = 128
 CONFIGS = ((16, (16, 128, 4, 3)), (64, (64, 128, 4, 3)), (None, (128, 64, 4, 3)))
 
 
+class ColumnOrder(NamedTuple):
+    """An act-order weight's stored column order: stored column i of part p (the rows
+    rows[p]) is input column columns[p, i]; tile_part: each tile's part (on the GPU)."""
+    columns: torch.Tensor  # [parts, K] int64
+    rows: tuple[tuple[int, int], ...]
+    tile_part: torch.Tensor | None = None  # [tiles] int32
+
+
 @triton.jit
-def _int4_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, words, stride_x, stride_s,
-                 k_per_split, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, part_ptr, M, N, K, words,
+                 stride_x, stride_part, stride_s, stride_sg, k_per_split, GROUP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_ZERO: tl.constexpr, SPLIT: tl.constexpr,
+                 ORDERED: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
@@ -46,6 +63,8 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, words, stride_x,
     mask_m, mask_n = rm < M, rn < N
     shifts = tl.arange(0, 8) * 4
     tile = w_ptr + tl.program_id(1) * words * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    if ORDERED:  # x in this tile's part's column order
+        x_ptr += tl.load(part_ptr + tl.program_id(1)).to(tl.int64) * stride_part
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         offs_k = k0 + rk
@@ -56,9 +75,14 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, words, stride_x,
                          other=0)
         # [BLOCK_K / 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N]: row 8 w + j is word w's nibble j
         q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N)) - 8
-        s = tl.load(s_ptr + rn * stride_s + k0 // GROUP, mask=mask_n, other=0.0)
-        w = (q.to(tl.float32) * s[None, :]).to(x.dtype)
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        at_group = rn * stride_s + (k0 // GROUP) * stride_sg
+        s = tl.load(s_ptr + at_group, mask=mask_n, other=0.0)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + at_group, mask=mask_n, other=0.0)
+            w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+        else:
+            w = ((q - 8).to(tl.float32) * s[None, :]).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT > 1:  # this program's partial sums, added up by split_k.add_splits
@@ -72,8 +96,9 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, c_ptr, bias_ptr, M, N, K, words, stride_x,
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, words, stride_s, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, words, stride_s, stride_sg,
+                       GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     """One [BLOCK_K, BLOCK_N] tile (within one group) unpacked, scaled and stored as rows
     of out [N, K]."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,11 +107,16 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, words, stride_s, GROUP: tl.c
     packed = tl.load(w_ptr + tl.program_id(0) * words * BLOCK_N + rw[:, None] * BLOCK_N
                      + tl.arange(0, BLOCK_N)[None, :], mask=(rw < words)[:, None], other=0)
     q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-    q = tl.reshape(q, (BLOCK_K, BLOCK_N)) - 8
-    s = tl.load(s_ptr + rn * stride_s + k0 // GROUP, mask=rn < N, other=0.0)
+    q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    at_group = rn * stride_s + (k0 // GROUP) * stride_sg
+    s = tl.load(s_ptr + at_group, mask=rn < N, other=0.0)
+    if HAS_ZERO:
+        q -= tl.load(z_ptr + at_group, mask=rn < N, other=0.0)[None, :]
+    else:
+        q -= 8
     rk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rn[None, :] * K + rk[:, None],
-             (q.to(tl.float32) * s[None, :]).to(out_ptr.dtype.element_ty),
+             (q * s[None, :]).to(out_ptr.dtype.element_ty),
              mask=(rn < N)[None, :] & (rk < K)[:, None])
 
 
@@ -96,6 +126,51 @@ def tile(w: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(triton.cdiv(n, TILE_N) * TILE_N, words, dtype=w.dtype, device=w.device)
     padded[:n] = w
     return padded.view(-1, TILE_N, words).transpose(1, 2).contiguous()
+
+
+def sort_columns(w: torch.Tensor, g_idx: torch.Tensor, rows: list[tuple[int, int]],
+                 group: int, k: int) -> tuple[torch.Tensor, ColumnOrder | None]:
+    """An act-order weight (plain packed w [N, words]; g_idx [parts, k]: the group of each
+    input column of each part, the rows rows[p]) with each part's columns sorted by group,
+    and their order (None: already in order). ValueError if a group has other than `group`
+    columns (the last: what is left)."""
+    g_idx = g_idx.long()
+    columns = torch.argsort(g_idx, dim=1, stable=True)
+    expected = torch.arange(k, device=w.device) // group
+    if not torch.equal(torch.gather(g_idx, 1, columns), expected.expand_as(columns)):
+        raise ValueError(f"an act-order g_idx whose groups are not {group} columns each")
+    if torch.equal(columns, torch.arange(k, device=w.device).expand_as(columns)):
+        return w, None
+    values = unpack(w, k)
+    for (start, end), part in zip(rows, columns):
+        values[start:end] = values[start:end, part]
+    return pack(values), ColumnOrder(columns, tuple(rows))
+
+
+def tile_parts(order: ColumnOrder, n: int) -> ColumnOrder:
+    """order with each tile's part, for the GPU's kernels: a part's rows must start on a
+    tile (ValueError if not)."""
+    starts = [start for start, _ in order.rows]
+    if any(start % TILE_N for start in starts):
+        raise ValueError(f"act-order INT4 weights on the GPU need each stacked projection "
+                         f"(q/k/v, gate/up) to start on a multiple of {TILE_N} rows; this "
+                         f"layer's start at rows {starts}")
+    tiles = torch.arange(0, triton.cdiv(n, TILE_N) * TILE_N, TILE_N)
+    part = torch.bucketize(tiles, torch.tensor(starts), right=True) - 1
+    return order._replace(tile_part=part.to(torch.int32).to(order.columns.device))
+
+
+def by_group(t: torch.Tensor) -> torch.Tensor:
+    """Scales (or zero points) [N, groups] as the GPU's kernels read them best: a view of
+    them stored group by group ([groups, N]), so that a tile's are one contiguous read."""
+    return t.t().contiguous().t() if t.dim() == 2 else t
+
+
+def group_strides(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[int, int]:
+    """The strides of scales [N, groups] or [N] (zeros: the same), by row and by group."""
+    if zeros is not None and zeros.stride() != scales.stride():
+        raise ValueError("INT4 zero points must be stored as their scales are")
+    return scales.stride(0), scales.stride(1) if scales.dim() == 2 else 0
 
 
 def block_k(group: int, k: int) -> int:
@@ -108,26 +183,34 @@ def block_k(group: int, k: int) -> int:
 
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                config: tuple[int, int, int, int] | None = None, split_k: int | None = None
+                config: tuple[int, int, int, int] | None = None, split_k: int | None = None,
+                order: ColumnOrder | None = None, zeros: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """x [M, K] @ dequantized(w).T (+ bias) in the kernel: w tiled ([ceil(N / TILE_N),
-    ceil(K / 8), TILE_N] int32), scales [N, ceil(K / group)] fp32 (group >= K: one per row).
-    split_k: programs along K (default: split_k.plan's)."""
+    ceil(K / 8), TILE_N] int32), scales [N, ceil(K / group)] fp32 (group >= K: one per row),
+    zeros (zero points) None or as the scales.
+    split_k: programs along K (default: split_k.plan's); order: an act-order weight's (x is
+    gathered into each part's order first)."""
     m, k = x.shape
     n = scales.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not m:
         return out
+    xs = x if order is None else x[:, order.columns]  # ([M, parts, K])
     block_m, bk, warps, stages = config or next(
         c for limit, c in CONFIGS if limit is None or m <= limit)
     bk = min(bk, block_k(group, k))
     split_k, k_per_split, part = plan(x, triton.cdiv(m, block_m) * w.shape[0], k, bk, out,
                                       split_k)
     _int4_kernel[(triton.cdiv(m, block_m), w.shape[0], split_k)](
-        x, w, scales, part, bias if bias is not None else out, m, n, k, w.shape[1],
-        x.stride(0), scales.stride(0), k_per_split, GROUP=min(group, k),
-        HAS_BIAS=bias is not None, SPLIT=split_k,
+        xs, w, scales, scales if zeros is None else zeros, part,
+        bias if bias is not None else out,
+        w if order is None else order.tile_part, m, n, k, w.shape[1], xs.stride(0),
+        xs.stride(1) if order else 0, *group_strides(scales, zeros), k_per_split,
+        GROUP=min(group, k),
+        HAS_BIAS=bias is not None, HAS_ZERO=zeros is not None, SPLIT=split_k,
+        ORDERED=order is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
         BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     if split_k > 1:
@@ -136,53 +219,84 @@ def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
 
 
 def dequantize_tiled(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, k] of tiled w times its scales, in dtype (one kernel)."""
+                     dtype: torch.dtype, zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight [N, k] of tiled w (with zero points `zeros`, or 8) times its scales, in
+    dtype (one kernel)."""
     n = scales.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=w.device)
     bk = block_k(group, k)
     _dequantize_kernel[(w.shape[0], triton.cdiv(k, bk))](
-        w, scales, out, n, k, w.shape[1], scales.stride(0), GROUP=min(group, k),
-        BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=8)
+        w, scales, scales if zeros is None else zeros, out, n, k, w.shape[1],
+        *group_strides(scales, zeros), GROUP=min(group, k), HAS_ZERO=zeros is not None, BLOCK_N=TILE_N,
+        BLOCK_K=bk, num_warps=8)
     return out
 
 
-def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, k] of plain packed w times its scales, in dtype."""
+def unpack(w: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain packed w [N, words] as its unsigned values [N, k] (int32, 0..15)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
-    q = ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(w.shape[0], -1)[:, :k] - 8
-    full = scales.repeat_interleave(group, 1)[:, :k] if group < k else scales.reshape(-1, 1)
-    return (q.to(torch.float32) * full).to(dtype)
+    return ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(w.shape[0], -1)[:, :k]
 
 
-def add_zero_points(y: torch.Tensor, x: torch.Tensor, term: torch.Tensor, group: int,
-                    k: int) -> torch.Tensor:
-    """y += what zero points add to x @ w.T: w = (u - z) s = (u - 8) s + (8 - z) s, so each
-    group's sum of x times term = (8 - z) s [N, groups] (fp32; group >= k: one group)."""
-    group = min(group, k)
-    groups = term.shape[1]
-    sums = torch.nn.functional.pad(x.float(), (0, groups * group - k))
-    sums = sums.view(*x.shape[:-1], groups, group).sum(-1)
-    return y.add_((sums @ term.t()).to(y.dtype))
+def pack(u: torch.Tensor) -> torch.Tensor:
+    """unpack's inverse: values [N, k] (0..15) as words [N, ceil(k / 8)] int32."""
+    u = torch.nn.functional.pad(u.to(torch.int32), (0, -u.shape[1] % PACK))
+    u = u.view(u.shape[0], -1, PACK)
+    words = u[..., 0].clone()
+    for j in range(1, PACK):
+        words |= u[..., j] << (4 * j)
+    return words
+
+
+def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
+               dtype: torch.dtype, order: ColumnOrder | None = None,
+               zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight [N, k] of plain packed w (with zero points `zeros`, or 8) times its scales,
+    in dtype (order: an act-order weight's, whose columns are put back in input order)."""
+    def per_column(t):
+        return t.repeat_interleave(group, 1)[:, :k] if group < k else t.reshape(-1, 1)
+    q = unpack(w, k).to(torch.float32) - (8 if zeros is None else per_column(zeros))
+    stored = (q * per_column(scales)).to(dtype)
+    if order is None:
+        return stored
+    weight = torch.empty_like(stored)
+    for (start, end), columns in zip(order.rows, order.columns):
+        weight[start:end, columns] = stored[start:end]
+    return weight
+
+
+def _by_parts(x: torch.Tensor, weight: torch.Tensor, order: ColumnOrder,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight.T for a weight [N, K] in act-order's stored column order: x
+    gathered into each part's order, times that part's rows."""
+    xs = x[:, order.columns]  # [M, parts, K]
+    y = torch.cat([xs[:, p] @ weight[start:end].t() for p, (start, end) in
+                   enumerate(order.rows)], -1)
+    return y if bias is None else y.add_(bias)
 
 
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
-                bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                order: ColumnOrder | None = None, zeros: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """x [..., k] @ w.T (+ bias; into `out` if given) for an INT4 weight: tiled on the
-    GPU, plain on CPU."""
+    GPU, plain on CPU; order: an act-order weight's; zeros: its zero points, if any."""
     if not x.is_cuda:
-        y = torch.nn.functional.linear(x, dequantize(w, scales, group, k, x.dtype), bias)
+        weight = dequantize(w, scales, group, k, x.dtype, zeros=zeros)
+        y = torch.nn.functional.linear(x, weight, bias) if order is None else \
+            _by_parts(x.reshape(-1, k), weight, order, bias).view(*x.shape[:-1], -1)
         return y if out is None else out.copy_(y)
     flat = x.reshape(-1, k)
     flat = flat if flat.stride(-1) == 1 else flat.contiguous()
     n = scales.shape[0]
     out = None if out is None else out.view(-1, n)
     if flat.shape[0] <= KERNEL_MAX_TOKENS:
-        y = int4_matmul(flat, w, scales, group, bias, out)
+        y = int4_matmul(flat, w, scales, group, bias, out, order=order, zeros=zeros)
+    elif order is not None:
+        y = _by_parts(flat, dequantize_tiled(w, scales, group, k, x.dtype, zeros), order, bias)
+        y = y if out is None else out.copy_(y)
     else:
-        weight = dequantize_tiled(w, scales, group, k, x.dtype)
+        weight = dequantize_tiled(w, scales, group, k, x.dtype, zeros)
         y = torch.addmm(bias, flat, weight.t(), out=out) if bias is not None else \
             torch.mm(flat, weight.t(), out=out)
     return y.view(*x.shape[:-1], n)

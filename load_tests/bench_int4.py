@@ -1,11 +1,17 @@
 """INT4 projections (W4A16) against bf16 ones: llama-8b's four matmuls of one layer.
 
-    python -m load_tests.bench_int4 --tokens 1 16 64 128 256 2048 [--sweep]
+    python -m load_tests.bench_int4 --tokens 1 16 64 128 256 2048 [--sweep] [--act-order]
+        [--zero-points]
 
 Per token count M, the summed time of the qkv, o, gate_up and down projections (groups of
 128): bf16 F.linear (cuBLAS); kernels.int4's kernel (int4_matmul, its default tile and
 split of K) and its other path, the weight unpacked to bf16 then cuBLAS, each at every M;
 and what int4_linear picks. With --sweep, each (tile, split) of TILES at up to 128 tokens.
+With --act-order, also the kernel and int4_linear on act-order weights (each part of qkv
+and gate_up in its own random column order: x gathered into it). With --zero-points, also
+int4_linear on weights with zero points (random ones). Scales are stored group by group
+(kernels.int4.by_group, as the engine stores them); kernel_row_scales is the kernel with
+them stored row by row, the layout before.
 The floor is the INT4 weights' bytes (words and scales) at the measured copy bandwidth.
 Each is timed over a CUDA graph of 20 calls; each kernel's output is checked against the
 dequantized weight's matmul first.
@@ -17,8 +23,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from kernels.int4 import (CONFIGS, dequantize, dequantize_tiled, int4_linear, int4_matmul,
-                          tile)
+from kernels.int4 import (CONFIGS, ColumnOrder, by_group, dequantize, dequantize_tiled,
+                          int4_linear, int4_matmul, tile, tile_parts)
 from load_tests.bench_fp8 import SHAPES, graph_ms
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
 from load_tests.report import save_json
@@ -33,6 +39,18 @@ def sweep(m: int):
     return [(t, split) for t in TILES if t[0] <= max(16, m) * 2 for split in (1, 2, 4, 8)]
 
 
+NAMES = {(k, -(-n // 128)): name for name, (n, k) in SHAPES.items()}  # (K, tiles) -> name
+PARTS = {"qkv": (4096, 1024, 1024), "gate_up": (14336, 14336)}  # rows of stacked projections
+
+
+def random_order(name: str, n: int, k: int) -> ColumnOrder:
+    """Each part of projection `name` in a random column order (kernels.int4.ColumnOrder)."""
+    ends = torch.tensor(PARTS.get(name, (n,))).cumsum(0).tolist()
+    rows = tuple((end - size, end) for end, size in zip(ends, PARTS.get(name, (n,))))
+    columns = torch.stack([torch.randperm(k, device="cuda") for _ in rows])
+    return tile_parts(ColumnOrder(columns, rows), n)
+
+
 def packed(n: int, k: int, group: int):
     words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
     scales = torch.rand(n, k // group, device="cuda") / 100
@@ -44,39 +62,58 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 2048])
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--act-order", action="store_true")
+    ap.add_argument("--zero-points", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     bandwidth = copy_bandwidth_gbs()
     g = args.group
-    weights = {}
+    weights, row_scales = {}, {}  # (scales stored row by row, as before by_group)
     for name, (n, k) in SHAPES.items():
         words, scales = packed(n, k, g)
         weights[name] = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
-                         words, tile(words), scales)
-    floor = sum(w.numel() * 4 + s.numel() * 4 for _, w, _, s in weights.values()) \
+                         words, tile(words), by_group(scales), random_order(name, n, k))
+        row_scales[name] = scales
+    floor = sum(w.numel() * 4 + s.numel() * 4 for _, w, _, s, _ in weights.values()) \
         / bandwidth / 1e6
-    paths = {"bf16_ms": lambda x, w, q, s: F.linear(x, w),
-             "kernel_ms": lambda x, w, q, s: int4_matmul(x, q, s, g),
-             "dequantized_cublas_ms": lambda x, w, q, s: F.linear(
+    paths = {"bf16_ms": lambda x, w, q, s, o: F.linear(x, w),
+             "kernel_ms": lambda x, w, q, s, o: int4_matmul(x, q, s, g),
+             "dequantized_cublas_ms": lambda x, w, q, s, o: F.linear(
                  x, dequantize_tiled(q, s, g, x.shape[1], x.dtype)),
-             "int4_linear_ms": lambda x, w, q, s: int4_linear(x, q, s, g, x.shape[1])}
+             "int4_linear_ms": lambda x, w, q, s, o: int4_linear(x, q, s, g, x.shape[1]),
+             "kernel_row_scales_ms": lambda x, w, q, s, o: int4_matmul(
+                 x, q, row_scales[NAMES[x.shape[1], q.shape[0]]], g)}
+    if args.act_order:
+        paths["act_order_kernel_ms"] = lambda x, w, q, s, o: int4_matmul(x, q, s, g, order=o)
+        paths["act_order_int4_linear_ms"] = lambda x, w, q, s, o: int4_linear(
+            x, q, s, g, x.shape[1], order=o)
+    zeros = {name: by_group(torch.randint(0, 16, (n, k // g), device="cuda").float())
+             for name, (n, k) in SHAPES.items()}
+    if args.zero_points:
+        paths["zero_points_int4_linear_ms"] = lambda x, w, q, s, o: int4_linear(
+            x, q, s, g, x.shape[1], zeros=zeros[NAMES[x.shape[1], q.shape[0]]])
     rows = []
     for m in args.tokens:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
               for name, (n, k) in SHAPES.items()}
-        wants = {name: F.linear(xs[name].float(), dequantize(plain, s, g, k, torch.float32))
-                 for name, (_, k) in SHAPES.items() for _, plain, _, s in [weights[name]]}
+        wants = {(name, kind): F.linear(xs[name].float(), dequantize(
+                     plain, s, g, k, torch.float32, order if kind == "act_order" else None,
+                     zeros[name] if kind == "zero_points" else None))
+                 for name, (_, k) in SHAPES.items() for _, plain, _, s, order in [weights[name]]
+                 for kind in ("plain", "act_order", "zero_points")}
 
         def check(label, fn):
             for name in SHAPES:
-                got, want = fn(name).float(), wants[name]
+                kind = next((k for k in ("act_order", "zero_points") if label.startswith(k)),
+                            "plain")
+                got, want = fn(name).float(), wants[name, kind]
                 error = ((got - want).norm() / want.norm()).item()
                 if error > 1e-2:
                     raise AssertionError(f"{label} {name} M={m}: relative error {error:.3g}")
 
-        def operands(name):  # x, the bf16 weight, the tiled INT4 weight, its scales
-            w, _, q, s = weights[name]
-            return xs[name], w, q, s
+        def operands(name):  # x, the bf16 weight, the tiled INT4 weight, its scales, an order
+            w, _, q, s, order = weights[name]
+            return xs[name], w, q, s, order
 
         row = {"tokens": m, "int4_floor_ms": floor}
         for label, fn in paths.items():
@@ -85,16 +122,20 @@ def main(argv=None) -> dict:
             row[label] = graph_ms(lambda: [fn(*operands(name)) for name in SHAPES])
         for t, split in sweep(m) if args.sweep and m <= 128 else []:
             key = str((t, split))
-            check(key, lambda name: int4_matmul(*operands(name)[::2], operands(name)[3], g,
+            check(key, lambda name: int4_matmul(*operands(name)[:3:2], operands(name)[3], g,
                                                 config=t, split_k=split))
             for name in SHAPES:
-                x, _, q, s = operands(name)
+                x, _, q, s, _ = operands(name)
                 row.setdefault("sweep_ms", {}).setdefault(key, {})[name] = graph_ms(
                     lambda: int4_matmul(x, q, s, g, config=t, split_k=split))
         default = next(c for limit, c in CONFIGS if limit is None or m <= limit)
         print(f"M={m:5d}: bf16 {row['bf16_ms']:.3f} | kernel {row['kernel_ms']:.3f} "
               f"(tile {default}) | dequantized + cuBLAS {row['dequantized_cublas_ms']:.3f} | "
               f"int4_linear {row['int4_linear_ms']:.3f} | floor {floor:.3f} ms", flush=True)
+        extra = [f"{label[:-3]} {row[label]:.3f}" for label in paths
+                 if label.startswith(("act_order", "zero_points", "kernel_row"))]
+        if extra:
+            print("    " + " | ".join(extra) + " ms", flush=True)
         by_total = sorted(row.get("sweep_ms", {}).items(), key=lambda kv: sum(kv[1].values()))
         for key, t in by_total[:4]:
             print(f"    {sum(t.values()):.3f} {key}", flush=True)

@@ -14,7 +14,7 @@ from compressed_tensors.compressors import pack_to_int32
 from engine_actors.checkpoint import model_info, save_random_checkpoint
 from engine_actors.config import EngineConfig
 from tests.test_fp8 import check_shards_add_up
-from tests.test_gptq import gptq_config
+from tests.test_gptq import act_order, gptq_config
 from tests.test_int4 import engine, write_quantized
 from tests.test_parity import check_parity, ragged_workload
 
@@ -48,11 +48,21 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
     return words.to(torch.uint32).view(torch.int32)
 
 
-def write_checkpoint(src, out_dir, ref_dir, group: int, method: str) -> None:
+def write_checkpoint(src, out_dir, ref_dir, group: int, method: str,
+                     desc_act: bool = False) -> None:
     """out_dir: src's projections in AWQ's (or asymmetric GPTQ's) layout; ref_dir: src with
-    them dequantized."""
+    them dequantized. desc_act (GPTQ): quantized in act-order (tests/test_gptq.py)."""
+    seeds = iter(range(1000))
+
     def convert(w):
-        u, zeros, scales = quantize_asymmetric(w, group)
+        k = w.shape[1]
+        order = act_order(k, next(seeds)) if desc_act else torch.arange(k)
+        u_sorted, zeros, scales = quantize_asymmetric(w[:, order], group)
+        u, ref = torch.empty_like(u_sorted), torch.empty_like(w)
+        u[:, order] = u_sorted
+        ref[:, order] = dequantize_asymmetric(u_sorted, zeros, scales, group)
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[order] = (torch.arange(k) // group).to(torch.int32)
         if method == "awq":
             stored = {"qweight": pack_awq(u.T.contiguous()),
                       "qzeros": pack_awq(zeros.T.contiguous())}
@@ -61,11 +71,11 @@ def write_checkpoint(src, out_dir, ref_dir, group: int, method: str) -> None:
             stored = {"qweight": pack_to_int32((u - 8).T.contiguous().to(torch.int8), 4,
                                                packed_dim=0),
                       "qzeros": pack_to_int32((zeros - 8).T.contiguous().to(torch.int8), 4),
-                      "g_idx": (torch.arange(w.shape[1]) // group).to(torch.int32)}
+                      "g_idx": g_idx}
         stored["scales"] = scales.T.contiguous()
-        return stored, dequantize_asymmetric(u, zeros, scales, group)
+        return stored, ref
     write_quantized(src, out_dir, ref_dir, convert, awq_config(group) if method == "awq"
-                    else gptq_config(group, "gptq_v2", sym=False))
+                    else gptq_config(group, "gptq_v2", sym=False, desc_act=desc_act))
 
 
 def awq_config(group: int, **changes) -> dict:
@@ -73,20 +83,22 @@ def awq_config(group: int, **changes) -> dict:
             "version": "gemm", "modules_to_not_convert": None, **changes}
 
 
-@pytest.mark.parametrize("arch,group,method", [
-    ("llama", 32, "awq"),
-    ("qwen2", 16, "awq"),  # q/k/v biases
-    ("phi3", 16, "awq"),  # fused qkv_proj and gate_up_proj
-    ("llama", 16, "gptq"),  # sym: false
+@pytest.mark.parametrize("arch,group,method,desc_act", [
+    ("llama", 32, "awq", False),
+    ("qwen2", 16, "awq", False),  # q/k/v biases
+    ("phi3", 16, "awq", False),  # fused qkv_proj and gate_up_proj
+    ("llama", 16, "gptq", False),  # sym: false
+    ("qwen2", 32, "gptq", True),  # sym: false, act-order: each part's groups in its order
 ])
 def test_checkpoint_with_zero_points_matches_transformers_on_its_dequantized_weights(
-        tmp_path, arch, group, method):
+        tmp_path, arch, group, method, desc_act):
     extra = {"num_key_value_heads": 1} if arch == "phi3" else {}
     save_random_checkpoint(str(tmp_path / "base"), arch, seed=5, intermediate_size=192, **extra)
-    write_checkpoint(tmp_path / "base", tmp_path / "q", tmp_path / "ref", group, method)
+    write_checkpoint(tmp_path / "base", tmp_path / "q", tmp_path / "ref", group, method,
+                     desc_act)
     served = engine(tmp_path / "q")
     down = served.worker.runner.model.layers["0"].mlp.down_proj
-    assert down.weight.dtype == torch.int32 and down.zero_term is not None
+    assert down.weight.dtype == torch.int32 and down.quant.zero_points
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
 
 
@@ -132,5 +144,23 @@ def test_awq_on_gpu_matches_transformers(tmp_path):
     write_checkpoint(tmp_path / "base", tmp_path / "awq", tmp_path / "ref", 32, "awq")
     served = InProcessEngine(device="cuda", model=str(tmp_path / "awq"), dtype="float32",
                              max_batch_size=8, max_num_tokens=4096)
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3), device="cuda")
+    assert served.worker.runner.num_graph_replays > 0
+
+
+@pytest.mark.gpu
+def test_act_order_gptq_with_zero_points_on_gpu_matches_transformers(tmp_path):
+    """fp32, CUDA graphs and prompts: x read in each part's order by the kernel, the
+    unpacked weight's columns put back for prompts, and the zero points' term in that order.
+    Heads of 128 features: the parts start on the kernel's tiles."""
+    from tests.engine_harness import InProcessEngine
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, hidden_size=256,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                           intermediate_size=384)
+    write_checkpoint(tmp_path / "base", tmp_path / "q", tmp_path / "ref", 32, "gptq", True)
+    served = InProcessEngine(device="cuda", model=str(tmp_path / "q"), dtype="float32",
+                             max_batch_size=8, max_num_tokens=4096)
+    assert served.worker.runner.model.layers["0"].mlp.gate_up_proj.order.tile_part.tolist() \
+        == [0, 0, 0, 1, 1, 1]
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3), device="cuda")
     assert served.worker.runner.num_graph_replays > 0

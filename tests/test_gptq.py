@@ -1,7 +1,7 @@
-"""GPTQ checkpoints (4-bit, symmetric, no act-order; with zero points: tests/test_awq.py):
-served with greedy outputs equal to transformers' on the same weights dequantized (fp32,
-CPU); both checkpoint formats (zero points stored as 7 or 8); two ranks' shards; what is
-refused. The checkpoints are written here: quantized by this test (tests/test_int4.py's
+"""GPTQ checkpoints (4-bit, symmetric, with act-order or without; with zero points:
+tests/test_awq.py): served with greedy outputs equal to transformers' on the same weights
+dequantized (fp32, CPU); both checkpoint formats (zero points stored as 7 or 8); two ranks'
+shards; what is refused. The checkpoints are written here: quantized by this test (tests/test_int4.py's
 rounding), packed by compressed-tensors' pack_to_int32 along GPTQ's axes (qweight along K
 within each column, qzeros along N), an independent reference of the bit layout."""
 from __future__ import annotations
@@ -29,26 +29,41 @@ def gptq_config(group: int, checkpoint_format: str | None = None, **changes) -> 
     return {**config, **changes}
 
 
+def act_order(k: int, seed: int) -> torch.Tensor:
+    """A column order as GPTQ's act-order makes one (a random one here): it quantizes the
+    columns in this order, so group g holds columns order[g G: (g + 1) G]."""
+    return torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+
+
 def write_gptq_checkpoint(src, gptq_dir, ref_dir, group: int, checkpoint_format=None,
-                          g_idx: bool = True) -> None:
-    """gptq_dir: src's projections in GPTQ's layout; ref_dir: src with them dequantized."""
+                          g_idx: bool = True, desc_act: bool = False) -> None:
+    """gptq_dir: src's projections in GPTQ's layout; ref_dir: src with them dequantized.
+    desc_act: each projection quantized in its own column order, stored in the original
+    one, with g_idx giving each column's group."""
     zero = 8 if checkpoint_format == "gptq_v2" else 7  # (v1 stores zero - 1)
     size = None if group == -1 else group
+    seeds = iter(range(1000))
 
     def convert(w):
         n, k = w.shape
-        q, scales = quantize(w, size)  # [N, K], [N, groups]
+        order = act_order(k, next(seeds)) if desc_act else torch.arange(k)
+        q_sorted, scales = quantize(w[:, order], size)  # [N, K], [N, groups]
         groups = scales.shape[1]
         scales = scales.to(torch.float16)
+        q, ref = torch.empty_like(q_sorted), torch.empty_like(w)
+        q[:, order] = q_sorted
+        ref[:, order] = dequantize(q_sorted, scales.float(), size)
         stored = {"qweight": pack_to_int32(q.T.contiguous(), 4, packed_dim=0),
                   # pack_to_int32 stores value + 8: a zero point z as z - 8
                   "qzeros": pack_to_int32(torch.full((groups, n), zero - 8, dtype=torch.int8),
                                           4),
                   "scales": scales.T.contiguous()}
         if g_idx:
-            stored["g_idx"] = (torch.arange(k) // (k // groups)).to(torch.int32)
-        return stored, dequantize(q, scales.float(), size)
-    write_quantized(src, gptq_dir, ref_dir, convert, gptq_config(group, checkpoint_format))
+            stored["g_idx"] = torch.empty(k, dtype=torch.int32)
+            stored["g_idx"][order] = (torch.arange(k) // (k // groups)).to(torch.int32)
+        return stored, ref
+    write_quantized(src, gptq_dir, ref_dir, convert,
+                    gptq_config(group, checkpoint_format, desc_act=desc_act))
 
 
 @pytest.mark.parametrize("arch,group,checkpoint_format", [
@@ -69,6 +84,30 @@ def test_gptq_checkpoint_matches_transformers_on_its_dequantized_weights(
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
 
 
+@pytest.mark.parametrize("arch,group,checkpoint_format", [
+    ("llama", 32, None),
+    ("phi3", 16, "gptq_v2"),  # one order for each fused tensor, its parts split by rows
+])
+def test_act_order_gptq_matches_transformers_on_its_dequantized_weights(
+        tmp_path, arch, group, checkpoint_format):
+    extra = {"num_key_value_heads": 1} if arch == "phi3" else {}
+    save_random_checkpoint(str(tmp_path / "base"), arch, seed=7, intermediate_size=192, **extra)
+    write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", group,
+                          checkpoint_format, desc_act=True)
+    served = engine(tmp_path / "gptq")
+    qkv = served.worker.runner.model.layers["0"].self_attn.qkv_proj
+    assert qkv.order is not None and len(qkv.order.rows) == 3
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
+
+
+def test_act_order_is_served_at_one_rank_only(tmp_path):
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, intermediate_size=192)
+    write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", 32,
+                          desc_act=True)
+    with pytest.raises(ValueError, match="act-order INT4 weights .* at tensor_parallel_size 1"):
+        check_shards_add_up(tmp_path / "gptq")
+
+
 def test_two_ranks_hold_their_shards_of_gptq_weights(tmp_path):
     save_random_checkpoint(str(tmp_path / "base"), "llama", seed=6, intermediate_size=192)
     write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", 32)
@@ -77,7 +116,6 @@ def test_two_ranks_hold_their_shards_of_gptq_weights(tmp_path):
 
 @pytest.mark.parametrize("change,args,message", [
     ({"bits": 8}, {}, "GPTQ weights of 8 bits"),
-    ({"desc_act": True}, {}, "act-order"),
     ({"checkpoint_format": "marlin"}, {}, "checkpoint_format 'marlin'"),
     ({"lm_head": True}, {}, "quantized LM head"),
     ({"dynamic": {"-:.*down_proj": {}}}, {}, "per-module settings"),

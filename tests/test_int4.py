@@ -84,6 +84,23 @@ def write_int4_checkpoint(src, int4_dir, ref_dir, group: int | None,
     write_quantized(src, int4_dir, ref_dir, convert, w4a16_config(group))
 
 
+def write_act_order_checkpoint(src, int4_dir, ref_dir, group: int, actorder) -> None:
+    """actorder "group": each projection quantized in its own column order (as GPTQ's
+    act-order), stored in the original one with `weight_g_idx`, each column's group."""
+    seeds = iter(range(1000))
+
+    def convert(w):
+        k = w.shape[1]
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(next(seeds)))
+        q_sorted, scales = quantize(w[:, order], group)
+        q, ref, g_idx = torch.empty_like(q_sorted), torch.empty_like(w), torch.empty(k)
+        q[:, order], ref[:, order] = q_sorted, dequantize(q_sorted, scales, group)
+        g_idx[order] = (torch.arange(k) // group).float()
+        return ({"weight_packed": pack_to_int32(q, 4), "weight_scale": scales,
+                 "weight_g_idx": g_idx.to(torch.int32)}, ref)
+    write_quantized(src, int4_dir, ref_dir, convert, w4a16_config(group, actorder=actorder))
+
+
 def engine(model, **args) -> InProcessEngine:
     return InProcessEngine(model=str(model), max_batch_size=8, block_size=4,
                            max_num_batched_tokens=24, max_num_tokens=4096, **args)
@@ -128,13 +145,24 @@ def write_asymmetric_checkpoint(src, out_dir, ref_dir, group: int | None) -> Non
     write_quantized(src, out_dir, ref_dir, convert, config)
 
 
+@pytest.mark.parametrize("actorder", ["group", True])  # (True: an older name of "group")
+def test_act_order_int4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path,
+                                                                                   actorder):
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=8, intermediate_size=192)
+    write_act_order_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 16,
+                               actorder)
+    served = engine(tmp_path / "int4")
+    assert served.worker.runner.model.layers["1"].mlp.down_proj.order is not None
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
+
+
 @pytest.mark.parametrize("group", [16, None], ids=["groups", "channel"])
 def test_asymmetric_int4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path,
                                                                                    group):
     save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, intermediate_size=192)
     write_asymmetric_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group)
     served = engine(tmp_path / "int4")
-    assert served.worker.runner.model.layers["0"].mlp.down_proj.zero_term is not None
+    assert served.worker.runner.model.layers["0"].mlp.down_proj.quant.zero_points
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
 
 
@@ -178,9 +206,7 @@ def test_int4_weights_stored_unpacked_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("change,args,message", [
-    ({"actorder": "group"}, {}, r"actorder 'group'"),
-    ({"actorder": "dynamic"}, {}, r"actorder 'dynamic'"),  # (group's other names)
-    ({"actorder": True}, {}, r"actorder True"),
+    ({"actorder": "by-size"}, {}, r"actorder 'by-size'"),
     ({}, {"quantization": "fp8"}, "this checkpoint is INT4 already"),
     ({"group_size": 48}, {}, "INT4 groups of 48 columns"),
     ({"num_bits": 8}, {}, "int weights of 8 bits are not supported"),
@@ -239,6 +265,36 @@ def test_int4_matmul_kernel(monkeypatch, device, m, n, k, group, split):
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("m,group", [(5, 32), (3, None), (200, 64)])
+def test_kernels_with_zero_points(monkeypatch, device, m, group):
+    """w = (u - z) s with a zero point z per scale, u the stored nibble: the kernel (up to
+    128 rows) and the unpacking for cuBLAS (more) against this test's dequantization."""
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.int4 import by_group, dequantize_tiled, int4_matmul, tile
+    n, k = 136, 256
+    gen = torch.Generator().manual_seed(m)
+    u = torch.randint(0, 16, (n, k), generator=gen)
+    groups = k // (group or k)
+    zeros = torch.randint(0, 16, (n, groups), generator=gen).float()
+    scales = torch.rand(n, groups, generator=gen) / 10
+    ref = ((u - zeros.repeat_interleave(k // groups, 1)) * scales.repeat_interleave(
+        k // groups, 1))
+    if group is None:  # (channel: one scale and zero point per row, [N])
+        zeros, scales = zeros.reshape(n), scales.reshape(n)
+    w = tile(pack_to_int32((u - 8).to(torch.int8), 4)).to(device)
+    scales, zeros = by_group(scales.to(device)), by_group(zeros.to(device))  # (as stored)
+    if m <= 128:
+        x = torch.randn(m, k)
+        got = int4_matmul(x.to(device), w, scales, group or k, zeros=zeros, split_k=2)
+        torch.testing.assert_close(got.cpu(), x @ ref.T, rtol=1e-4, atol=1e-3)
+    else:
+        got = dequantize_tiled(w, scales, group or k, k, torch.float32, zeros)
+        torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("n,k,group", [(130, 192, 64), (40, 100, None), (64, 256, 16)])
 def test_dequantize_tiled(monkeypatch, device, n, k, group):
     """The prompt path's unpacking of a tiled weight equals this test's dequantization."""
@@ -249,6 +305,60 @@ def test_dequantize_tiled(monkeypatch, device, n, k, group):
     got = dequantize_tiled(tile(pack_to_int32(q, 4).to(device)), scales.to(device), group or k,
                            k, torch.float32)
     torch.testing.assert_close(got.cpu(), dequantize(q, scales, group), rtol=0, atol=0)
+
+
+def ordered_weight(n: int, k: int, group: int, parts: list[tuple[int, int]], seed: int = 0):
+    """A weight whose parts (rows) are quantized each in its own column order: (its values
+    in input order, scales, dequantized, each part's g_idx)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, g_idx = torch.empty(n, k, dtype=torch.int8), torch.empty(len(parts), k, dtype=torch.int32)
+    scales, ref = torch.empty(n, k // group), torch.empty(n, k)
+    for p, (start, end) in enumerate(parts):
+        order = torch.randperm(k, generator=gen)
+        q_sorted, scales[start:end] = quantize(torch.randn(end - start, k, generator=gen), group)
+        q[start:end, order] = q_sorted
+        ref[start:end, order] = dequantize(q_sorted, scales[start:end], group)
+        g_idx[p, order] = (torch.arange(k) // group).to(torch.int32)
+    return q, scales, ref, g_idx
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("m,split", [(3, 1), (6, 2), (200, 1)])
+def test_act_order_kernels_read_each_parts_columns_in_its_order(monkeypatch, device, m, split):
+    """Two parts of a tile each (sorted by kernels.int4.sort_columns): x gathered into each
+    part's order for the kernel and for the prompt path, against the dequantized weight."""
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.int4 import int4_linear, int4_matmul, sort_columns, tile, tile_parts
+    parts, k, group = [(0, 128), (128, 200)], 128, 32
+    q, scales, ref, g_idx = ordered_weight(200, k, group, parts, seed=m)
+    stored, order = sort_columns(pack_to_int32(q, 4), g_idx, parts, group, k)
+    order = tile_parts(order._replace(columns=order.columns.to(device)), 200)
+    assert order.tile_part.tolist() == [0, 1]
+    x, bias = torch.randn(m, k), torch.randn(200)
+    want = x @ ref.T + bias
+    w, scales, x, bias = (t.to(device) for t in (tile(stored), scales, x, bias))
+    if m <= 128:
+        got = int4_matmul(x, w.to(device), scales, group, bias, split_k=split, order=order)
+    else:  # (the GPU's unpacked weight and cuBLAS; CPU's plain weight)
+        got = int4_linear(x, stored if device == "cpu" else w, scales, group, k, bias,
+                          order=order)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
+
+
+def test_sort_columns_refuses_groups_of_other_sizes_and_parts_off_tiles():
+    from kernels.int4 import ColumnOrder, pack, sort_columns, tile_parts, unpack
+    q, _, _, g_idx = ordered_weight(8, 64, 16, [(0, 8)])
+    words = pack_to_int32(q, 4)
+    assert torch.equal(pack(unpack(words, 64)), words)  # (negative words too)
+    g_idx[0, :3] = 0  # group 0 has 16 + some columns
+    with pytest.raises(ValueError, match="groups are not 16 columns each"):
+        sort_columns(words, g_idx, [(0, 8)], 16, 64)
+    in_order = (torch.arange(64) // 16).to(torch.int32)[None]
+    assert sort_columns(words, in_order, [(0, 8)], 16, 64) == (words, None)
+    with pytest.raises(ValueError, match=r"start on a multiple of 128 rows.*\[0, 64\]"):
+        tile_parts(ColumnOrder(torch.zeros(2, 64, dtype=torch.long), ((0, 64), (64, 192))), 192)
 
 
 @pytest.mark.gpu

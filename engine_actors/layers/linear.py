@@ -10,7 +10,9 @@ Built inside quantization.fp8_weights, either holds an e4m3 weight and its `weig
 (per output row, or per block: shards then start and end on block boundaries), or an INT4
 weight packed 8 to an int32 along its input features with a scale per row or group
 (int4_format.py; a group is a block of one row) and, if asymmetric, a `weight_zero_point`
-per scale; once loaded, `finish_loading` tiles it for the kernel on a GPU.
+per scale; an act-order one also holds `weight_g_idx` [parts, K], each part's columns'
+groups. Once loaded, `finish_loading` sorts an act-order weight's columns by group and tiles
+the weight for the kernel on a GPU.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from engine_actors.int4_format import Int4Format
 from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import FP8, fp8_linear
-from kernels.int4 import PACK, add_zero_points, int4_linear, tile
+from kernels.int4 import PACK, by_group, int4_linear, sort_columns, tile, tile_parts
 
 
 # a quantized weight's tensors shaped as its scales (sharded alike)
@@ -44,7 +46,8 @@ def cdiv(a: int, b: int) -> int:
 class Linear(nn.Module):
     """The weight (and bias) of either layer, in the model's dtype or in FP8."""
 
-    def make_weight(self, out_features: int, in_features: int, bias: bool) -> None:
+    def make_weight(self, out_features: int, in_features: int, bias: bool, parts: int = 1
+                    ) -> None:
         self.quant = building_format()
         self.int4 = isinstance(self.quant, Int4Format)
         self.in_features = in_features
@@ -60,7 +63,10 @@ class Linear(nn.Module):
                 (cdiv(out_features, rows), cdiv(in_features, cols))
             self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32),
                                              requires_grad=False)
-        self.zero_term = None  # INT4 zero points' (8 - z) * scale, made once loaded
+        self.order = None  # an act-order weight's stored column order, made once loaded
+        if self.int4 and self.quant.act_order:
+            self.weight_g_idx = nn.Parameter(torch.empty(parts, in_features, dtype=torch.int32),
+                                             requires_grad=False)
         if self.int4 and self.quant.zero_points:
             self.weight_zero_point = nn.Parameter(torch.empty(shape, dtype=torch.float32),
                                                   requires_grad=False)
@@ -69,26 +75,31 @@ class Linear(nn.Module):
                out: torch.Tensor | None = None) -> torch.Tensor:
         if self.int4:
             group = self.quant.group or self.in_features
-            y = int4_linear(x, self.weight, self.weight_scale, group, self.in_features, bias,
-                            out)
-            if self.zero_term is not None:
-                add_zero_points(y, x, self.zero_term, group, self.in_features)
-            return y
+            return int4_linear(x, self.weight, self.weight_scale, group, self.in_features,
+                               bias, out, self.order, getattr(self, "weight_zero_point", None))
         if self.quant is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.quant.block, bias, out)
         if out is not None:
             return torch.matmul(x, self.weight.t(), out=out)
         return F.linear(x, self.weight, bias)
 
+    def part_rows(self) -> list[tuple[int, int]]:
+        return [(0, self.weight.shape[0])]
+
     def finish_loading(self) -> None:
-        """Once loaded, an INT4 weight on the GPU is stored as the kernel reads it, and zero
-        points become the term they add (kernels.int4.add_zero_points)."""
-        if self.int4 and self.quant.zero_points:
-            rows = self.weight_scale.shape[0]
-            self.zero_term = (8 - self.weight_zero_point.data.reshape(rows, -1)) \
-                * self.weight_scale.data.reshape(rows, -1)
+        """Once loaded, an INT4 weight on the GPU is stored as the kernels read it (an
+        act-order one's columns sorted by group first; kernels.int4.tile, by_group)."""
+        if self.int4 and self.quant.act_order:
+            self.weight.data, self.order = sort_columns(
+                self.weight.data, self.weight_g_idx.data, self.part_rows(),
+                self.quant.group or self.in_features, self.in_features)
+            if self.order is not None and self.weight.is_cuda:
+                self.order = tile_parts(self.order, self.weight.shape[0])
         if self.int4 and self.weight.is_cuda:
             self.weight = nn.Parameter(tile(self.weight.data), requires_grad=False)
+            self.weight_scale.data = by_group(self.weight_scale.data)
+            if self.quant.zero_points:
+                self.weight_zero_point.data = by_group(self.weight_zero_point.data)
 
     def scale_rows(self, tensor: torch.Tensor, rows: int) -> torch.Tensor:
         """A checkpoint's per-channel or per-tensor scale as one scale per output row."""
@@ -98,9 +109,11 @@ class Linear(nn.Module):
         """An FP8 checkpoint's weights must be stored in e4m3 (not, say, fake-quantized bf16
         with the scales beside them, which would be cast here and scaled twice); a tensor
         this layer has no place for (a zero point, a g_idx, a sparsity mask) is refused."""
-        if name not in ("weight", "bias", "weight_scale", "weight_zero_point") or (
+        if name not in ("weight", "bias", "weight_scale", "weight_zero_point",
+                        "weight_g_idx") or (
                 name == "weight_scale" and self.quant is None) or (
-                name == "weight_zero_point" and not (self.int4 and self.quant.zero_points)):
+                name == "weight_zero_point" and not (self.int4 and self.quant.zero_points)) or (
+                name == "weight_g_idx" and not (self.int4 and self.quant.act_order)):
             raise ValueError(f"a projection's {name!r} tensor is not served here (a "
                              "quantization format this engine does not read)")
         if name == "weight" and self.int4 and tensor.dtype != torch.int32:
@@ -135,7 +148,7 @@ class ColumnParallelLinear(Linear):
         self.local_heads = [heads // parallel.tp_size if heads >= parallel.tp_size else 1
                             for heads, _ in parts]
         self.part_sizes = [n * size for n, (_, size) in zip(self.local_heads, parts)]
-        self.make_weight(sum(self.part_sizes), in_features, bias)
+        self.make_weight(sum(self.part_sizes), in_features, bias, len(parts))
         if self.quant is not None and self.quant.block is not None:
             single = len(parts) == 1 and parallel.tp_size == 1  # (may end in a partial block)
             self.check_blocks([(self.first_row(p), size, self.quant.block[0], single)
@@ -144,6 +157,10 @@ class ColumnParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x, self.bias)
         return out if self.lora is None else add_lora(out, x, self.lora)
+
+    def part_rows(self) -> list[tuple[int, int]]:
+        ends = torch.tensor(self.part_sizes).cumsum(0).tolist()
+        return [(end - size, end) for end, size in zip(ends, self.part_sizes)]
 
     def first_row(self, part: int) -> int:
         """The row of one part's full tensor where this rank's rows begin."""
@@ -162,6 +179,8 @@ class ColumnParallelLinear(Linear):
         self.check_stored(name, tensor)
         part = shard or 0
         size = self.part_sizes[part]
+        if name == "weight_g_idx":  # (by input column: every rank's)
+            return copy_checked(self.weight_g_idx.data[part], tensor)
         if name in SCALES and self.quant.block is not None:  # rows of blocks
             rows = self.quant.block[0]
             src = tensor.narrow(0, self.first_row(part) // rows, cdiv(size, rows))
@@ -184,6 +203,10 @@ class RowParallelLinear(Linear):
         self.parallel = parallel
         self.in_start, local_in = shard_range(in_features, parallel.tp_rank, parallel.tp_size)
         self.make_weight(out_features, local_in, bias)
+        if self.int4 and self.quant.act_order and parallel.tp_size > 1:
+            raise ValueError("act-order INT4 weights (GPTQ's desc_act, actorder \"group\") "
+                             "are served at tensor_parallel_size 1: a shard of a layer's input "
+                             "columns would hold parts of every group")
         if self.quant is not None and (self.quant.block is not None or self.int4):
             # (INT4 by channel: shards of whole words)
             self.check_blocks([(self.in_start, local_in,
@@ -209,6 +232,8 @@ class RowParallelLinear(Linear):
         self.check_stored(name, tensor)
         if name == "bias":
             copy_checked(self.bias.data, tensor)
+        elif name == "weight_g_idx":
+            copy_checked(self.weight_g_idx.data[0], tensor)
         elif name in SCALES and self.quant.block is not None:  # columns of blocks
             cols = self.quant.block[1]
             copy_checked(getattr(self, name).data,

@@ -28,11 +28,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             return None  # another stage's layer
         param = SCALE_NAMES.get(param, param)
         sizes = [heads * size for heads, size in module.parts]
+        if param == "weight_g_idx":  # (by input column: the same for every part)
+            sizes, tensor = None, [tensor] * len(sizes)
         if param == "weight_scale" and module.quant.block is not None:  # rows of blocks
             sizes = [size // module.quant.block[0] for size in sizes]
         elif param == "weight_scale" and tensor.numel() == 1:  # one scale for all parts
             tensor = tensor.reshape(1).expand(sum(sizes))
-        for part, piece in enumerate(tensor.split(sizes, dim=0)):
+        for part, piece in enumerate(tensor if sizes is None else tensor.split(sizes, dim=0)):
             module.load(param, piece, part)
         return f"{module_path}.{param}[fused]"
 
