@@ -37,15 +37,15 @@ def check_model(hf_config, cfg, architecture: str) -> None:
 
 
 def check_quantized(hf_config, cfg, architecture: str) -> None:
-    """FP8 weights (engine_actors/quantization.py): on the decoder's projections and experts;
-    INT4 ones (int4_format.py): on the projections of dense models."""
+    """FP8 weights (engine_actors/quantization.py) and INT4 ones (int4_format.py): on the
+    decoder's projections and experts (INT4 experts without act-order)."""
     fmt = read_format(hf_config, cfg.quantization)
     if fmt is None:
         return
     kind = "INT4" if isinstance(fmt, Int4Format) else "FP8"
-    if kind == "INT4" and architecture in MIXTURES_OF_EXPERTS:
-        raise ValueError(f"INT4 weights are not supported for {architecture} (a mixture of "
-                         "experts; FP8 ones are)")
+    if kind == "INT4" and architecture in MIXTURES_OF_EXPERTS and fmt.act_order:
+        raise ValueError(f"act-order INT4 weights are not supported for {architecture} (a "
+                         "mixture of experts; INT4 experts without act-order are)")
     if cfg.enable_finetuning:
         raise ValueError(f"enable_finetuning with {kind} weights is not supported (LoRA "
                          "adapters are served)")

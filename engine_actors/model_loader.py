@@ -7,6 +7,7 @@ from engine_actors import awq_format, gptq_format, int4_format
 from engine_actors.checkpoint import architecture, iter_checkpoint_tensors
 from engine_actors.int4_format import Int4Format
 from engine_actors.layers.linear import Linear
+from engine_actors.layers.moe import SparseMoE
 from engine_actors.models import model_class
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.parallel import ParallelGroup
@@ -66,7 +67,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, device: torch.device,
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for {sorted(missing)[:8]}")
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, SparseMoE)):
             try:
                 module.finish_loading()
             except ValueError as e:  # (an act-order g_idx, or its parts off the tiles)

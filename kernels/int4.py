@@ -160,10 +160,17 @@ def tile_parts(order: ColumnOrder, n: int) -> ColumnOrder:
     return order._replace(tile_part=part.to(torch.int32).to(order.columns.device))
 
 
+def tile_experts(w: torch.Tensor) -> torch.Tensor:
+    """Experts' plain packed w [E, N, words] tiled one expert at a time: [E, ceil(N /
+    TILE_N), words, TILE_N]."""
+    return torch.stack([tile(expert) for expert in w])
+
+
 def by_group(t: torch.Tensor) -> torch.Tensor:
-    """Scales (or zero points) [N, groups] as the GPU's kernels read them best: a view of
-    them stored group by group ([groups, N]), so that a tile's are one contiguous read."""
-    return t.t().contiguous().t() if t.dim() == 2 else t
+    """Scales (or zero points) [..., N, groups] as the GPU's kernels read them best: a view
+    of them stored group by group ([..., groups, N]), so that a tile's are one contiguous
+    read."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() >= 2 else t
 
 
 def group_strides(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[int, int]:
@@ -227,8 +234,8 @@ def dequantize_tiled(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
     bk = block_k(group, k)
     _dequantize_kernel[(w.shape[0], triton.cdiv(k, bk))](
         w, scales, scales if zeros is None else zeros, out, n, k, w.shape[1],
-        *group_strides(scales, zeros), GROUP=min(group, k), HAS_ZERO=zeros is not None, BLOCK_N=TILE_N,
-        BLOCK_K=bk, num_warps=8)
+        *group_strides(scales, zeros), GROUP=min(group, k), HAS_ZERO=zeros is not None,
+        BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=8)
     return out
 
 

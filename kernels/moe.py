@@ -119,11 +119,12 @@ def align_pairs_triton(experts: torch.Tensor, num_experts: int, block_m: int,
 
 
 @triton.jit
-def _expert_matmul_kernel(a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, pair_ids_ptr, block_experts_ptr,
-                          stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn,
-                          stride_out, N, K, num_pairs, NUM_EXPERTS: tl.constexpr,
-                          PAIRS_PER_ROW: tl.constexpr, SCALED: tl.constexpr,
-                          A_SCALED: tl.constexpr, SCALE_ROWS: tl.constexpr,
+def _expert_matmul_kernel(a_ptr, as_ptr, w_ptr, s_ptr, z_ptr, out_ptr, pair_ids_ptr,
+                          block_experts_ptr, stride_a, stride_as, stride_we, stride_wn,
+                          stride_se, stride_sn, stride_sg, stride_out, N, K, num_pairs,
+                          NUM_EXPERTS: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
+                          SCALED: tl.constexpr, A_SCALED: tl.constexpr, INT4: tl.constexpr,
+                          HAS_ZERO: tl.constexpr, SCALE_ROWS: tl.constexpr,
                           SCALE_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     block = tl.program_id(0)
@@ -135,17 +136,37 @@ def _expert_matmul_kernel(a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, pair_ids_ptr, bl
     rows = (pairs // PAIRS_PER_ROW).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
-    s_base = s_ptr + expert.to(tl.int64) * stride_se + (offs_n // SCALE_ROWS) * stride_sn
+    if INT4:  # (tiled: this program's [words, BLOCK_N] tile of the expert)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + tl.program_id(1) * stride_wn \
+            + tl.arange(0, BLOCK_N)[None, :]
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    s_offset = expert.to(tl.int64) * stride_se + (offs_n // SCALE_ROWS) * stride_sn
+    s_base = s_ptr + s_offset
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(a_ptr + rows[:, None] * stride_a + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_base + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None],
-                    other=0.0)  # [BLOCK_K, BLOCK_N]: w[e]^T's tile
-        if A_SCALED:  # W8A8: e4m3 rows, one scale per row and BLOCK_K columns
+        if INT4:  # words [BLOCK_K / 8, BLOCK_N] unpacked: row 8 w + j is word w's nibble j
+            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(w_base + offs_w[:, None] * BLOCK_N,
+                             mask=(offs_w < tl.cdiv(K, 8))[:, None], other=0)
+            q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+            at_group = (k0 // SCALE_COLS) * stride_sg
+            if HAS_ZERO:
+                q -= tl.load(z_ptr + s_offset + at_group, mask=mask_n, other=0.0)[None, :]
+            else:
+                q -= 8
+            w = q * tl.load(s_base + at_group, mask=mask_n, other=0.0)[None, :]
+        else:
+            w = tl.load(w_base + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None],
+                        other=0.0)  # [BLOCK_K, BLOCK_N]: w[e]^T's tile
+        if INT4:
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+        elif A_SCALED:  # W8A8: e4m3 rows, one scale per row and BLOCK_K columns
             part = tl.dot(a, w) * tl.load(as_ptr + rows * stride_as + k0 // BLOCK_K,
                                           mask=mask_m, other=0.0)[:, None]
             if SCALE_COLS > 0:
@@ -166,7 +187,8 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
                   block_experts: torch.Tensor, num_pairs: int, pairs_per_row: int,
                   block_m: int, config: tuple[int, int, int, int] | None = None,
                   scales: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                  quantize_a: bool = False) -> torch.Tensor:
+                  quantize_a: bool = False, int4: tuple[int, torch.Tensor | None] | None = None
+                  ) -> torch.Tensor:
     """a [R, K] (R = num_pairs / pairs_per_row: a token's row serves its top_k pairs, or a
     pair's own row), w [E, N, K] -> [num_pairs, N]: pair p is row p // pairs_per_row of `a`
     times its expert's w[e]^T. pair_ids and block_experts from align_pairs(block_m);
@@ -176,16 +198,31 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
     (rows, cols), else [E, N] (one per row). Each tile is widened to a's dtype as it loads
     and its products scaled (a decode step reads half the bytes of bf16 weights); with
     `quantize_a`, a is quantized to e4m3 per row and group of columns (the blocks' width,
-    else 128) and the tiles multiply on FP8 tensor cores (W8A8: prompts)."""
-    num_experts, n, k = w.shape
-    assert a.stride(1) == 1 and w.stride(2) == 1 and a.shape[1] == k
-    assert scales is None or scales.stride(-1) == 1
+    else 128) and the tiles multiply on FP8 tensor cores (W8A8: prompts).
+
+    An INT4 w comes tiled (kernels.int4.tile_experts: [E, ceil(N / 128), ceil(K / 8), 128]
+    int32) with `int4` (columns per scale, zero points or None) and fp32 `scales` [E, N,
+    groups] (zero points alike; any strides, kernels.int4.by_group's best); each tile is
+    unpacked and scaled as it loads."""
+    if int4 is not None:
+        n, k = scales.shape[1], a.shape[1]
+        num_experts, tiles, words, tile_n = w.shape
+        assert words == triton.cdiv(k, 8) and tile_n == 128 and tiles == triton.cdiv(n, 128)
+        assert int4[1] is None or int4[1].stride() == scales.stride()
+    else:
+        num_experts, n, k = w.shape
+        assert w.stride(2) == 1 and (scales is None or scales.stride(-1) == 1)
+    assert a.stride(1) == 1 and a.shape[1] == k
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     block_n, block_k, num_warps, num_stages = config or (
         FP8_CONFIGS if quantize_a else CONFIGS)[block_m]
     scale_rows, scale_cols = block or (1, 0)
+    zeros = int4[1] if int4 is not None else None
     a_scales = None
-    if quantize_a:
+    if int4 is not None:  # a K tile within one group, N tiles of the weight's
+        scale_cols = min(int4[0], k)
+        block_n, block_k = 128, min(block_k, scale_cols)
+    elif quantize_a:
         block_k = scale_cols or GROUP
         a, a_scales = quantize_groups(a, block_k)
     elif scale_cols:  # a K tile within one block's columns
@@ -195,12 +232,15 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](
         a, a_scales if a_scales is not None else a, w, scales if scales is not None else w,
-        out, pair_ids, block_experts, a.stride(0),
+        zeros if zeros is not None else w, out, pair_ids, block_experts, a.stride(0),
         a_scales.stride(0) if a_scales is not None else 0, w.stride(0), w.stride(1),
         scales.stride(0) if scales is not None else 0,
-        scales.stride(1) if scales is not None else 0, out.stride(0), n, k, num_pairs,
+        scales.stride(1) if scales is not None else 0,
+        scales.stride(2) if scales is not None and scales.dim() == 3 else 0, out.stride(0),
+        n, k, num_pairs,
         NUM_EXPERTS=num_experts, PAIRS_PER_ROW=pairs_per_row, SCALED=scales is not None,
-        A_SCALED=quantize_a, SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BLOCK_M=block_m,
+        A_SCALED=quantize_a, INT4=int4 is not None, HAS_ZERO=zeros is not None,
+        SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=num_warps,
         num_stages=num_stages)
     return out

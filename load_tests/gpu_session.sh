@@ -49,7 +49,7 @@ for part in $BENCH; do
         python3 -m load_tests.bench_http --model qwen3-30b-a3b --systems orca,http-stream --replicas "" \
           $([ $q = fp8 ] && echo --quantization fp8) --label="-$q" --out "$OUT/http-qwen3-30b-a3b-$q.json" \
           > "$OUT/http-moe-$q.log" 2>&1; echo "-- $q"; tail -4 "$OUT/http-moe-$q.log"; done ;;
-    int4-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_int4.py tests/test_gptq.py tests/test_awq.py tests/test_fp8.py \
+    int4-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_int4.py tests/test_gptq.py tests/test_awq.py tests/test_int4_moe.py tests/test_fp8.py \
         2>&1 | tee "$OUT/int4-tests.log" | tail -6 ;;
     int4-layer) python3 -m load_tests.bench_int4 ${INT4_ARGS:-} --out "$OUT/int4-layer${LABEL:-}.json" \
         > "$OUT/int4-layer${LABEL:-}.log" 2>&1; grep -v "^ *[\"{}\[\]]" "$OUT/int4-layer${LABEL:-}.log" | tail -60 ;;

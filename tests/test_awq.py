@@ -15,7 +15,7 @@ from engine_actors.checkpoint import model_info, save_random_checkpoint
 from engine_actors.config import EngineConfig
 from tests.test_fp8 import check_shards_add_up
 from tests.test_gptq import act_order, gptq_config
-from tests.test_int4 import engine, write_quantized
+from tests.test_int4 import PROJECTION, engine, write_quantized
 from tests.test_parity import check_parity, ragged_workload
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -49,7 +49,7 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 
 
 def write_checkpoint(src, out_dir, ref_dir, group: int, method: str,
-                     desc_act: bool = False) -> None:
+                     desc_act: bool = False, projections=PROJECTION) -> None:
     """out_dir: src's projections in AWQ's (or asymmetric GPTQ's) layout; ref_dir: src with
     them dequantized. desc_act (GPTQ): quantized in act-order (tests/test_gptq.py)."""
     seeds = iter(range(1000))
@@ -75,7 +75,8 @@ def write_checkpoint(src, out_dir, ref_dir, group: int, method: str,
         stored["scales"] = scales.T.contiguous()
         return stored, ref
     write_quantized(src, out_dir, ref_dir, convert, awq_config(group) if method == "awq"
-                    else gptq_config(group, "gptq_v2", sym=False, desc_act=desc_act))
+                    else gptq_config(group, "gptq_v2", sym=False, desc_act=desc_act),
+                    projections)
 
 
 def awq_config(group: int, **changes) -> dict:

@@ -1,8 +1,8 @@
 """GPTQ checkpoints (4-bit, symmetric, with act-order or without; with zero points:
 tests/test_awq.py): served with greedy outputs equal to transformers' on the same weights
 dequantized (fp32, CPU); both checkpoint formats (zero points stored as 7 or 8); two ranks'
-shards; what is refused. The checkpoints are written here: quantized by this test (tests/test_int4.py's
-rounding), packed by compressed-tensors' pack_to_int32 along GPTQ's axes (qweight along K
+shards; what is refused. The checkpoints are written here: quantized by this test
+(tests/test_int4.py's rounding), packed by compressed-tensors' pack_to_int32 along GPTQ's axes (qweight along K
 within each column, qzeros along N), an independent reference of the bit layout."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from engine_actors.checkpoint import model_info, save_random_checkpoint
 from engine_actors.config import EngineConfig
 from tests.test_fp8 import check_shards_add_up
-from tests.test_int4 import dequantize, engine, quantize, write_quantized
+from tests.test_int4 import PROJECTION, dequantize, engine, quantize, write_quantized
 from tests.test_parity import check_parity, ragged_workload
 
 
@@ -36,7 +36,8 @@ def act_order(k: int, seed: int) -> torch.Tensor:
 
 
 def write_gptq_checkpoint(src, gptq_dir, ref_dir, group: int, checkpoint_format=None,
-                          g_idx: bool = True, desc_act: bool = False) -> None:
+                          g_idx: bool = True, desc_act: bool = False,
+                          projections=PROJECTION) -> None:
     """gptq_dir: src's projections in GPTQ's layout; ref_dir: src with them dequantized.
     desc_act: each projection quantized in its own column order, stored in the original
     one, with g_idx giving each column's group."""
@@ -63,7 +64,7 @@ def write_gptq_checkpoint(src, gptq_dir, ref_dir, group: int, checkpoint_format=
             stored["g_idx"][order] = (torch.arange(k) // (k // groups)).to(torch.int32)
         return stored, ref
     write_quantized(src, gptq_dir, ref_dir, convert,
-                    gptq_config(group, checkpoint_format, desc_act=desc_act))
+                    gptq_config(group, checkpoint_format, desc_act=desc_act), projections)
 
 
 @pytest.mark.parametrize("arch,group,checkpoint_format", [

@@ -52,7 +52,8 @@ def w4a16_config(group: int | None, **weights) -> dict:
                                                       **weights}}}}
 
 
-def write_quantized(src, out_dir, ref_dir, convert, quantization_config: dict) -> None:
+def write_quantized(src, out_dir, ref_dir, convert, quantization_config: dict,
+                    projections: re.Pattern = PROJECTION) -> None:
     """out_dir: src with each projection's weight w replaced by the tensors of convert(w)[0]
     (names after the projection's path); ref_dir: src with w replaced by convert(w)[1], its
     dequantized weight (what the checkpoint means, for transformers)."""
@@ -60,7 +61,7 @@ def write_quantized(src, out_dir, ref_dir, convert, quantization_config: dict) -
         shutil.copytree(src, d, dirs_exist_ok=True)
     packed, ref = {}, {}
     for key, w in load_file(f"{src}/model.safetensors").items():
-        if not PROJECTION.search(key):
+        if not projections.search(key):
             packed[key] = ref[key] = w
             continue
         stored, ref[key] = convert(w.float())
@@ -73,7 +74,7 @@ def write_quantized(src, out_dir, ref_dir, convert, quantization_config: dict) -
 
 
 def write_int4_checkpoint(src, int4_dir, ref_dir, group: int | None,
-                          scale_dtype=torch.float32) -> None:
+                          scale_dtype=torch.float32, projections=PROJECTION) -> None:
     """int4_dir: src's projections in INT4 (pack-quantized); ref_dir: src with them
     dequantized."""
     def convert(w):
@@ -81,7 +82,7 @@ def write_int4_checkpoint(src, int4_dir, ref_dir, group: int | None,
         scales = scales.to(scale_dtype)
         return ({"weight_packed": pack_to_int32(q, 4), "weight_scale": scales,
                  "weight_shape": torch.tensor(list(w.shape))}, dequantize(q, scales, group))
-    write_quantized(src, int4_dir, ref_dir, convert, w4a16_config(group))
+    write_quantized(src, int4_dir, ref_dir, convert, w4a16_config(group), projections)
 
 
 def write_act_order_checkpoint(src, int4_dir, ref_dir, group: int, actorder) -> None:
@@ -223,13 +224,14 @@ def test_unserved_int4_variants_are_refused_at_start(tmp_path, change, args, mes
         model_info(EngineConfig(model=str(tmp_path), **args))
 
 
-def test_int4_mixture_of_experts_and_quantized_activations_are_refused(tmp_path):
+def test_act_order_experts_and_quantized_activations_are_refused(tmp_path):
     save_random_checkpoint(str(tmp_path), "mixtral", intermediate_size=48,
                            num_local_experts=4, num_experts_per_tok=2)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config":
-                                                      w4a16_config(16)}))
-    with pytest.raises(ValueError, match="INT4 weights are not supported for Mixtral"):
+                                                      w4a16_config(16, actorder="group")}))
+    with pytest.raises(ValueError, match="act-order INT4 weights are not supported for "
+                                         "Mixtral"):
         model_info(EngineConfig(model=str(tmp_path)))
     w4a8 = w4a16_config(16)
     w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}

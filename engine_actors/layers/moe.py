@@ -19,7 +19,8 @@ block, or per row: `w13_scale`, `w2_scale`), as an FP8 checkpoint stores them or
 per row as they load. On the GPU the fused kernel widens each weight tile to the
 activations' dtype as it loads (weights-only FP8: a decode step reads half the bytes); bf16
 prompts quantize the activations too and multiply on FP8 tensor cores. On CPU the weights
-are dequantized for each step, a reference path for tests.
+are dequantized for each step, a reference path for tests. With an INT4 format the experts
+are 4-bit (layers/moe_int4.py).
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_actors.int4_format import Int4Format
 from engine_actors.layers.linear import cdiv, copy_checked
+from engine_actors.layers.moe_int4 import Int4Experts
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import FP8, dequantize
@@ -43,7 +46,7 @@ NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj
          "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(Int4Experts, nn.Module):
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int,
                  norm_topk: bool, weights_in_dtype: bool, parallel: ParallelGroup = SINGLE):
         """norm_topk: the k probabilities are renormalized to sum to 1; weights_in_dtype:
@@ -54,14 +57,19 @@ class SparseMoE(nn.Module):
         self.norm_topk, self.weights_in_dtype = norm_topk, weights_in_dtype
         self.inter = inter
         self.inter_start, local = shard_range(inter, parallel.tp_rank, parallel.tp_size)
+        self.local = local
         self.gate = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.fp8 = building_format()
-        dtype = FP8 if self.fp8 is not None else None
+        self.quant = building_format()
+        self.int4 = isinstance(self.quant, Int4Format)
+        if self.int4:
+            self.make_int4(num_experts, hidden, inter, local)
+            return
+        dtype = FP8 if self.quant is not None else None
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden, dtype=dtype),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local, dtype=dtype),
                                requires_grad=False)
-        if self.fp8 is not None:
+        if self.quant is not None:
             self.w13_scale, self.w2_scale = (
                 nn.Parameter(torch.empty(num_experts, *self.scale_shape(*w.shape[1:]),
                                          dtype=torch.float32), requires_grad=False)
@@ -69,18 +77,18 @@ class SparseMoE(nn.Module):
             self.check_blocks(inter, local)
 
     def scale_shape(self, n: int, k: int) -> tuple[int, ...]:
-        return (cdiv(n, self.fp8.block[0]), cdiv(k, self.fp8.block[1])) if self.fp8.block \
+        return (cdiv(n, self.quant.block[0]), cdiv(k, self.quant.block[1])) if self.quant.block \
             else (n,)
 
     def check_blocks(self, inter: int, local: int) -> None:
         """Gate's and up's rows stack in w13 by whole blocks; a rank's share of the down
         projection's columns starts on a block."""
-        if self.fp8.block is None:
+        if self.quant.block is None:
             return
-        rows, cols = self.fp8.block
+        rows, cols = self.quant.block
         if local % rows or self.inter_start % rows or self.inter_start % cols or (
                 local % cols and self.inter_start + local < inter):
-            raise ValueError(f"FP8 weight blocks of {list(self.fp8.block)} do not divide this "
+            raise ValueError(f"FP8 weight blocks of {list(self.quant.block)} do not divide this "
                              f"model's experts' {inter} intermediate features into whole "
                              f"blocks (a rank's {local} from {self.inter_start})")
 
@@ -101,14 +109,17 @@ class SparseMoE(nn.Module):
             num_pairs = experts.numel()
             block_m = block_rows(num_pairs, num_experts)
             pair_ids, block_experts = align_pairs(experts, num_experts, block_m)
-            block = self.fp8.block if self.fp8 is not None else None
+            block = self.quant.block if self.quant is not None and not self.int4 else None
             # FP8 prompts (bf16) on FP8 tensor cores, activations quantized per token and group
-            w8a8 = self.fp8 is not None and x.dtype == torch.bfloat16 and block_m >= W8A8_ROWS
+            w8a8 = self.quant is not None and not self.int4 and x.dtype == torch.bfloat16 \
+                and block_m >= W8A8_ROWS
             hidden = act_mul(expert_matmul(x, self.w13, pair_ids, block_experts, num_pairs,
                                            self.top_k, block_m, scales=self.scales("w13"),
-                                           block=block, quantize_a=w8a8))
+                                           block=block, quantize_a=w8a8,
+                                           int4=self.int4_args("w13")))
             out = expert_matmul(hidden, self.w2, pair_ids, block_experts, num_pairs, 1, block_m,
-                                scales=self.scales("w2"), block=block, quantize_a=w8a8)
+                                scales=self.scales("w2"), block=block, quantize_a=w8a8,
+                                int4=self.int4_args("w2"))
         else:
             out = grouped_experts(x, *(self.dequantized(w, x.dtype) for w in ("w13", "w2")),
                                   experts)
@@ -116,12 +127,15 @@ class SparseMoE(nn.Module):
         return (out.float() * weights.float()[:, :, None]).sum(dim=1)
 
     def scales(self, name: str) -> torch.Tensor | None:
-        return getattr(self, f"{name}_scale") if self.fp8 is not None else None
+        return getattr(self, f"{name}_scale") if self.quant is not None else None
 
     def dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The experts' weights `name` in dtype (FP8 ones times their scales)."""
+        """The experts' weights `name` in dtype (FP8 or INT4 ones times their scales)."""
         w = getattr(self, name)
-        return w if self.fp8 is None else dequantize(w, self.scales(name), self.fp8.block, dtype)
+        if self.int4:
+            return self.int4_dequantized(name, dtype)
+        return w if self.quant is None else \
+            dequantize(w, self.scales(name), self.quant.block, dtype)
 
     def load_checkpoint(self, name: str, tensor: torch.Tensor) -> list[str]:
         """`name`: "gate" (the router), "<expert>.<projection>" of one expert (its weight),
@@ -148,16 +162,21 @@ class SparseMoE(nn.Module):
         projection, e = NAMES[projection], int(expert)
         if e >= self.gate.shape[0]:
             raise ValueError(f"expert {expert} of a model with {self.gate.shape[0]}")
+        if self.int4:
+            return [self.load_int4(e, projection, scale[0] if scale else "weight", tensor)]
+        if scale and scale[0] != "weight_scale":
+            raise ValueError(f"expert {e}'s {projection} has a {scale[0]} tensor, which is "
+                             "not served for FP8 experts")
         if scale:
             self.load_scale(e, projection, tensor)
             return [f"{expert}.{projection}.weight_scale"]
-        if self.fp8 is not None and not self.fp8.online and tensor.dtype != FP8:
+        if self.quant is not None and not self.quant.online and tensor.dtype != FP8:
             raise ValueError(f"an FP8 checkpoint's expert weight is stored as {tensor.dtype}, "
                              "not float8_e4m3fn")
         w, rows, start = self.destination(projection)
         src = tensor.narrow(*rows) if projection != "down_proj" else \
             tensor.narrow(1, self.inter_start, self.w2.shape[2])
-        if self.fp8 is not None and self.fp8.online:  # one scale per row of this rank's part
+        if self.quant is not None and self.quant.online:  # one scale per row of this rank's part
             src, scales = quantize_weight_rows(src)
             getattr(self, f"{w}_scale").data[e].narrow(0, start, src.shape[0]).copy_(scales)
         copy_checked(getattr(self, w).data[e].narrow(0, start, src.shape[0]), src)
@@ -167,7 +186,7 @@ class SparseMoE(nn.Module):
         """(the weights a projection goes to, its full tensor's rows held here as narrow's
         (dim, start, length), the first of its rows there): gate's and up's rows [I, H] are
         this rank's halves of w13; the down projection [H, I] is w2."""
-        local = self.w2.shape[2]
+        local = self.local
         if projection == "down_proj":
             return "w2", (0, 0, self.w2.shape[1]), 0
         part = 0 if projection == "gate_proj" else 1
@@ -176,7 +195,7 @@ class SparseMoE(nn.Module):
     def load_scale(self, e: int, projection: str, tensor: torch.Tensor) -> None:
         """An FP8 checkpoint's scales of one expert's projection: per block (this rank's
         rows of blocks, or columns for the down projection), per row or per tensor."""
-        if self.fp8 is None or self.fp8.online:
+        if self.quant is None or self.quant.online:
             raise ValueError(f"a scale of expert {e}'s {projection} in a checkpoint that is "
                              "not FP8")
         w, (_, first, length), start = self.destination(projection)
@@ -184,12 +203,12 @@ class SparseMoE(nn.Module):
         hidden = self.gate.shape[1]
         n, k = (hidden, self.inter) if projection == "down_proj" else (self.inter, hidden)
         expected = self.scale_shape(n, k)  # the whole projection's: per block, or per row
-        if (tuple(tensor.shape) != expected) if self.fp8.block else tensor.numel() not in (1, n):
+        if (tuple(tensor.shape) != expected) if self.quant.block else tensor.numel() not in (1, n):
             raise ValueError(f"expert {e}'s {projection} scale has shape "
                              f"{tuple(tensor.shape)}, not {expected}"
-                             + " (or one per tensor)" * (self.fp8.block is None))
-        if self.fp8.block is not None:
-            rows, cols = self.fp8.block
+                             + " (or one per tensor)" * (self.quant.block is None))
+        if self.quant.block is not None:
+            rows, cols = self.quant.block
             if projection == "down_proj":
                 copy_checked(dst, tensor.narrow(1, self.inter_start // cols, dst.shape[1]))
             else:
@@ -203,10 +222,11 @@ class SparseMoE(nn.Module):
     def checkpoint_keys(self) -> list[str]:
         """What a complete checkpoint fills: the router and each expert's projections."""
         projections = ("gate_proj", "up_proj", "down_proj")
-        scaled = self.fp8 is not None and not self.fp8.online
+        scaled = self.quant is not None and not self.quant.online
+        suffixes = ("", ".weight_scale", ".weight_zero_point")[
+            :1 + scaled + (self.int4 and self.quant.zero_points)]
         return ["gate"] + [f"{e}.{p}{suffix}" for e in range(self.gate.shape[0])
-                           for p in projections
-                           for suffix in ("", ".weight_scale")[:1 + scaled]]
+                           for p in projections for suffix in suffixes]
 
 
 def check_unquantized(name: str, tensor: torch.Tensor) -> None:

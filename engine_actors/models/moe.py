@@ -30,8 +30,15 @@ from kernels.act_mul import act_mul
 # model.layers.<i>.mlp.experts.<gate_up_proj | down_proj> (all experts stacked)
 EXPERT_WEIGHT = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
                            r"(?:(gate|shared_expert_gate)\.weight|experts\.(\d+)\.(\w+)\."
-                           r"(weight|weight_scale_inv|weight_scale|input_scale)|"
+                           r"(weight|weight_packed|weight_scale_inv|weight_scale|"
+                           r"weight_zero_point|weight_g_idx|weight_shape|input_scale)|"
                            r"experts\.(gate_up_proj|down_proj))")
+
+
+# an expert tensor's kind as SparseMoE.load_checkpoint names it
+EXPERT_SUFFIX = {"weight": "", "weight_packed": "", "weight_scale": ".weight_scale",
+                 "weight_scale_inv": ".weight_scale", "weight_zero_point": ".weight_zero_point",
+                 "weight_g_idx": ".weight_g_idx"}
 
 
 class MoEWeights:
@@ -44,9 +51,9 @@ class MoEWeights:
         layer = self.layers[m[1]] if m[1] in self.layers else None
         if layer is None or not isinstance(layer.mlp, SparseMoE):
             return None  # another stage's layer
-        if m[5] == "input_scale":
+        if m[5] in ("input_scale", "weight_shape"):
             return None
-        name = m[2] or m[6] or f"{m[3]}.{m[4]}" + ".weight_scale" * (m[5] != "weight")
+        name = m[2] or m[6] or f"{m[3]}.{m[4]}" + EXPERT_SUFFIX[m[5]]
         return [f"layers.{m[1]}.mlp.{key}" for key in layer.mlp.load_checkpoint(name, tensor)]
 
 

@@ -1,0 +1,135 @@
+"""INT4 mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): compressed-tensors', GPTQ's and
+AWQ's checkpoints, their experts served with greedy outputs equal to transformers' on the
+same weights dequantized (fp32, CPU); two ranks' shards of experts, scales and zero points;
+the fused kernel's INT4 path (CPU: the Triton interpreter) against a loop over pairs. The
+checkpoints are written by tests/test_int4.py's, test_gptq.py's and test_awq.py's writers
+(their own quantization; compressed-tensors' and AutoAWQ's packing)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from compressed_tensors.compressors import pack_to_int32
+
+from engine_actors.model_runner import ModelRunner
+from engine_actors.parallel import ParallelGroup
+from tests.engine_harness import InProcessEngine
+from tests.test_awq import dequantize_asymmetric, quantize_asymmetric, write_checkpoint
+from tests.test_fp8_moe import PROJECTIONS, experts_of, moe_checkpoint
+from tests.test_gptq import write_gptq_checkpoint
+from tests.test_int4 import dequantize, engine, quantize, write_int4_checkpoint
+from tests.test_parity import check_parity, ragged_workload
+
+
+def write(base, out, ref, fmt: str) -> None:
+    if fmt == "compressed-tensors":
+        write_int4_checkpoint(base, out, ref, 16, projections=PROJECTIONS)
+    elif fmt == "gptq":
+        write_gptq_checkpoint(base, out, ref, 16, projections=PROJECTIONS)
+    else:  # "awq" or "gptq-asymmetric": zero points
+        write_checkpoint(base, out, ref, 16, fmt.removesuffix("-asymmetric"),
+                         projections=PROJECTIONS)
+
+
+@pytest.mark.parametrize("name,fmt", [
+    ("qwen3-moe", "compressed-tensors"),
+    ("mixtral", "gptq"),  # w1/w3/w2; 48 intermediate features, 6 words a row
+    ("qwen2-moe", "awq"),  # zero points; its shared expert an INT4 MLP too
+    ("qwen3-moe", "gptq-asymmetric"),
+])
+def test_int4_experts_match_transformers_on_their_dequantized_weights(tmp_path, name, fmt):
+    moe_checkpoint(tmp_path / "base", name)
+    write(tmp_path / "base", tmp_path / "q", tmp_path / "ref", fmt)
+    served = engine(tmp_path / "q")
+    moe = experts_of(served.worker.runner)
+    assert moe.w13.dtype == moe.w2.dtype == torch.int32
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "awq"])
+def test_two_ranks_hold_their_shards_of_int4_experts(tmp_path, fmt):
+    """Each rank's experts' partial sums (its half of every expert's intermediate features:
+    gate's and up's rows, down's words and groups) add up to the one worker's."""
+    moe_checkpoint(tmp_path / "base", "qwen3-moe", intermediate_size=192)  # (its dense layer)
+    write(tmp_path / "base", tmp_path / "q", tmp_path / "ref", fmt)
+    args = (str(tmp_path / "q"), "cpu", torch.float32, 256, 16, 4, 0)
+    whole = experts_of(ModelRunner(*args))
+    halves = [experts_of(ModelRunner(*args, parallel=ParallelGroup(r, 2, 0, 1)))
+              for r in range(2)]
+    assert halves[0].w2.shape[2] == whole.w2.shape[2] // 2
+    x = torch.randn(7, 64)
+    torch.testing.assert_close(sum(h.routed(x) for h in halves), whole.routed(x),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_groups_that_split_a_ranks_share_are_refused(tmp_path):
+    """Groups of 32 over a rank's 16 intermediate features of each expert."""
+    moe_checkpoint(tmp_path / "base", "qwen3-moe", intermediate_size=192)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "q", tmp_path / "ref", 32,
+                          projections=PROJECTIONS)
+    with pytest.raises(ValueError, match="INT4 expert groups of 32 columns do not divide"):
+        ModelRunner(str(tmp_path / "q"), "cpu", torch.float32, 256, 16, 4, 0,
+                    parallel=ParallelGroup(0, 2, 0, 1))
+
+
+# ---- the kernel (CPU: the Triton interpreter) -------------------------------------------
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("zero_points,group,tokens,n,k,block_m", [
+    (False, 32, 5, 40, 96, 16),
+    (True, 16, 33, 48, 48, 64),  # 6 words a row
+    (False, None, 9, 24, 64, 16),  # one scale per row
+    (True, 128, 300, 256, 256, 128),
+])
+def test_expert_matmul_kernel_with_int4_weights(monkeypatch, device, zero_points, group, tokens,
+                                                n, k, block_m):
+    """Both matmuls' shapes (a token's row for each of its pairs, then each pair's own row)
+    against one pair at a time over this test's dequantized weights."""
+    if device == "cpu":
+        if n * k * tokens > 1e6:
+            pytest.skip("too slow in the interpreter")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.int4 import by_group, tile_experts
+    from kernels.moe import align_pairs, expert_matmul, expert_matmul_ref
+    num_experts, top_k = 6, 2
+    g = torch.Generator().manual_seed(tokens + n + k)
+    torch.manual_seed(tokens + n + k)
+    experts = torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
+                           for _ in range(tokens)])
+    words, scales, zeros, ref = [], [], [], []
+    for _ in range(num_experts):
+        w = torch.randn(n, k, generator=g)
+        if zero_points:
+            u, z, s = quantize_asymmetric(w, group)
+            words.append(pack_to_int32((u - 8).to(torch.int8), 4))
+            zeros.append(z.float())
+            ref.append(dequantize_asymmetric(u, z, s, group))
+        else:
+            q, s = quantize(w, group)
+            words.append(pack_to_int32(q, 4))
+            ref.append(dequantize(q, s, group))
+        scales.append(s.float())
+    # (stored as the layer stores them on the GPU: tiled, scales group by group)
+    stacked = [torch.stack(t).to(device) if t else None for t in (words, scales, zeros)]
+    stacked = [tile_experts(stacked[0]), *(t if t is None else by_group(t) for t in stacked[1:])]
+    for pairs_per_row in (top_k, 1):
+        x = torch.randn(tokens * top_k // pairs_per_row, k, generator=g)
+        pair_ids, block_experts = align_pairs(experts.to(device), num_experts, block_m)
+        got = expert_matmul(x.to(device), stacked[0], pair_ids, block_experts, tokens * top_k,
+                            pairs_per_row, block_m, scales=stacked[1],
+                            int4=(group or k, stacked[2]))
+        want = expert_matmul_ref(x, torch.stack(ref), experts, pairs_per_row)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "awq"])
+def test_int4_experts_on_gpu_match_transformers(tmp_path, fmt):
+    """fp32 activations: the fused kernel unpacks the INT4 experts to fp32 as they load (and
+    the dense projections take INT4's kernel), in CUDA graphs and eager steps."""
+    moe_checkpoint(tmp_path / "base", "qwen3-moe", hidden_size=128, moe_intermediate_size=64)
+    write(tmp_path / "base", tmp_path / "q", tmp_path / "ref", fmt)
+    served = InProcessEngine(device="cuda", model=str(tmp_path / "q"), dtype="float32",
+                             max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
+    assert experts_of(served.worker.runner).w13.dtype == torch.int32
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=11), device="cuda")
+    assert served.worker.runner.num_graph_replays > 0
