@@ -13,7 +13,7 @@ Each projection stores, for K input and N output features and groups of G column
   asymmetric one's (`sym: false`) become `weight_zero_point` [N, K / G];
 - `g_idx` [K]: each column's group. Without act-order it is k // G: checked, then dropped;
   with act-order (`desc_act: true`) it becomes `weight_g_idx`, and the layer stores each
-  projection's columns sorted by group (kernels.int4.sort_columns).
+  projection's columns sorted by group (kernels.int4_layout.sort_columns).
 `translate` turns each tensor into its compressed-tensors name and layout as it loads, so the
 rest (tensor-parallel shards, fused Phi-3 tensors, the kernels) is INT4's.
 Served: 4 bits, symmetric or not, with act-order or without (with: at tensor_parallel_size

@@ -35,7 +35,7 @@ class Int4Format:
     # (AWQ's, GPTQ's sym false); without, z is 8 (q = u - 8)
     zero_points: bool = False
     # act-order (GPTQ's desc_act, compressed-tensors' actorder "group"): a `weight_g_idx`
-    # [K] per projection gives each input column's group (kernels.int4.sort_columns)
+    # [K] per projection gives each input column's group (kernels.int4_layout.sort_columns)
     act_order: bool = False
 
     @property

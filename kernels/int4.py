@@ -1,52 +1,33 @@
-"""INT4 weights (W4A16): y = x @ w.T with w stored as 4-bit integers, 8 to an int32.
+"""INT4 weights (W4A16): y = x @ w.T with w stored as 4-bit integers, 8 to an int32
+(kernels/int4_layout.py: the packing, and how the weights are stored on the GPU).
 
-compressed-tensors' pack-quantized layout: element k of a row is bits 4 (k % 8) .. +3 of
-word k // 8, as an unsigned nibble offset by 8 (q = nibble - 8, in [-8, 7]); each row has a
-scale per group of `group` columns, w ~ q * scale (symmetric). Weights with zero points
-(AWQ's, asymmetric GPTQ's) also have a zero point z per scale, w ~ (nibble - z) * scale
-(`zeros`, fp32 [N, groups], shaped as the scales).
-
-On the GPU a weight is stored tiled (`tile`, once, as it loads): each block of TILE_N rows
-is transposed to [words, TILE_N], so that a [BLOCK_K, TILE_N] tile of the kernel is one
-contiguous read. Then
+On the GPU
 - up to KERNEL_MAX_TOKENS tokens (decode steps): `int4_matmul`'s kernel streams the packed
   tiles, unpacks and scales each in registers and multiplies it in x's dtype; the K range is
   split over up to 8 programs (their fp32 partial sums added by a second kernel) so that a
   projection with few column tiles still fills the GPU;
 - more tokens (prompts): the weight is unpacked to x's dtype (`dequantize_tiled`) and
   multiplied by cuBLAS, which is faster there than unpacking each tile once per row block.
-BENCHMARKS.md (2026-11-29, sixth part) has the measurements behind these choices.
-On CPU the plain (untiled) weight is dequantized for each matmul, a reference path.
+BENCHMARKS.md (2026-11-29, sixth and seventh parts) has the measurements behind these
+choices. On CPU the plain (untiled) weight is dequantized for each matmul, a reference path.
 
-Act-order weights (GPTQ's desc_act, a g_idx mapping each input column to its group) are
-stored with each part's columns sorted by group (`ColumnOrder`), so that groups are
-contiguous as above. x is then gathered once into each part's column order ([M, parts, K]):
-the kernel reads each tile's part's copy (a part's rows start on a tile), and the prompt
-path multiplies each part's copy by its rows of the unpacked weight.
+Act-order weights are stored with each part's columns sorted by group (int4_layout.py's
+ColumnOrder). x is then gathered once into each part's column order ([M, parts, K]): the
+kernel reads each tile's part's copy (a part's rows start on a tile), and the prompt path
+multiplies each part's copy by its rows of the unpacked weight.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.int4_layout import TILE_N, ColumnOrder, group_strides, unpack
 from kernels.split_k import add_splits, plan
 
-PACK = 8  # 4-bit values per int32
-TILE_N = 128  # rows per stored tile
 KERNEL_MAX_TOKENS = 128
 # largest M -> (BLOCK_M, BLOCK_K, num_warps, num_stages); BLOCK_K at most the group
 CONFIGS = ((16, (16, 128, 4, 3)), (64, (64, 128, 4, 3)), (None, (128, 64, 4, 3)))
-
-
-class ColumnOrder(NamedTuple):
-    """An act-order weight's stored column order: stored column i of part p (the rows
-    rows[p]) is input column columns[p, i]; tile_part: each tile's part (on the GPU)."""
-    columns: torch.Tensor  # [parts, K] int64
-    rows: tuple[tuple[int, int], ...]
-    tile_part: torch.Tensor | None = None  # [tiles] int32
 
 
 @triton.jit
@@ -120,66 +101,6 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, words, stride_s, stri
              mask=(rn < N)[None, :] & (rk < K)[:, None])
 
 
-def tile(w: torch.Tensor) -> torch.Tensor:
-    """Plain packed w [N, words] as [ceil(N / TILE_N), words, TILE_N] (rows past N: zeros)."""
-    n, words = w.shape
-    padded = torch.zeros(triton.cdiv(n, TILE_N) * TILE_N, words, dtype=w.dtype, device=w.device)
-    padded[:n] = w
-    return padded.view(-1, TILE_N, words).transpose(1, 2).contiguous()
-
-
-def sort_columns(w: torch.Tensor, g_idx: torch.Tensor, rows: list[tuple[int, int]],
-                 group: int, k: int) -> tuple[torch.Tensor, ColumnOrder | None]:
-    """An act-order weight (plain packed w [N, words]; g_idx [parts, k]: the group of each
-    input column of each part, the rows rows[p]) with each part's columns sorted by group,
-    and their order (None: already in order). ValueError if a group has other than `group`
-    columns (the last: what is left)."""
-    g_idx = g_idx.long()
-    columns = torch.argsort(g_idx, dim=1, stable=True)
-    expected = torch.arange(k, device=w.device) // group
-    if not torch.equal(torch.gather(g_idx, 1, columns), expected.expand_as(columns)):
-        raise ValueError(f"an act-order g_idx whose groups are not {group} columns each")
-    if torch.equal(columns, torch.arange(k, device=w.device).expand_as(columns)):
-        return w, None
-    values = unpack(w, k)
-    for (start, end), part in zip(rows, columns):
-        values[start:end] = values[start:end, part]
-    return pack(values), ColumnOrder(columns, tuple(rows))
-
-
-def tile_parts(order: ColumnOrder, n: int) -> ColumnOrder:
-    """order with each tile's part, for the GPU's kernels: a part's rows must start on a
-    tile (ValueError if not)."""
-    starts = [start for start, _ in order.rows]
-    if any(start % TILE_N for start in starts):
-        raise ValueError(f"act-order INT4 weights on the GPU need each stacked projection "
-                         f"(q/k/v, gate/up) to start on a multiple of {TILE_N} rows; this "
-                         f"layer's start at rows {starts}")
-    tiles = torch.arange(0, triton.cdiv(n, TILE_N) * TILE_N, TILE_N)
-    part = torch.bucketize(tiles, torch.tensor(starts), right=True) - 1
-    return order._replace(tile_part=part.to(torch.int32).to(order.columns.device))
-
-
-def tile_experts(w: torch.Tensor) -> torch.Tensor:
-    """Experts' plain packed w [E, N, words] tiled one expert at a time: [E, ceil(N /
-    TILE_N), words, TILE_N]."""
-    return torch.stack([tile(expert) for expert in w])
-
-
-def by_group(t: torch.Tensor) -> torch.Tensor:
-    """Scales (or zero points) [..., N, groups] as the GPU's kernels read them best: a view
-    of them stored group by group ([..., groups, N]), so that a tile's are one contiguous
-    read."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() >= 2 else t
-
-
-def group_strides(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[int, int]:
-    """The strides of scales [N, groups] or [N] (zeros: the same), by row and by group."""
-    if zeros is not None and zeros.stride() != scales.stride():
-        raise ValueError("INT4 zero points must be stored as their scales are")
-    return scales.stride(0), scales.stride(1) if scales.dim() == 2 else 0
-
-
 def block_k(group: int, k: int) -> int:
     """The K tile: 128 columns, or the group when narrower (a tile within one group)."""
     if group >= k:
@@ -239,22 +160,6 @@ def dequantize_tiled(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
     return out
 
 
-def unpack(w: torch.Tensor, k: int) -> torch.Tensor:
-    """Plain packed w [N, words] as its unsigned values [N, k] (int32, 0..15)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
-    return ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(w.shape[0], -1)[:, :k]
-
-
-def pack(u: torch.Tensor) -> torch.Tensor:
-    """unpack's inverse: values [N, k] (0..15) as words [N, ceil(k / 8)] int32."""
-    u = torch.nn.functional.pad(u.to(torch.int32), (0, -u.shape[1] % PACK))
-    u = u.view(u.shape[0], -1, PACK)
-    words = u[..., 0].clone()
-    for j in range(1, PACK):
-        words |= u[..., j] << (4 * j)
-    return words
-
-
 def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
                dtype: torch.dtype, order: ColumnOrder | None = None,
                zeros: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,7 +177,7 @@ def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
     return weight
 
 
-def _by_parts(x: torch.Tensor, weight: torch.Tensor, order: ColumnOrder,
+def by_parts(x: torch.Tensor, weight: torch.Tensor, order: ColumnOrder,
               bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight.T for a weight [N, K] in act-order's stored column order: x
     gathered into each part's order, times that part's rows."""
@@ -291,7 +196,7 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
     if not x.is_cuda:
         weight = dequantize(w, scales, group, k, x.dtype, zeros=zeros)
         y = torch.nn.functional.linear(x, weight, bias) if order is None else \
-            _by_parts(x.reshape(-1, k), weight, order, bias).view(*x.shape[:-1], -1)
+            by_parts(x.reshape(-1, k), weight, order, bias).view(*x.shape[:-1], -1)
         return y if out is None else out.copy_(y)
     flat = x.reshape(-1, k)
     flat = flat if flat.stride(-1) == 1 else flat.contiguous()
@@ -300,7 +205,7 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
     if flat.shape[0] <= KERNEL_MAX_TOKENS:
         y = int4_matmul(flat, w, scales, group, bias, out, order=order, zeros=zeros)
     elif order is not None:
-        y = _by_parts(flat, dequantize_tiled(w, scales, group, k, x.dtype, zeros), order, bias)
+        y = by_parts(flat, dequantize_tiled(w, scales, group, k, x.dtype, zeros), order, bias)
         y = y if out is None else out.copy_(y)
     else:
         weight = dequantize_tiled(w, scales, group, k, x.dtype, zeros)

@@ -200,9 +200,9 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
     `quantize_a`, a is quantized to e4m3 per row and group of columns (the blocks' width,
     else 128) and the tiles multiply on FP8 tensor cores (W8A8: prompts).
 
-    An INT4 w comes tiled (kernels.int4.tile_experts: [E, ceil(N / 128), ceil(K / 8), 128]
+    An INT4 w comes tiled (kernels.int4_layout.tile_experts: [E, ceil(N / 128), ceil(K / 8), 128]
     int32) with `int4` (columns per scale, zero points or None) and fp32 `scales` [E, N,
-    groups] (zero points alike; any strides, kernels.int4.by_group's best); each tile is
+    groups] (zero points alike; any strides, kernels.int4_layout.by_group's best); each tile is
     unpacked and scaled as it loads."""
     if int4 is not None:
         n, k = scales.shape[1], a.shape[1]

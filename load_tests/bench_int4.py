@@ -10,7 +10,7 @@ and what int4_linear picks. With --sweep, each (tile, split) of TILES at up to 1
 With --act-order, also the kernel and int4_linear on act-order weights (each part of qkv
 and gate_up in its own random column order: x gathered into it). With --zero-points, also
 int4_linear on weights with zero points (random ones). Scales are stored group by group
-(kernels.int4.by_group, as the engine stores them); kernel_row_scales is the kernel with
+(kernels.int4_layout.by_group, as the engine stores them); kernel_row_scales is the kernel with
 them stored row by row, the layout before.
 The floor is the INT4 weights' bytes (words and scales) at the measured copy bandwidth.
 Each is timed over a CUDA graph of 20 calls; each kernel's output is checked against the
@@ -23,8 +23,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from kernels.int4 import (CONFIGS, ColumnOrder, by_group, dequantize, dequantize_tiled,
-                          int4_linear, int4_matmul, tile, tile_parts)
+from kernels.int4 import CONFIGS, dequantize, dequantize_tiled, int4_linear, int4_matmul
+from kernels.int4_layout import ColumnOrder, by_group, tile, tile_parts
 from load_tests.bench_fp8 import SHAPES, graph_ms
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
 from load_tests.report import save_json
@@ -44,7 +44,7 @@ PARTS = {"qkv": (4096, 1024, 1024), "gate_up": (14336, 14336)}  # rows of stacke
 
 
 def random_order(name: str, n: int, k: int) -> ColumnOrder:
-    """Each part of projection `name` in a random column order (kernels.int4.ColumnOrder)."""
+    """Each part of projection `name` in a random column order (kernels.int4_layout.ColumnOrder)."""
     ends = torch.tensor(PARTS.get(name, (n,))).cumsum(0).tolist()
     rows = tuple((end - size, end) for end, size in zip(ends, PARTS.get(name, (n,))))
     columns = torch.stack([torch.randperm(k, device="cuda") for _ in rows])

@@ -3,7 +3,9 @@ benchmark INT4 serving beside the original (no quantized checkpoint reaches thes
 
     python -m load_tests.int4_checkpoint --model llama-8b --group 128 --out /tmp/llama-8b-w4a16
 
-Every decoder projection's weight becomes `weight_packed` (8 four-bit values an int32, low
+Every decoder projection's weight (a mixture's experts too: transformers 5's stacked
+`experts.gate_up_proj` and `experts.down_proj` are written as each expert's gate_proj,
+up_proj and down_proj, as quantized checkpoints store them; the router is left out) becomes `weight_packed` (8 four-bit values an int32, low
 nibble first, offset by 8), `weight_scale` (each group's absolute maximum over 7, in the
 model's dtype) and `weight_shape`, as llm-compressor writes them; everything else is copied.
 The quantization here is this script's own (round to nearest), not the engine's.
@@ -21,7 +23,25 @@ from safetensors.torch import save_file
 
 from engine_actors.checkpoint import RANDOM_MARKER, iter_checkpoint_tensors, resolve_model_path
 
-PROJECTION = re.compile(r".*layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+PROJECTION = re.compile(r".*layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+_proj\.weight$")
+STACKED = re.compile(r"(.*layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def projections(name: str, tensor: torch.Tensor):
+    """(name, weight) of each projection in a checkpoint tensor: itself, or each expert's
+    of transformers 5's stacked experts ([E, 2I, H] gate's rows then up's; [E, H, I])."""
+    stacked = STACKED.fullmatch(name)
+    if stacked is None:
+        yield name, tensor
+        return
+    prefix, kind = stacked.groups()
+    for e, w in enumerate(tensor):
+        if kind == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", w
+        else:
+            gate, up = w.chunk(2)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
 SHARD_BYTES = 4 * 10**9
 
 
@@ -55,16 +75,17 @@ def main(argv=None) -> None:
         save_file({k: v.cpu().contiguous() for k, v in shard.items()}, str(out / name))
         index.update(dict.fromkeys(shard, name))
         shard, size = {}, 0
-    for name, tensor in iter_checkpoint_tensors(str(src), device):
-        parts = {name: tensor}
-        if PROJECTION.fullmatch(name):
-            stem = name.removesuffix("weight")
-            parts = {stem + k: v for k, v in pack(tensor, args.group).items()}
-        for key, value in parts.items():
-            shard[key] = value
-            size += value.numel() * value.element_size()
-        if size >= SHARD_BYTES:
-            flush()
+    for stored, full in iter_checkpoint_tensors(str(src), device):
+        for name, tensor in projections(stored, full):
+            parts = {name: tensor}
+            if PROJECTION.fullmatch(name):
+                stem = name.removesuffix("weight")
+                parts = {stem + k: v for k, v in pack(tensor, args.group).items()}
+            for key, value in parts.items():
+                shard[key] = value
+                size += value.numel() * value.element_size()
+            if size >= SHARD_BYTES:
+                flush()
     if shard:
         flush()
     (out / "model.safetensors.index.json").write_text(json.dumps(
@@ -73,7 +94,7 @@ def main(argv=None) -> None:
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "quantization_status": "compressed", "ignore": ["lm_head"],
+        "quantization_status": "compressed", "ignore": ["lm_head", "re:.*mlp.gate$"],
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
                                       "weights": {"num_bits": 4, "type": "int",
                                                   "symmetric": True, "strategy": "group",

@@ -254,7 +254,8 @@ def test_int4_matmul_kernel(monkeypatch, device, m, n, k, group, split):
         if m * n * k > 3e6:
             pytest.skip("too slow in the interpreter")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels.int4 import int4_matmul, tile
+    from kernels.int4 import int4_matmul
+    from kernels.int4_layout import tile
     torch.manual_seed(m + k)
     q, scales = quantize(torch.randn(n, k), group)
     x, bias = torch.randn(m, k), torch.randn(n)
@@ -273,7 +274,8 @@ def test_kernels_with_zero_points(monkeypatch, device, m, group):
     128 rows) and the unpacking for cuBLAS (more) against this test's dequantization."""
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels.int4 import by_group, dequantize_tiled, int4_matmul, tile
+    from kernels.int4 import dequantize_tiled, int4_matmul
+    from kernels.int4_layout import by_group, tile
     n, k = 136, 256
     gen = torch.Generator().manual_seed(m)
     u = torch.randint(0, 16, (n, k), generator=gen)
@@ -302,7 +304,8 @@ def test_dequantize_tiled(monkeypatch, device, n, k, group):
     """The prompt path's unpacking of a tiled weight equals this test's dequantization."""
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels.int4 import dequantize_tiled, tile
+    from kernels.int4 import dequantize_tiled
+    from kernels.int4_layout import tile
     q, scales = quantize(torch.randn(n, k), group)
     got = dequantize_tiled(tile(pack_to_int32(q, 4).to(device)), scales.to(device), group or k,
                            k, torch.float32)
@@ -328,11 +331,12 @@ def ordered_weight(n: int, k: int, group: int, parts: list[tuple[int, int]], see
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("m,split", [(3, 1), (6, 2), (200, 1)])
 def test_act_order_kernels_read_each_parts_columns_in_its_order(monkeypatch, device, m, split):
-    """Two parts of a tile each (sorted by kernels.int4.sort_columns): x gathered into each
+    """Two parts of a tile each (sorted by kernels.int4_layout.sort_columns): x gathered into each
     part's order for the kernel and for the prompt path, against the dequantized weight."""
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels.int4 import int4_linear, int4_matmul, sort_columns, tile, tile_parts
+    from kernels.int4 import int4_linear, int4_matmul
+    from kernels.int4_layout import sort_columns, tile, tile_parts
     parts, k, group = [(0, 128), (128, 200)], 128, 32
     q, scales, ref, g_idx = ordered_weight(200, k, group, parts, seed=m)
     stored, order = sort_columns(pack_to_int32(q, 4), g_idx, parts, group, k)
@@ -350,7 +354,7 @@ def test_act_order_kernels_read_each_parts_columns_in_its_order(monkeypatch, dev
 
 
 def test_sort_columns_refuses_groups_of_other_sizes_and_parts_off_tiles():
-    from kernels.int4 import ColumnOrder, pack, sort_columns, tile_parts, unpack
+    from kernels.int4_layout import ColumnOrder, pack, sort_columns, tile_parts, unpack
     q, _, _, g_idx = ordered_weight(8, 64, 16, [(0, 8)])
     words = pack_to_int32(q, 4)
     assert torch.equal(pack(unpack(words, 64)), words)  # (negative words too)
@@ -368,7 +372,8 @@ def test_sort_columns_refuses_groups_of_other_sizes_and_parts_off_tiles():
 def test_int4_linear_bf16_on_gpu(m):
     """bf16 activations on both paths (the kernel up to KERNEL_MAX_TOKENS rows, the weight
     unpacked for cuBLAS beyond), against the dequantized weight's matmul."""
-    from kernels.int4 import int4_linear, tile
+    from kernels.int4 import int4_linear
+    from kernels.int4_layout import tile
     torch.manual_seed(m)
     q, scales = quantize(torch.randn(6144, 4096), 128)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)

@@ -88,7 +88,7 @@ def test_expert_matmul_kernel_with_int4_weights(monkeypatch, device, zero_points
         if n * k * tokens > 1e6:
             pytest.skip("too slow in the interpreter")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels.int4 import by_group, tile_experts
+    from kernels.int4_layout import by_group, tile_experts
     from kernels.moe import align_pairs, expert_matmul, expert_matmul_ref
     num_experts, top_k = 6, 2
     g = torch.Generator().manual_seed(tokens + n + k)
@@ -133,3 +133,27 @@ def test_int4_experts_on_gpu_match_transformers(tmp_path, fmt):
     assert experts_of(served.worker.runner).w13.dtype == torch.int32
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=11), device="cuda")
     assert served.worker.runner.num_graph_replays > 0
+
+
+def test_the_benchmarks_int4_writer_packs_each_expert(tmp_path):
+    """load_tests/int4_checkpoint.py on a mixture of experts: each expert's projections
+    packed (checked against the originals through compressed-tensors' own unpacking), the
+    router left out, and the engine serves what it wrote."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+    from load_tests.int4_checkpoint import main
+    moe_checkpoint(tmp_path / "base", "qwen3-moe")
+    main(["--model", str(tmp_path / "base"), "--group", "16", "--out", str(tmp_path / "q")])
+    written = {k: v for f in (tmp_path / "q").glob("*.safetensors") for k, v in
+               load_file(str(f)).items()}
+    stem = "model.layers.0.mlp.experts.3.down_proj."
+    values = unpack_from_int32(written[stem + "weight_packed"], 4, torch.Size([64, 32]))
+    weight = (values.float().view(64, 2, 16) * written[stem + "weight_scale"].float()[..., None])
+    base = load_file(f"{tmp_path}/base/model.safetensors")  # (per expert, or stacked)
+    original = base.get(stem + "weight", base.get("model.layers.0.mlp.experts.down_proj"))
+    original = original[3] if original.dim() == 3 else original
+    error = (weight.view(64, 32) - original).norm() / original.norm()
+    assert 0 < error < 0.15
+    assert written["model.layers.0.mlp.gate.weight"].is_floating_point()
+    served = engine(tmp_path / "q")
+    assert experts_of(served.worker.runner).w13.dtype == torch.int32

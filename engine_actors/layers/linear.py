@@ -25,7 +25,8 @@ from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from engine_actors.int4_format import Int4Format
 from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import FP8, fp8_linear
-from kernels.int4 import PACK, by_group, int4_linear, sort_columns, tile, tile_parts
+from kernels.int4 import int4_linear
+from kernels.int4_layout import PACK, by_group, sort_columns, tile, tile_parts
 
 
 # a quantized weight's tensors shaped as its scales (sharded alike)
@@ -88,7 +89,7 @@ class Linear(nn.Module):
 
     def finish_loading(self) -> None:
         """Once loaded, an INT4 weight on the GPU is stored as the kernels read it (an
-        act-order one's columns sorted by group first; kernels.int4.tile, by_group)."""
+        act-order one's columns sorted by group first; kernels.int4_layout.tile, by_group)."""
         if self.int4 and self.quant.act_order:
             self.weight.data, self.order = sort_columns(
                 self.weight.data, self.weight_g_idx.data, self.part_rows(),

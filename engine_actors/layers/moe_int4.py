@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from engine_actors.layers.linear import cdiv, copy_checked
-from kernels import int4
+from kernels.int4 import dequantize
+from kernels.int4_layout import PACK, by_group, tile_experts
 
 
 class Int4Experts:
@@ -32,12 +33,12 @@ class Int4Experts:
         group = self.quant.group or None
         for name, (n, k) in (("w13", (2 * local, hidden)), ("w2", (hidden, local))):
             setattr(self, name, nn.Parameter(torch.empty(
-                num_experts, n, cdiv(k, int4.PACK), dtype=torch.int32), requires_grad=False))
+                num_experts, n, cdiv(k, PACK), dtype=torch.int32), requires_grad=False))
             groups = cdiv(k, group) if group else 1
             for kind in ("scale", "zero_point")[:1 + self.quant.zero_points]:
                 setattr(self, f"{name}_{kind}", nn.Parameter(torch.empty(
                     num_experts, n, groups, dtype=torch.float32), requires_grad=False))
-        unit = group or int4.PACK
+        unit = group or PACK
         if local < inter and (self.inter_start % unit or local % unit):
             raise ValueError(f"INT4 expert groups of {unit} columns do not divide this "
                              f"model's experts' {inter} intermediate features into whole "
@@ -45,14 +46,14 @@ class Int4Experts:
 
     def finish_loading(self) -> None:
         """Once loaded, INT4 experts on the GPU are stored as the fused kernel reads them
-        (kernels.int4.tile_experts, by_group)."""
+        (kernels.int4_layout.tile_experts, by_group)."""
         if not (self.int4 and self.w13.is_cuda):
             return
         for name in ("w13", "w2"):
-            getattr(self, name).data = int4.tile_experts(getattr(self, name).data)
+            getattr(self, name).data = tile_experts(getattr(self, name).data)
             for kind in ("scale", "zero_point")[:1 + self.quant.zero_points]:
                 t = getattr(self, f"{name}_{kind}")
-                t.data = int4.by_group(t.data)
+                t.data = by_group(t.data)
 
     def int4_args(self, name: str) -> tuple[int, torch.Tensor | None] | None:
         """INT4 experts' (columns per scale, zero points or None) for kernels.moe."""
@@ -67,7 +68,7 @@ class Int4Experts:
         e, n, _ = w.shape
         k = self.gate.shape[1] if name == "w13" else self.local
         zeros = getattr(self, f"{name}_zero_point", None)
-        return int4.dequantize(
+        return dequantize(
             w.reshape(e * n, -1), self.scales(name).reshape(e * n, -1), self.quant.group or k,
             k, dtype, zeros=None if zeros is None else zeros.reshape(e * n, -1)).view(e, n, k)
 
@@ -90,7 +91,7 @@ class Int4Experts:
         if projection != "down_proj":
             src = tensor.reshape(tensor.shape[0], -1).narrow(*rows)
         elif kind == "weight":
-            src = tensor.narrow(1, self.inter_start // int4.PACK, dst.shape[1])
+            src = tensor.narrow(1, self.inter_start // PACK, dst.shape[1])
         else:  # (one per row: every rank's; per group: this rank's groups)
             tensor = tensor.reshape(tensor.shape[0], -1)
             src = tensor if tensor.shape[1] == 1 else \
