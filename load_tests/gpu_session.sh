@@ -45,6 +45,12 @@ for part in $BENCH; do
         python3 -m load_tests.bench_decode --model qwen3-30b-a3b --batch-size 64 $([ $q = fp8 ] && echo --quantization fp8) \
           --out "$OUT/decode-qwen3-30b-a3b-$q${LABEL:-}.json" > "$OUT/decode-moe-$q.log" 2>&1
         echo "-- $q"; grep -E '"(weight_gb_per_rank|floor_ms|eager_ms|graph_ms)"' "$OUT/decode-moe-$q.log" | tr -d '\n'; echo; done ;;
+    decode-moe-int4) # qwen3-30b-a3b's decode step, INT4 experts and projections (written here first), then bf16
+      [ -f /tmp/qwen3-30b-a3b-w4a16/config.json ] || python3 -m load_tests.int4_checkpoint --model qwen3-30b-a3b --out /tmp/qwen3-30b-a3b-w4a16
+      for m in /tmp/qwen3-30b-a3b-w4a16 qwen3-30b-a3b; do n=$([ $m = qwen3-30b-a3b ] && echo bf16 || echo int4)
+        python3 -m load_tests.bench_decode --model $m --batch-size ${BATCH:-64} \
+          --out "$OUT/decode-qwen3-30b-a3b-$n${LABEL:-}.json" > "$OUT/decode-moe-$n.log" 2>&1
+        echo "-- $n"; grep -E '"(weight_gb_per_rank|floor_ms|eager_ms|graph_ms)"' "$OUT/decode-moe-$n.log" | tr -d '\n'; echo; tail -2 "$OUT/decode-moe-$n.log"; done ;;
     http-moe) for q in bf16 fp8; do  # ORCA's offline trace through HTTP, bf16 then FP8 experts
         python3 -m load_tests.bench_http --model qwen3-30b-a3b --systems orca,http-stream --replicas "" \
           $([ $q = fp8 ] && echo --quantization fp8) --label="-$q" --out "$OUT/http-qwen3-30b-a3b-$q.json" \
