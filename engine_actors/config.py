@@ -40,9 +40,11 @@ class EngineConfig:
     # "fp8": quantize an unquantized checkpoint's projections to FP8 as they load (one
     # scale per output channel; vLLM's). FP8 checkpoints (quantization_config "fp8" or
     # compressed-tensors) are served as such either way. "gptq", "gptq_marlin", "awq",
-    # "awq_marlin" (vLLM's names): the checkpoint must be of that method, served as it would
-    # be without them. engine_actors/quantization.py.
-    quantization: Literal["fp8", "gptq", "gptq_marlin", "awq", "awq_marlin"] | None = None
+    # "awq_marlin", "compressed-tensors", "moe_wna16" (vLLM's names): the checkpoint must be
+    # of that method (moe_wna16: GPTQ or AWQ), served as it would be without them.
+    # engine_actors/quantization.py.
+    quantization: Literal["fp8", "gptq", "gptq_marlin", "awq", "awq_marlin",
+                          "compressed-tensors", "moe_wna16"] | None = None
     # vLLM's hf_overrides: set on the checkpoint's transformers config before anything reads
     # it (a multimodal checkpoint's: on its text config), e.g. {"rope_scaling": {"rope_type":
     # "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},

@@ -60,6 +60,14 @@ class Fp8Format:
         return self.block[1] if self.block else GROUP
 
 
+# vLLM's `quantization` names that only say what the checkpoint is: the quant_methods each
+# accepts (moe_wna16: vLLM's kernel for GPTQ's and AWQ's experts)
+CHECKPOINT_METHODS = {"gptq": ("gptq",), "gptq_marlin": ("gptq",), "awq": ("awq",),
+                      "awq_marlin": ("awq",), "compressed-tensors": ("compressed-tensors",),
+                      "moe_wna16": ("gptq", "awq")}
+METHOD_NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors"}
+
+
 def read_format(hf_config, requested: str | None
                 ) -> Fp8Format | int4_format.Int4Format | None:
     """The checkpoint's FP8 or INT4 format (or online FP8 quantization if `requested` is
@@ -68,9 +76,9 @@ def read_format(hf_config, requested: str | None
     config = getattr(hf_config, "quantization_config", None)
     config = config if isinstance(config, dict) or config is None else config.to_dict()
     method = (config or {}).get("quant_method")
-    if requested in ("gptq", "gptq_marlin", "awq", "awq_marlin") \
-            and method != requested.removesuffix("_marlin"):
-        raise ValueError(f"quantization {requested} serves {requested[:4].upper()} "
+    if requested in CHECKPOINT_METHODS and method not in CHECKPOINT_METHODS[requested]:
+        raise ValueError(f"quantization {requested} serves "
+                         f"{' or '.join(METHOD_NAMES[m] for m in CHECKPOINT_METHODS[requested])} "
                          f"checkpoints; this one is {method or 'unquantized'} (leave "
                          "quantization unset)")
     if config is None:

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from engine_actors.checkpoint import model_info, save_random_checkpoint
 from engine_actors.config import EngineConfig
 from tests.test_fp8 import check_shards_add_up
-from tests.test_int4 import PROJECTION, dequantize, engine, quantize, write_quantized
+from tests.test_int4 import (PROJECTION, dequantize, engine, quantize, write_int4_checkpoint,
+                             write_quantized)
 from tests.test_parity import check_parity, ragged_workload
 
 
@@ -133,13 +134,22 @@ def test_unserved_gptq_variants_are_refused_at_start(tmp_path, change, args, mes
         model_info(EngineConfig(model=str(tmp_path), **args))
 
 
-def test_vllm_quantization_names_need_a_gptq_checkpoint(tmp_path):
+def test_vllm_quantization_names_need_a_checkpoint_of_their_method(tmp_path):
     save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5)
     with pytest.raises(ValueError, match="quantization gptq_marlin serves GPTQ checkpoints; "
                                          "this one is unquantized"):
         model_info(EngineConfig(model=str(tmp_path / "base"), quantization="gptq_marlin"))
+    with pytest.raises(ValueError, match="quantization moe_wna16 serves GPTQ or AWQ "
+                                         "checkpoints; this one is unquantized"):
+        model_info(EngineConfig(model=str(tmp_path / "base"), quantization="moe_wna16"))
     write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", 16)
     model_info(EngineConfig(model=str(tmp_path / "gptq"), quantization="gptq"))
+    model_info(EngineConfig(model=str(tmp_path / "gptq"), quantization="moe_wna16"))
+    with pytest.raises(ValueError, match="quantization compressed-tensors serves "
+                                         "compressed-tensors checkpoints; this one is gptq"):
+        model_info(EngineConfig(model=str(tmp_path / "gptq"), quantization="compressed-tensors"))
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref2", 16)
+    model_info(EngineConfig(model=str(tmp_path / "int4"), quantization="compressed-tensors"))
 
 
 @pytest.mark.parametrize("tensor,value,message", [
