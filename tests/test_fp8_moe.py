@@ -69,7 +69,12 @@ def test_two_ranks_hold_their_shards_of_experts_and_scales(tmp_path, fmt):
     moe_checkpoint(tmp_path / "base", "qwen3-moe", intermediate_size=192)  # (its dense layer)
     write_fp8_checkpoint(tmp_path / "base", tmp_path / "fp8", tmp_path / "ref", fmt,
                          PROJECTIONS)
-    args = (str(tmp_path / "fp8"), "cpu", torch.float32, 256, 16, 4, 0)
+    check_expert_shards_add_up(tmp_path / "fp8")
+
+
+def check_expert_shards_add_up(checkpoint) -> None:
+    """Two ranks' experts' partial sums add up to the one worker's (a qwen3-moe)."""
+    args = (str(checkpoint), "cpu", torch.float32, 256, 16, 4, 0)
     whole = experts_of(ModelRunner(*args))
     halves = [experts_of(ModelRunner(*args, parallel=ParallelGroup(r, 2, 0, 1)))
               for r in range(2)]
@@ -129,6 +134,19 @@ def test_experts_stored_in_another_dtype_or_without_scales_are_refused(tmp_path)
 
 
 # ---- the kernel (CPU: the Triton interpreter) -------------------------------------------
+def kernel_routing(monkeypatch, device: str, tokens: int, n: int, k: int, num_experts: int,
+                   top_k: int) -> tuple[torch.Generator, torch.Tensor]:
+    """The Triton interpreter on CPU (a skip where it would be too slow); a generator, and
+    each token's top_k experts [tokens, top_k] drawn from it."""
+    if device == "cpu":
+        if n * k * tokens > 1e6:
+            pytest.skip("too slow in the interpreter")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(tokens + n + k)
+    return g, torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
+                           for _ in range(tokens)])
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("w8a8,block,tokens,n,k,block_m", [
@@ -150,16 +168,10 @@ def test_expert_matmul_kernel_with_e4m3_weights(monkeypatch, device, w8a8, block
     128), so that their quantization in the kernel is exact whatever its rounding (the
     interpreter's is not the GPU's; the GPU's is tests/test_fp8.py's
     test_activation_quantization_kernel)."""
-    if device == "cpu":
-        if n * k * tokens > 1e6:
-            pytest.skip("too slow in the interpreter")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kernels.moe import align_pairs, expert_matmul, expert_matmul_ref
     from tests.test_fp8 import group_quantized
     num_experts, top_k = 6, 2
-    g = torch.Generator().manual_seed(tokens + n + k)
-    experts = torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
-                           for _ in range(tokens)])
+    g, experts = kernel_routing(monkeypatch, device, tokens, n, k, num_experts, top_k)
     rows, cols = block or (1, k)
     group = block[1] if block else 128
     quantized = [quantize(torch.randn(n, k, generator=g), rows, cols) for _ in range(num_experts)]

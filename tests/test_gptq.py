@@ -136,20 +136,21 @@ def test_unserved_gptq_variants_are_refused_at_start(tmp_path, change, args, mes
 
 def test_vllm_quantization_names_need_a_checkpoint_of_their_method(tmp_path):
     save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5)
-    with pytest.raises(ValueError, match="quantization gptq_marlin serves GPTQ checkpoints; "
-                                         "this one is unquantized"):
-        model_info(EngineConfig(model=str(tmp_path / "base"), quantization="gptq_marlin"))
-    with pytest.raises(ValueError, match="quantization moe_wna16 serves GPTQ or AWQ "
-                                         "checkpoints; this one is unquantized"):
-        model_info(EngineConfig(model=str(tmp_path / "base"), quantization="moe_wna16"))
     write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", 16)
-    model_info(EngineConfig(model=str(tmp_path / "gptq"), quantization="gptq"))
-    model_info(EngineConfig(model=str(tmp_path / "gptq"), quantization="moe_wna16"))
-    with pytest.raises(ValueError, match="quantization compressed-tensors serves "
-                                         "compressed-tensors checkpoints; this one is gptq"):
-        model_info(EngineConfig(model=str(tmp_path / "gptq"), quantization="compressed-tensors"))
     write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref2", 16)
-    model_info(EngineConfig(model=str(tmp_path / "int4"), quantization="compressed-tensors"))
+    for model, name, refusal in [
+            ("base", "gptq_marlin", "serves GPTQ checkpoints; this one is unquantized"),
+            ("base", "moe_wna16", "serves GPTQ or AWQ checkpoints; this one is unquantized"),
+            ("gptq", "compressed-tensors", "serves compressed-tensors checkpoints; this one is "
+                                           "gptq"),
+            ("gptq", "gptq", None), ("gptq", "moe_wna16", None),
+            ("int4", "compressed-tensors", None)]:
+        config = EngineConfig(model=str(tmp_path / model), quantization=name)
+        if refusal is None:
+            model_info(config)
+            continue
+        with pytest.raises(ValueError, match=f"quantization {name} {refusal}"):
+            model_info(config)
 
 
 @pytest.mark.parametrize("tensor,value,message", [

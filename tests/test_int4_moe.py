@@ -14,7 +14,8 @@ from engine_actors.model_runner import ModelRunner
 from engine_actors.parallel import ParallelGroup
 from tests.engine_harness import InProcessEngine
 from tests.test_awq import dequantize_asymmetric, quantize_asymmetric, write_checkpoint
-from tests.test_fp8_moe import PROJECTIONS, experts_of, moe_checkpoint
+from tests.test_fp8_moe import (PROJECTIONS, check_expert_shards_add_up, experts_of,
+                                kernel_routing, moe_checkpoint)
 from tests.test_gptq import write_gptq_checkpoint
 from tests.test_int4 import dequantize, engine, quantize, write_int4_checkpoint
 from tests.test_parity import check_parity, ragged_workload
@@ -51,14 +52,7 @@ def test_two_ranks_hold_their_shards_of_int4_experts(tmp_path, fmt):
     gate's and up's rows, down's words and groups) add up to the one worker's."""
     moe_checkpoint(tmp_path / "base", "qwen3-moe", intermediate_size=192)  # (its dense layer)
     write(tmp_path / "base", tmp_path / "q", tmp_path / "ref", fmt)
-    args = (str(tmp_path / "q"), "cpu", torch.float32, 256, 16, 4, 0)
-    whole = experts_of(ModelRunner(*args))
-    halves = [experts_of(ModelRunner(*args, parallel=ParallelGroup(r, 2, 0, 1)))
-              for r in range(2)]
-    assert halves[0].w2.shape[2] == whole.w2.shape[2] // 2
-    x = torch.randn(7, 64)
-    torch.testing.assert_close(sum(h.routed(x) for h in halves), whole.routed(x),
-                               rtol=1e-4, atol=1e-5)
+    check_expert_shards_add_up(tmp_path / "q")
 
 
 def test_groups_that_split_a_ranks_share_are_refused(tmp_path):
@@ -84,17 +78,10 @@ def test_expert_matmul_kernel_with_int4_weights(monkeypatch, device, zero_points
                                                 n, k, block_m):
     """Both matmuls' shapes (a token's row for each of its pairs, then each pair's own row)
     against one pair at a time over this test's dequantized weights."""
-    if device == "cpu":
-        if n * k * tokens > 1e6:
-            pytest.skip("too slow in the interpreter")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kernels.int4_layout import by_group, tile_experts
     from kernels.moe import align_pairs, expert_matmul, expert_matmul_ref
     num_experts, top_k = 6, 2
-    g = torch.Generator().manual_seed(tokens + n + k)
-    torch.manual_seed(tokens + n + k)
-    experts = torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
-                           for _ in range(tokens)])
+    g, experts = kernel_routing(monkeypatch, device, tokens, n, k, num_experts, top_k)
     words, scales, zeros, ref = [], [], [], []
     for _ in range(num_experts):
         w = torch.randn(n, k, generator=g)
