@@ -43,9 +43,9 @@ KV_SCALE = re.compile(r"(.*self_attn)\.(?:(k|v|kv)_scale|(k|v)_proj\.output_scal
 UNUSED_ATTENTION = re.compile(r".*self_attn\.(?:q_scale|prob_scale)")
 # what an ignore list may name: modules that are never quantized here, or not served
 # (a name, or llm-compressor's "re:" pattern such as "re:.*mlp.gate$"; a MoE's router is
-# mlp.gate, Mixtral's block_sparse_moe.gate)
-NEVER_QUANTIZED = re.compile(r"lm_head|embed|(mlp|block_sparse_moe)\.gate$|shared_expert_gate|"
-                             r"vision|visual|multi_modal")
+# mlp.gate, Mixtral's block_sparse_moe.gate, AutoAWQ's bare "gate")
+NEVER_QUANTIZED = re.compile(r"lm_head|embed|(mlp|block_sparse_moe)\.gate$|^gate$|"
+                             r"shared_expert_gate|vision|visual|multi_modal")
 
 
 @dataclass(frozen=True, slots=True)

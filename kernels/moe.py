@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import GROUP, quantize_groups
+from kernels.int4 import block_k as int4_block_k
 
 
 # BLOCK_M -> (BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -221,7 +222,7 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
     a_scales = None
     if int4 is not None:  # a K tile within one group, N tiles of the weight's
         scale_cols = min(int4[0], k)
-        block_n, block_k = 128, min(block_k, scale_cols)
+        block_n, block_k = 128, min(block_k, int4_block_k(int4[0], k))
     elif quantize_a:
         block_k = scale_cols or GROUP
         a, a_scales = quantize_groups(a, block_k)

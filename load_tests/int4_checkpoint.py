@@ -23,7 +23,10 @@ from safetensors.torch import save_file
 
 from engine_actors.checkpoint import RANDOM_MARKER, iter_checkpoint_tensors, resolve_model_path
 
-PROJECTION = re.compile(r".*layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+_proj\.weight$")
+# the decoder's projections: attention's, an MLP's, a shared expert's, each expert's (Qwen's
+# gate/up/down_proj, Mixtral's w1/w3/w2); never a router or a shared expert's gate
+PROJECTION = re.compile(r".*layers\.\d+\.(self_attn|mlp|block_sparse_moe)\."
+                        r"(shared_expert\.|experts\.\d+\.)?(\w+_proj|w[123])\.weight$")
 STACKED = re.compile(r"(.*layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -94,7 +97,9 @@ def main(argv=None) -> None:
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "quantization_status": "compressed", "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$",
+                   "re:.*shared_expert_gate$"],
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
                                       "weights": {"num_bits": 4, "type": "int",
                                                   "symmetric": True, "strategy": "group",

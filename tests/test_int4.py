@@ -185,6 +185,31 @@ def test_lora_adapter_on_int4_weights_matches_transformers_peft(tmp_path):
     check_against_peft(str(tmp_path / "ref"), str(tmp_path / "lora"), str(tmp_path / "int4"))
 
 
+def test_lora_slots_take_an_int4_layers_features_not_its_stored_shape(tmp_path):
+    """On the GPU an INT4 weight is stored tiled ([N / 128, words, 128]): LoRA's slots (and
+    the row-parallel all-reduce's buffer) take the layer's output features."""
+    from engine_actors.layers import lora as lora_layers
+    from kernels.int4_layout import tile
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, intermediate_size=192)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 16)
+    model = ModelRunner(str(tmp_path / "int4"), "cpu", torch.float32, 256, 16, 4, 0).model
+    down = model.layers["0"].mlp.down_proj
+    down.weight.data = tile(down.weight.data)  # (as finish_loading stores it on a GPU)
+    lora_layers.attach(model, 2, 8, torch.float32)
+    assert down.lora.b.shape[1] == down.out_features == 64
+
+
+@pytest.mark.gpu
+def test_lora_adapter_on_int4_weights_on_gpu_matches_transformers_peft(tmp_path):
+    from tests.test_lora import ADAPTERS, check_against_peft, save_adapter
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 16)
+    save_adapter(str(tmp_path / "ref"), str(tmp_path / "lora"), 8, 16, ADAPTERS["chat"][2],
+                 seed=6)
+    check_against_peft(str(tmp_path / "ref"), str(tmp_path / "lora"), str(tmp_path / "int4"),
+                       device="cuda")
+
+
 def test_groups_that_straddle_shards_are_refused(tmp_path):
     """64-column groups over a rank's 96 input features of the down projection."""
     save_random_checkpoint(str(tmp_path / "base"), "llama", intermediate_size=192)

@@ -226,10 +226,12 @@ def test_an_adapter_of_a_mixture_of_experts_attention_matches_transformers_peft(
         LoRARegistry(max_rank=8, model=model_of(base)).read("mlp", str(tmp_path / "mlp"))
 
 
-def check_against_peft(base: str, adapter: str, served: str | None = None) -> None:
+def check_against_peft(base: str, adapter: str, served: str | None = None,
+                       device: str = "cpu") -> None:
     """Eight requests, every other one with the adapter: transformers + peft's tokens (the
     engine serving `served`, if given: base's weights in another format)."""
-    engine = InProcessEngine(model=served or base, dtype="float32", lora_modules={"all": adapter},
+    engine = InProcessEngine(device=device, model=served or base, dtype="float32",
+                             lora_modules={"all": adapter},
                              max_lora_rank=8, max_batch_size=8, block_size=4,
                              max_num_batched_tokens=64, max_num_tokens=2048)
     rng = random.Random(5)

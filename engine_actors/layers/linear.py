@@ -51,7 +51,7 @@ class Linear(nn.Module):
                     ) -> None:
         self.quant = building_format()
         self.int4 = isinstance(self.quant, Int4Format)
-        self.in_features = in_features
+        self.in_features, self.out_features = in_features, out_features  # (this rank's)
         dtype = torch.int32 if self.int4 else FP8 if self.quant is not None else None
         self.weight = nn.Parameter(torch.empty(out_features, cdiv(in_features, PACK) if self.int4
                                                else in_features, dtype=dtype),
@@ -85,7 +85,7 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def part_rows(self) -> list[tuple[int, int]]:
-        return [(0, self.weight.shape[0])]
+        return [(0, self.out_features)]
 
     def finish_loading(self) -> None:
         """Once loaded, an INT4 weight on the GPU is stored as the kernels read it (an
@@ -95,7 +95,7 @@ class Linear(nn.Module):
                 self.weight.data, self.weight_g_idx.data, self.part_rows(),
                 self.quant.group or self.in_features, self.in_features)
             if self.order is not None and self.weight.is_cuda:
-                self.order = tile_parts(self.order, self.weight.shape[0])
+                self.order = tile_parts(self.order, self.out_features)
         if self.int4 and self.weight.is_cuda:
             self.weight = nn.Parameter(tile(self.weight.data), requires_grad=False)
             self.weight_scale.data = by_group(self.weight_scale.data)
@@ -215,7 +215,7 @@ class RowParallelLinear(Linear):
                                 parallel.tp_rank == parallel.tp_size - 1)], "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        buf = self.parallel.all_reduce_input(x.shape[:-1] + self.weight.shape[:1], x.dtype)
+        buf = self.parallel.all_reduce_input(x.shape[:-1] + (self.out_features,), x.dtype)
         out = self.matmul(x, out=buf)
         if self.lora is not None:  # A holds this rank's input columns: a partial sum too
             out = add_lora(out, x, self.lora)
@@ -240,8 +240,7 @@ class RowParallelLinear(Linear):
             copy_checked(getattr(self, name).data,
                          tensor.narrow(1, self.in_start // cols, self.weight_scale.shape[1]))
         elif name in SCALES:  # (one per output row: every rank's)
-            copy_checked(getattr(self, name).data,
-                         self.scale_rows(tensor, self.weight.shape[0]))
+            copy_checked(getattr(self, name).data, self.scale_rows(tensor, self.out_features))
         elif self.quant is not None and self.quant.online:
             weight, scales = quantize_weight_rows(self.local_columns(tensor))
             copy_checked(self.weight.data, weight)

@@ -71,7 +71,8 @@ def attach(model, num_slots: int, rank: int, dtype: torch.dtype | None = None) -
     default the projection's own; an FP8 model's adapters are in its activations' dtype)."""
     for layer in model.layers.values():
         for module in projections(layer):
-            out_features, in_features = module.weight.shape[0], module.in_features
+            out_features, in_features = module.out_features, module.in_features  # (an INT4
+            # weight on the GPU is stored tiled: its shape is not the features')
             module.lora = LoRAWeights(num_slots, rank, len(getattr(module, "parts", [0])),
                                       in_features, out_features, dtype or module.weight.dtype,
                                       module.weight.device)
