@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_actors import awq_format, gptq_format, int4_format
-from kernels.fp8 import FP8, FP8_MAX, GROUP
+from kernels.fp8_quantize import FP8, FP8_MAX, GROUP
 
 # a checkpoint's names of a projection's quantized weight and scales -> the layer's
 SCALE_NAMES = {"weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
@@ -56,7 +56,7 @@ class Fp8Format:
 
     @property
     def group(self) -> int:
-        """Activation columns per scale: the blocks' width, else kernels.fp8.GROUP."""
+        """Activation columns per scale: the blocks' width, else kernels.fp8_quantize.GROUP."""
         return self.block[1] if self.block else GROUP
 
 

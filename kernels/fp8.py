@@ -17,7 +17,8 @@ picks one of three paths on the GPU:
   and, for blocks, by its weight block's scale as it is added.
 BENCHMARKS.md (2026-11-28) has the measurements behind the thresholds; none of the small-M
 paths reaches the e4m3 weights' bandwidth floor.
-An activation's scale is its group's absolute maximum over 448, e4m3's largest value.
+The activations' quantization (per token, or per token and group of columns) is
+kernels/fp8_quantize.py's.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8_quantize import GROUP, quantize_groups, quantize_rows
 from kernels.split_k import add_splits, plan
 
 try:  # (torch 2.9+)
@@ -35,9 +37,6 @@ try:  # (torch 2.9+)
 except ImportError:
     ScalingType = None
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-GROUP = 128  # activation columns per scale with per-channel weight scales
 
 # fp8_matmul's tiles: largest M -> (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is the
 # group width
@@ -55,38 +54,6 @@ TRITON_BLOCKS_MAX_TOKENS = 64
 
 def config(m: int) -> tuple[int, int, int, int]:
     return next(c for limit, c in CONFIGS if limit is None or m <= limit)
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_x, stride_sm, stride_sg,
-                     GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    row = tl.program_id(0)
-    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = (groups[:, None] < num_groups) & (cols < K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)  # (IEEE division, as torch)
-    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-             mask=mask)
-    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
-
-
-def quantize_groups(x: torch.Tensor, group: int = GROUP, columns_first: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, scales [M, ceil(K / group)] fp32), x ~ q * scale;
-    columns_first: the scales stored group by group (the layout cuBLASLt takes)."""
-    m, k = x.shape
-    num_groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scales = torch.empty(num_groups, m, dtype=torch.float32, device=x.device).t() \
-        if columns_first else torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
-    per_program = max(1, 1024 // group)
-    if m:
-        _quantize_kernel[(m, triton.cdiv(num_groups, per_program))](
-            x, q, scales, m, k, num_groups, x.stride(0), *scales.stride(), GROUP=group,
-            GROUPS_PER_PROGRAM=per_program)
-    return q, scales
 
 
 @triton.jit
@@ -215,33 +182,6 @@ def weight_only_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     if split > 1:
         add_splits(part, out, bias)
     return out
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=cols < K - k0, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax), 1e-12), 448.0)
-    for k0 in range(0, K, BLOCK):
-        mask = cols < K - k0
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-        tl.store(q_ptr + row * K + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, scales [M, 1] fp32): one scale per token."""
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if m:
-        _quantize_rows_kernel[(m,)](x, q, scales, k, x.stride(0), BLOCK=1024, num_warps=4)
-    return q, scales
 
 
 def dequantize(w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import GROUP, quantize_groups
+from kernels.fp8_quantize import GROUP, quantize_groups
 from kernels.int4 import block_k as int4_block_k
 
 

@@ -25,7 +25,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8
+from kernels import fp8, fp8_quantize
+from kernels.fp8_quantize import FP8, FP8_MAX
 from load_tests.gpu_ceilings import copy_bandwidth_gbs
 from load_tests.report import save_json
 
@@ -58,11 +59,11 @@ def weights():
     out = {}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        rows = w.abs().amax(1).float() / fp8.FP8_MAX
-        blocks = w.float().reshape(n // 128, 128, k // 128, 128).abs().amax((1, 3)) / fp8.FP8_MAX
-        out[name] = dict(bf16=w, rows=((w.float() / rows[:, None]).to(fp8.FP8), rows),
+        rows = w.abs().amax(1).float() / FP8_MAX
+        blocks = w.float().reshape(n // 128, 128, k // 128, 128).abs().amax((1, 3)) / FP8_MAX
+        out[name] = dict(bf16=w, rows=((w.float() / rows[:, None]).to(FP8), rows),
                          blocks=((w.float() / blocks.repeat_interleave(128, 0)
-                                  .repeat_interleave(128, 1)).to(fp8.FP8), blocks))
+                                  .repeat_interleave(128, 1)).to(FP8), blocks))
     return out
 
 
@@ -76,7 +77,7 @@ def paths(ws, xs) -> dict:
         "bf16": lambda: [F.linear(xs[n], ws[n]["bf16"]) for n in ws],
         "fp8_rows": lambda: [fp8.fp8_linear(xs[n], *ws[n]["rows"], None) for n in ws],
         "fp8_blocks": lambda: [fp8.fp8_linear(xs[n], *ws[n]["blocks"], (128, 128)) for n in ws],
-        "w8a8_triton_blocks": lambda: [fp8.fp8_matmul(*fp8.quantize_groups(xs[n], 128),
+        "w8a8_triton_blocks": lambda: [fp8.fp8_matmul(*fp8_quantize.quantize_groups(xs[n], 128),
                                                       *ws[n]["blocks"], 128, torch.bfloat16)
                                        for n in ws],
         "weight_only_rows": lambda: [fp8.weight_only_matmul(xs[n], *ws[n]["rows"], None)
@@ -94,7 +95,7 @@ def inputs(m: int) -> dict:
     xs = {}
     for name, (_, k) in SHAPES.items():
         x = xs[name] = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        xs[name + "_q"], xs[name + "_s"] = fp8.quantize_rows(x)
+        xs[name + "_q"], xs[name + "_s"] = fp8_quantize.quantize_rows(x)
     return xs
 
 
@@ -125,7 +126,7 @@ def sweep(ws, m: int) -> dict:
                                            for n in ws for kind, block in
                                            (("rows", None), ("blocks", (128, 128)))], reps=5)
                 else:
-                    ms = graph_ms(lambda: [fp8.fp8_matmul(*fp8.quantize_groups(xs[n], 128),
+                    ms = graph_ms(lambda: [fp8.fp8_matmul(*fp8_quantize.quantize_groups(xs[n], 128),
                                                           *ws[n]["blocks"], 128, torch.bfloat16)
                                            for n in ws], reps=5)
             except Exception as e:  # (a config over the shared memory)

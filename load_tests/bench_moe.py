@@ -18,7 +18,7 @@ import torch
 
 from engine_actors.layers.moe import W8A8_ROWS
 from kernels.act_mul import act_mul
-from kernels.fp8 import FP8, FP8_MAX
+from kernels.fp8_quantize import FP8, FP8_MAX
 from kernels.int4_layout import by_group, tile_experts
 from kernels.moe import CONFIGS, align_pairs, block_rows, expert_matmul
 from load_tests.bench_rows import graph_ms

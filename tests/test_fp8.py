@@ -262,7 +262,7 @@ def group_quantized(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,group", [(1, 4096, 128), (37, 200, 64), (300, 1000, 128)])
 def test_activation_quantization_kernel(m, k, group):
-    from kernels.fp8 import quantize_groups
+    from kernels.fp8_quantize import quantize_groups
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
     q, scales = quantize_groups(x, group)
     want_q, want_scales = group_quantized(x, group)
@@ -325,7 +325,7 @@ def test_weight_only_kernel(monkeypatch, device, m, n, k, block, split):
 @pytest.mark.gpu
 def test_activation_scales_group_by_group():
     """The layout cuBLASLt's blockwise matmul takes: the same scales, stored column-first."""
-    from kernels.fp8 import quantize_groups
+    from kernels.fp8_quantize import quantize_groups
     x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)
     q, scales = quantize_groups(x, 128)
     q_t, scales_t = quantize_groups(x, 128, columns_first=True)

@@ -24,7 +24,8 @@ from engine_actors.layers.lora import LoRAWeights, add_lora
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from engine_actors.int4_format import Int4Format
 from engine_actors.quantization import building_format, quantize_weight_rows
-from kernels.fp8 import FP8, fp8_linear
+from kernels.fp8 import fp8_linear
+from kernels.fp8_quantize import FP8
 from kernels.int4 import int4_linear
 from kernels.int4_layout import PACK, by_group, sort_columns, tile, tile_parts
 

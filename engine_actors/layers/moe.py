@@ -33,7 +33,8 @@ from engine_actors.layers.linear import cdiv, copy_checked
 from engine_actors.layers.moe_int4 import Int4Experts
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
 from engine_actors.quantization import building_format, quantize_weight_rows
-from kernels.fp8 import FP8, dequantize
+from kernels.fp8 import dequantize
+from kernels.fp8_quantize import FP8
 from kernels.act_mul import act_mul
 from kernels.moe import align_pairs, block_rows, expert_matmul
 
