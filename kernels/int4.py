@@ -161,20 +161,13 @@ def dequantize_tiled(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
 
 
 def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
-               dtype: torch.dtype, order: ColumnOrder | None = None,
-               zeros: torch.Tensor | None = None) -> torch.Tensor:
+               dtype: torch.dtype, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """The weight [N, k] of plain packed w (with zero points `zeros`, or 8) times its scales,
-    in dtype (order: an act-order weight's, whose columns are put back in input order)."""
+    in dtype (an act-order weight's columns in their stored order)."""
     def per_column(t):
         return t.repeat_interleave(group, 1)[:, :k] if group < k else t.reshape(-1, 1)
     q = unpack(w, k).to(torch.float32) - (8 if zeros is None else per_column(zeros))
-    stored = (q * per_column(scales)).to(dtype)
-    if order is None:
-        return stored
-    weight = torch.empty_like(stored)
-    for (start, end), columns in zip(order.rows, order.columns):
-        weight[start:end, columns] = stored[start:end]
-    return weight
+    return (q * per_column(scales)).to(dtype)
 
 
 def by_parts(x: torch.Tensor, weight: torch.Tensor, order: ColumnOrder,

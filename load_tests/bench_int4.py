@@ -51,6 +51,17 @@ def random_order(name: str, n: int, k: int) -> ColumnOrder:
     return tile_parts(ColumnOrder(columns, rows), n)
 
 
+def in_input_order(stored: torch.Tensor, order: ColumnOrder | None) -> torch.Tensor:
+    """A dequantized weight whose parts' columns are in an act-order's stored order, with
+    each column put back at its input column (what the weight means)."""
+    if order is None:
+        return stored
+    weight = torch.empty_like(stored)
+    for (start, end), columns in zip(order.rows, order.columns):
+        weight[start:end, columns] = stored[start:end]
+    return weight
+
+
 def packed(n: int, k: int, group: int):
     words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
     scales = torch.rand(n, k // group, device="cuda") / 100
@@ -96,9 +107,10 @@ def main(argv=None) -> dict:
     for m in args.tokens:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
               for name, (n, k) in SHAPES.items()}
-        wants = {(name, kind): F.linear(xs[name].float(), dequantize(
-                     plain, s, g, k, torch.float32, order if kind == "act_order" else None,
-                     zeros[name] if kind == "zero_points" else None))
+        wants = {(name, kind): F.linear(xs[name].float(), in_input_order(dequantize(
+                     plain, s, g, k, torch.float32,
+                     zeros=zeros[name] if kind == "zero_points" else None),
+                     order if kind == "act_order" else None))
                  for name, (_, k) in SHAPES.items() for _, plain, _, s, order in [weights[name]]
                  for kind in ("plain", "act_order", "zero_points")}
 
