@@ -59,8 +59,9 @@ def test_chat_streams_keeps_the_conversation_and_ctrl_c_cancels(monkeypatch):
     server = FakeOrca()
     with ServerThread(server.app) as url:
         child = _Child("--url", url, "chat", "--max-tokens", "3")
-        child.wait_for(lambda o, e: o.endswith("you> "), "prompt")
-        assert "Chatting with fake-model" in "".join(child.err)
+        # (stdout and stderr are read by two threads: the banner may arrive after the prompt)
+        child.wait_for(lambda o, e: o.endswith("you> ") and "Chatting with fake-model" in e,
+                       "prompt after the banner naming the model")
         child.send("hello")
         child.wait_for(lambda o, e: o.endswith("assistant> t0 t1 t2 \nyou> "), "first answer")
         child.send("slow one")
