@@ -1,22 +1,24 @@
 """GPTQ checkpoints (`quant_method: "gptq"`, as AutoGPTQ, GPTQModel and optimum write them:
-TheBloke's, Qwen's `-GPTQ-Int4` releases), served as the INT4 weights of int4_format.py.
+TheBloke's, Qwen's `-GPTQ-Int4` and `-GPTQ-Int8` releases), served as the INT4 (or INT8)
+weights of int4_format.py.
 
-Each projection stores, for K input and N output features and groups of G columns:
-- `qweight` [K / 8, N] int32: column n's values k = 8 i .. 8 i + 7 in word i, value
-  8 i + j at bits 4 j, unsigned (q + 8). That is compressed-tensors' `weight_packed`
-  [N, K / 8] transposed, word for word;
+Each projection stores, for K input and N output features, groups of G columns and b bits
+(4 or 8; P = 32 / b values a word):
+- `qweight` [K / P, N] int32: column n's values k = P i .. P i + P - 1 in word i, value
+  P i + j at bits b j, unsigned (q + 2^(b-1)). That is compressed-tensors' `weight_packed`
+  [N, K / P] transposed, word for word;
 - `scales` [K / G, N] (fp16): transposed, `weight_scale`;
-- `qzeros` [K / G, N / 8], packed along N (column 8 c + j at bits 4 j of word c): the zero
+- `qzeros` [K / G, N / P], packed along N (column P c + j at bits b j of word c): the zero
   point of every group and column, stored minus 1 in the original format
   (`checkpoint_format` "gptq", the default; its runtimes add the 1 back, unmasked) and as
-  is in "gptq_v2". A symmetric checkpoint's are all 8: checked, then dropped; an
+  is in "gptq_v2". A symmetric checkpoint's are all 2^(b-1): checked, then dropped; an
   asymmetric one's (`sym: false`) become `weight_zero_point` [N, K / G];
 - `g_idx` [K]: each column's group. Without act-order it is k // G: checked, then dropped;
   with act-order (`desc_act: true`) it becomes `weight_g_idx`, and the layer stores each
   projection's columns sorted by group (kernels.int4_layout.sort_columns).
 `translate` turns each tensor into its compressed-tensors name and layout as it loads, so the
 rest (tensor-parallel shards, fused Phi-3 tensors, the kernels) is INT4's.
-Served: 4 bits, symmetric or not, with act-order or without (with: at tensor_parallel_size
+Served: 4 and 8 bits, symmetric or not, with act-order or without (with: at tensor_parallel_size
 1), groups of a power of two of at least 16 columns or one per row (group_size -1).
 Refused at start: other widths, a quantized LM head, per-module overrides (`dynamic`), partial quantization
 (`modules_in_block_to_quantize`), other checkpoint formats (Marlin, BitBLAS).
@@ -27,16 +29,19 @@ import torch
 
 from engine_actors.int4_format import Int4Format
 
-ZEROS = {"gptq": 7, "gptq_v2": 8}  # a symmetric 4-bit zero point (8), as stored
+# a symmetric zero point (2^(bits - 1)) as each format stores it
+ZERO_OFFSET = {"gptq": -1, "gptq_v2": 0}
 
 
 def read(config: dict) -> Int4Format:
-    """The INT4 format of a GPTQ quantization_config; ValueError naming what is not served."""
+    """The INT4 or INT8 format of a GPTQ quantization_config; ValueError naming what is not
+    served."""
     bits, group = config.get("bits"), config.get("group_size", -1)
     stored = config.get("checkpoint_format") or "gptq"
-    if bits != 4:
-        raise ValueError(f"GPTQ weights of {bits} bits are not supported; served: 4 bits")
-    if stored not in ZEROS:
+    if bits not in (4, 8):
+        raise ValueError(f"GPTQ weights of {bits} bits are not supported; served: 4 and 8 "
+                         "bits")
+    if stored not in ZERO_OFFSET:
         raise ValueError(f"GPTQ checkpoint_format {stored!r} is not supported; served: "
                          "gptq, gptq_v2")
     if config.get("lm_head"):
@@ -48,7 +53,8 @@ def read(config: dict) -> Int4Format:
     if group != -1 and (not isinstance(group, int) or group < 16 or group & (group - 1)):
         raise ValueError(f"GPTQ groups of {group} columns are not supported; served: a "
                          "power of two, at least 16, or -1 (one per row)")
-    return Int4Format(None if group == -1 else group, source="gptq", gptq_zero=ZEROS[stored],
+    return Int4Format(None if group == -1 else group, bits, source="gptq",
+                      gptq_zero=(1 << (bits - 1)) + ZERO_OFFSET[stored],
                       zero_points=not config.get("sym", True),
                       act_order=bool(config.get("desc_act")) and group != -1)
 
@@ -63,12 +69,13 @@ def translate(name: str, tensor: torch.Tensor, fmt: Int4Format
     if param == "scales":
         return f"{stem}.weight_scale", tensor.t().float().contiguous()
     if param == "qzeros":
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=tensor.device)
-        nibbles = ((tensor.unsqueeze(-1) >> shifts) & 0xF).reshape(tensor.shape[0], -1)
+        shifts = torch.arange(0, 32, fmt.bits, dtype=torch.int32, device=tensor.device)
+        values = ((tensor.unsqueeze(-1) >> shifts) & ((1 << fmt.bits) - 1)
+                  ).reshape(tensor.shape[0], -1)
         if fmt.zero_points:  # [N, groups], as stored plus the 1 that "gptq" takes off
             return f"{stem}.weight_zero_point", \
-                (nibbles.t().float() + (8 - fmt.gptq_zero)).contiguous()
-        if not bool((nibbles == fmt.gptq_zero).all()):
+                (values.t().float() + ((1 << (fmt.bits - 1)) - fmt.gptq_zero)).contiguous()
+        if not bool((values == fmt.gptq_zero).all()):
             raise ValueError(f"{name}: zero points other than the symmetric "
                              f"{fmt.gptq_zero} (an asymmetric checkpoint) are not supported")
         return None

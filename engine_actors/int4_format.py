@@ -1,15 +1,17 @@
-"""INT4 weights (W4A16): compressed-tensors' pack-quantized checkpoints, as llm-compressor
-writes them (RedHatAI's `quantized.w4a16` releases).
+"""INT4 weights (W4A16), and INT8 ones (W8A16): compressed-tensors' pack-quantized
+checkpoints, as llm-compressor writes them (RedHatAI's `quantized.w4a16` and `w8a16`
+releases).
 
-Each decoder projection stores `weight_packed` [N, ceil(K / 8)] int32 (8 four-bit values a
-word, kernels/int4.py has the layout), `weight_scale` [N, ceil(K / group)] (strategy
-"group") or [N, 1] ("channel"), and `weight_shape`; w ~ q * scale, q in [-8, 7]
-(symmetric); actorder "group" ones also store `weight_g_idx` [K], each column's group;
-asymmetric ones also store `weight_zero_point` [ceil(N / 8), groups], packed
-along N as the weights are along K (`translate` unpacks it), w ~ (q - zero point) * scale.
-Activations stay in the model's dtype. Served: 4-bit int weights by group (a power of two,
-at least 16) or channel, with any activation ordering (actorder "group" at
-tensor_parallel_size 1). Refused at start: quantized activations, other bit widths.
+Each decoder projection stores `weight_packed` [N, ceil(K / P)] int32 (P = 8 four-bit or 4
+eight-bit values a word, kernels/int4_layout.py has the layout), `weight_scale` [N,
+ceil(K / group)] (strategy "group") or [N, 1] ("channel"), and `weight_shape`; w ~ q *
+scale, q in [-8, 7] or [-128, 127] (symmetric); actorder "group" ones also store
+`weight_g_idx` [K], each column's group; asymmetric ones also store `weight_zero_point`
+[ceil(N / P), groups], packed along N as the weights are along K (`translate` unpacks it),
+w ~ (q - zero point) * scale. Activations stay in the model's dtype. Served: 4- and 8-bit
+int weights by group (a power of two, at least 16) or channel, with any activation ordering
+(actorder "group" at tensor_parallel_size 1). Refused at start: quantized activations
+(W8A8 INT8), other bit widths.
 """
 from __future__ import annotations
 
@@ -26,17 +28,27 @@ STATIC_ORDER, GROUP_ORDER = ("weight", "static"), ("group", "dynamic", True)
 @dataclass(frozen=True, slots=True)
 class Int4Format:
     group: int | None  # columns per scale; None: one per row (strategy "channel")
+    bits: int = 4  # 4 (INT4) or 8 (INT8): the same layout, P = 32 / bits values a word
     online: bool = False  # (never: INT4 comes from checkpoints only)
     # the checkpoint's format: compressed-tensors', or one translated to it as it loads
     # ("gptq": gptq_format.py, "awq": awq_format.py)
     source: str = "compressed-tensors"
     gptq_zero: int | None = None  # a GPTQ checkpoint's symmetric zero point, as stored
     # asymmetric: a zero point z per scale, w ~ (u - z) * scale for the stored unsigned u
-    # (AWQ's, GPTQ's sym false); without, z is 8 (q = u - 8)
+    # (AWQ's, GPTQ's sym false); without, z is 2^(bits - 1) (q = u - 8 for 4 bits)
     zero_points: bool = False
     # act-order (GPTQ's desc_act, compressed-tensors' actorder "group"): a `weight_g_idx`
     # [K] per projection gives each input column's group (kernels.int4_layout.sort_columns)
     act_order: bool = False
+
+    @property
+    def per_word(self) -> int:
+        """Values packed in an int32 word."""
+        return 32 // self.bits
+
+    @property
+    def name(self) -> str:
+        return f"INT{self.bits}"
 
     @property
     def block(self) -> tuple[int, int] | None:
@@ -59,43 +71,44 @@ def read(config: dict) -> Int4Format:
         weights, inputs = group.get("weights") or {}, group.get("input_activations")
         bits, kind = weights.get("num_bits"), weights.get("type")
         stored = group.get("format") or config.get("format")
-        if (bits, kind) != (4, "int"):
+        if kind != "int" or bits not in (4, 8):
             raise ValueError(f"compressed-tensors {kind} weights of {bits} bits are not "
-                             "supported; served: symmetric 8-bit float (FP8) and 4-bit int "
-                             "(W4A16)")
-        if stored != "pack-quantized":
-            raise ValueError(f"compressed-tensors format {stored!r} is not supported for 4-bit "
-                             "int weights; served: pack-quantized")
-        if weights.get("actorder") not in (None, False, *STATIC_ORDER, *GROUP_ORDER):
-            raise ValueError(f"INT4 weights with actorder {weights.get('actorder')!r} are not "
-                             "supported; served: null, \"weight\", \"group\"")
+                             "supported; served: symmetric 8-bit float (FP8), and 4- and "
+                             "8-bit int (W4A16, W8A16)")
         if inputs:
-            raise ValueError("INT4 weights with quantized activations are not supported; "
-                             "served: W4A16 (no input_activations)")
+            raise ValueError(f"INT{bits} weights with quantized activations (W{bits}A"
+                             f"{inputs.get('num_bits')}) are not supported; served: "
+                             f"W{bits}A16 (no input_activations)")
+        if stored != "pack-quantized":
+            raise ValueError(f"compressed-tensors format {stored!r} is not supported for "
+                             f"{bits}-bit int weights; served: pack-quantized")
+        if weights.get("actorder") not in (None, False, *STATIC_ORDER, *GROUP_ORDER):
+            raise ValueError(f"INT{bits} weights with actorder {weights.get('actorder')!r} are "
+                             "not supported; served: null, \"weight\", \"group\"")
         if group.get("targets") != ["Linear"]:
             raise ValueError(f"compressed-tensors groups targeting {group.get('targets')} are "
                              "not supported; served: every Linear layer (targets [\"Linear\"])")
         strategy, size = weights.get("strategy"), weights.get("group_size")
         if strategy == "group" and (not size or size < 16 or size & (size - 1)):
-            raise ValueError(f"INT4 groups of {size} columns are not supported; served: a "
+            raise ValueError(f"INT{bits} groups of {size} columns are not supported; served: a "
                              "power of two, at least 16")
         if strategy not in ("group", "channel"):
-            raise ValueError(f"INT4 weights by {strategy!r} are not supported; served: group, "
-                             "channel")
-        formats.add(Int4Format(size if strategy == "group" else None,
+            raise ValueError(f"INT{bits} weights by {strategy!r} are not supported; served: "
+                             "group, channel")
+        formats.add(Int4Format(size if strategy == "group" else None, bits,
                                zero_points=not weights.get("symmetric", True),
                                act_order=weights.get("actorder") in GROUP_ORDER))
     if len(formats) > 1:
-        raise ValueError("compressed-tensors groups with different INT4 formats are not "
+        raise ValueError("compressed-tensors groups with different int formats are not "
                          "supported")
     return formats.pop()
 
 
 def translate(name: str, tensor: torch.Tensor, fmt: Int4Format) -> tuple[str, torch.Tensor]:
-    """An asymmetric checkpoint's packed zero points [ceil(N / 8), groups] as the layer holds
-    them: [N, groups], unsigned (the stored nibble: zero point + 8)."""
+    """An asymmetric checkpoint's packed zero points [ceil(N / P), groups] as the layer holds
+    them: [N, groups], unsigned (the stored value: zero point + 2^(bits - 1))."""
     if not name.endswith(".weight_zero_point"):
         return name, tensor
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=tensor.device)
-    nibbles = (tensor.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # [words, 8, groups]
-    return name, nibbles.reshape(-1, tensor.shape[1]).float()
+    shifts = torch.arange(0, 32, fmt.bits, dtype=torch.int32, device=tensor.device)
+    values = (tensor.unsqueeze(1) >> shifts[None, :, None]) & ((1 << fmt.bits) - 1)
+    return name, values.reshape(-1, tensor.shape[1]).float()  # ([words, P, groups] flat)

@@ -42,10 +42,10 @@ def check_quantized(hf_config, cfg, architecture: str) -> None:
     fmt = read_format(hf_config, cfg.quantization)
     if fmt is None:
         return
-    kind = "INT4" if isinstance(fmt, Int4Format) else "FP8"
-    if kind == "INT4" and architecture in MIXTURES_OF_EXPERTS and fmt.act_order:
-        raise ValueError(f"act-order INT4 weights are not supported for {architecture} (a "
-                         "mixture of experts; INT4 experts without act-order are)")
+    kind = fmt.name if isinstance(fmt, Int4Format) else "FP8"
+    if kind != "FP8" and architecture in MIXTURES_OF_EXPERTS and fmt.act_order:
+        raise ValueError(f"act-order {kind} weights are not supported for {architecture} (a "
+                         f"mixture of experts; {kind} experts without act-order are)")
     if cfg.enable_finetuning:
         raise ValueError(f"enable_finetuning with {kind} weights is not supported (LoRA "
                          "adapters are served)")

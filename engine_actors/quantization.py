@@ -1,5 +1,5 @@
 """Quantized weights: FP8 checkpoints (float8 e4m3), bf16 ones quantized to FP8 as they load,
-and INT4 checkpoints (engine_actors/int4_format.py; GPTQ's and AWQ's: gptq_format.py,
+and INT4 or INT8 checkpoints (engine_actors/int4_format.py; GPTQ's and AWQ's: gptq_format.py,
 awq_format.py).
 
 What config.json's `quantization_config` may say (anything else is refused at start):
@@ -98,7 +98,8 @@ def read_format(hf_config, requested: str | None
     elif method == "compressed-tensors" and int4_format.is_int4(config):
         if requested == "fp8":
             raise ValueError("quantization fp8 quantizes an unquantized checkpoint as it loads; "
-                             "this checkpoint is INT4 already (leave quantization unset)")
+                             "this checkpoint's weights are integers already (leave "
+                             "quantization unset)")
         check_kv_cache_scheme(config)
         check_ignored(config.get("ignore"))
         return int4_format.read(config)
@@ -113,13 +114,14 @@ def read_format(hf_config, requested: str | None
     elif method == "gptq":
         if requested == "fp8":
             raise ValueError("quantization fp8 quantizes an unquantized checkpoint as it loads; "
-                             "this checkpoint is GPTQ (INT4) already (leave quantization unset)")
+                             "this checkpoint is GPTQ (integer weights) already (leave "
+                             "quantization unset)")
         return gptq_format.read(config)
     else:
         raise ValueError(f"quantized checkpoints ({method!r}) are not supported; served: "
                          "fp8 (weight_block_size), compressed-tensors FP8, "
-                         "compressed-tensors INT4 (W4A16, pack-quantized), GPTQ and AWQ "
-                         "(4-bit)")
+                         "compressed-tensors INT4 and INT8 (W4A16, W8A16, pack-quantized), "
+                         "GPTQ (4 and 8 bits) and AWQ (4 bits)")
     check_ignored(ignore)
     if block is not None:
         block = tuple(int(b) for b in block)

@@ -1,5 +1,6 @@
 """INT4 weights (W4A16): y = x @ w.T with w stored as 4-bit integers, 8 to an int32
-(kernels/int4_layout.py: the packing, and how the weights are stored on the GPU).
+(kernels/int4_layout.py: the packing, and how the weights are stored on the GPU). INT8
+weights (W8A16, 4 to an int32) take the same paths, with `bits` 8.
 
 On the GPU
 - up to KERNEL_MAX_TOKENS tokens (decode steps): `int4_matmul`'s kernel streams the packed
@@ -31,18 +32,26 @@ CONFIGS = ((16, (16, 128, 4, 3)), (64, (64, 128, 4, 3)), (None, (128, 64, 4, 3))
 
 
 @triton.jit
+def unpack_tile(packed, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Words [BLOCK_K / P, BLOCK_N] (P = 32 / BITS values a word) as their unsigned values
+    [BLOCK_K, BLOCK_N]: row P w + j is word w's value j."""
+    q = (packed[:, None, :] >> (tl.arange(0, 32 // BITS) * BITS)[None, :, None]) \
+        & ((1 << BITS) - 1)
+    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, part_ptr, M, N, K, words,
                  stride_x, stride_part, stride_s, stride_sg, k_per_split, GROUP: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_ZERO: tl.constexpr, SPLIT: tl.constexpr,
-                 ORDERED: tl.constexpr, PRECISION: tl.constexpr,
+                 ORDERED: tl.constexpr, PRECISION: tl.constexpr, BITS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
     rk = tl.arange(0, BLOCK_K)
-    rw = tl.arange(0, BLOCK_K // 8)  # the tile's words along K
+    rw = tl.arange(0, BLOCK_K // (32 // BITS))  # the tile's words along K
     mask_m, mask_n = rm < M, rn < N
-    shifts = tl.arange(0, 8) * 4
     tile = w_ptr + tl.program_id(1) * words * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     if ORDERED:  # x in this tile's part's column order
         x_ptr += tl.load(part_ptr + tl.program_id(1)).to(tl.int64) * stride_part
@@ -51,19 +60,17 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, part_ptr, M, N, K,
         offs_k = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_x + offs_k[None, :],
                     mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-        offs_w = k0 // 8 + rw
+        offs_w = k0 // (32 // BITS) + rw
         packed = tl.load(tile + offs_w[:, None] * BLOCK_N, mask=(offs_w < words)[:, None],
                          other=0)
-        # [BLOCK_K / 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N]: row 8 w + j is word w's nibble j
-        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        q = unpack_tile(packed, BITS, BLOCK_K, BLOCK_N)
         at_group = rn * stride_s + (k0 // GROUP) * stride_sg
         s = tl.load(s_ptr + at_group, mask=mask_n, other=0.0)
         if HAS_ZERO:
             z = tl.load(z_ptr + at_group, mask=mask_n, other=0.0)
             w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
         else:
-            w = ((q - 8).to(tl.float32) * s[None, :]).to(x.dtype)
+            w = ((q - (1 << (BITS - 1))).to(tl.float32) * s[None, :]).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT > 1:  # this program's partial sums, added up by split_k.add_splits
@@ -78,23 +85,22 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, part_ptr, M, N, K,
 
 @triton.jit
 def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, words, stride_s, stride_sg,
-                       GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BITS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_K, BLOCK_N] tile (within one group) unpacked, scaled and stored as rows
     of out [N, K]."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    rw = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
     packed = tl.load(w_ptr + tl.program_id(0) * words * BLOCK_N + rw[:, None] * BLOCK_N
                      + tl.arange(0, BLOCK_N)[None, :], mask=(rw < words)[:, None], other=0)
-    q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-    q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+    q = unpack_tile(packed, BITS, BLOCK_K, BLOCK_N).to(tl.float32)
     at_group = rn * stride_s + (k0 // GROUP) * stride_sg
     s = tl.load(s_ptr + at_group, mask=rn < N, other=0.0)
     if HAS_ZERO:
         q -= tl.load(z_ptr + at_group, mask=rn < N, other=0.0)[None, :]
     else:
-        q -= 8
+        q -= 1 << (BITS - 1)
     rk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rn[None, :] * K + rk[:, None],
              (q * s[None, :]).to(out_ptr.dtype.element_ty),
@@ -112,11 +118,11 @@ def block_k(group: int, k: int) -> int:
 def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 config: tuple[int, int, int, int] | None = None, split_k: int | None = None,
-                order: ColumnOrder | None = None, zeros: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                order: ColumnOrder | None = None, zeros: torch.Tensor | None = None,
+                bits: int = 4) -> torch.Tensor:
     """x [M, K] @ dequantized(w).T (+ bias) in the kernel: w tiled ([ceil(N / TILE_N),
-    ceil(K / 8), TILE_N] int32), scales [N, ceil(K / group)] fp32 (group >= K: one per row),
-    zeros (zero points) None or as the scales.
+    ceil(K / P), TILE_N] int32, P = 32 / bits), scales [N, ceil(K / group)] fp32 (group >= K:
+    one per row), zeros (zero points) None or as the scales.
     split_k: programs along K (default: split_k.plan's); order: an act-order weight's (x is
     gathered into each part's order first)."""
     m, k = x.shape
@@ -138,7 +144,7 @@ def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
         xs.stride(1) if order else 0, *group_strides(scales, zeros), k_per_split,
         GROUP=min(group, k),
         HAS_BIAS=bias is not None, HAS_ZERO=zeros is not None, SPLIT=split_k,
-        ORDERED=order is not None,
+        ORDERED=order is not None, BITS=bits,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
         BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     if split_k > 1:
@@ -147,26 +153,29 @@ def int4_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
 
 
 def dequantize_tiled(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
-                     dtype: torch.dtype, zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight [N, k] of tiled w (with zero points `zeros`, or 8) times its scales, in
-    dtype (one kernel)."""
+                     dtype: torch.dtype, zeros: torch.Tensor | None = None, bits: int = 4
+                     ) -> torch.Tensor:
+    """The weight [N, k] of tiled w (with zero points `zeros`, or 2^(bits - 1)) times its
+    scales, in dtype (one kernel)."""
     n = scales.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=w.device)
     bk = block_k(group, k)
     _dequantize_kernel[(w.shape[0], triton.cdiv(k, bk))](
         w, scales, scales if zeros is None else zeros, out, n, k, w.shape[1],
         *group_strides(scales, zeros), GROUP=min(group, k), HAS_ZERO=zeros is not None,
-        BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=8)
+        BITS=bits, BLOCK_N=TILE_N, BLOCK_K=bk, num_warps=8)
     return out
 
 
 def dequantize(w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
-               dtype: torch.dtype, zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight [N, k] of plain packed w (with zero points `zeros`, or 8) times its scales,
-    in dtype (an act-order weight's columns in their stored order)."""
+               dtype: torch.dtype, zeros: torch.Tensor | None = None, bits: int = 4
+               ) -> torch.Tensor:
+    """The weight [N, k] of plain packed w (with zero points `zeros`, or 2^(bits - 1)) times
+    its scales, in dtype (an act-order weight's columns in their stored order)."""
     def per_column(t):
         return t.repeat_interleave(group, 1)[:, :k] if group < k else t.reshape(-1, 1)
-    q = unpack(w, k).to(torch.float32) - (8 if zeros is None else per_column(zeros))
+    q = unpack(w, k, bits).to(torch.float32) - \
+        (1 << (bits - 1) if zeros is None else per_column(zeros))
     return (q * per_column(scales)).to(dtype)
 
 
@@ -182,12 +191,13 @@ def by_parts(x: torch.Tensor, weight: torch.Tensor, order: ColumnOrder,
 
 def int4_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, k: int,
                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                order: ColumnOrder | None = None, zeros: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """x [..., k] @ w.T (+ bias; into `out` if given) for an INT4 weight: tiled on the
-    GPU, plain on CPU; order: an act-order weight's; zeros: its zero points, if any."""
+                order: ColumnOrder | None = None, zeros: torch.Tensor | None = None,
+                bits: int = 4) -> torch.Tensor:
+    """x [..., k] @ w.T (+ bias; into `out` if given) for an INT4 (bits 4) or INT8 (8)
+    weight: tiled on the GPU, plain on CPU; order: an act-order weight's; zeros: its zero
+    points, if any."""
     if not x.is_cuda:
-        weight = dequantize(w, scales, group, k, x.dtype, zeros=zeros)
+        weight = dequantize(w, scales, group, k, x.dtype, zeros=zeros, bits=bits)
         y = torch.nn.functional.linear(x, weight, bias) if order is None else \
             by_parts(x.reshape(-1, k), weight, order, bias).view(*x.shape[:-1], -1)
         return y if out is None else out.copy_(y)
@@ -196,12 +206,14 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: i
     n = scales.shape[0]
     out = None if out is None else out.view(-1, n)
     if flat.shape[0] <= KERNEL_MAX_TOKENS:
-        y = int4_matmul(flat, w, scales, group, bias, out, order=order, zeros=zeros)
+        y = int4_matmul(flat, w, scales, group, bias, out, order=order, zeros=zeros,
+                        bits=bits)
     elif order is not None:
-        y = by_parts(flat, dequantize_tiled(w, scales, group, k, x.dtype, zeros), order, bias)
+        y = by_parts(flat, dequantize_tiled(w, scales, group, k, x.dtype, zeros, bits), order,
+                     bias)
         y = y if out is None else out.copy_(y)
     else:
-        weight = dequantize_tiled(w, scales, group, k, x.dtype, zeros)
+        weight = dequantize_tiled(w, scales, group, k, x.dtype, zeros, bits)
         y = torch.addmm(bias, flat, weight.t(), out=out) if bias is not None else \
             torch.mm(flat, weight.t(), out=out)
     return y.view(*x.shape[:-1], n)

@@ -1,10 +1,12 @@
-"""How INT4 weights (W4A16) are packed and stored, for kernels/int4.py and kernels/moe.py.
+"""How INT4 weights (W4A16), and INT8 ones (W8A16) alike, are packed and stored, for
+kernels/int4.py and kernels/moe.py.
 
-compressed-tensors' pack-quantized layout: element k of a row is bits 4 (k % 8) .. +3 of
-word k // 8, as an unsigned nibble offset by 8 (q = nibble - 8, in [-8, 7]); each row has a
-scale per group of `group` columns, w ~ q * scale (symmetric). Weights with zero points
-(AWQ's, asymmetric GPTQ's) also have a zero point z per scale, w ~ (nibble - z) * scale
-(fp32 [N, groups], shaped as the scales).
+compressed-tensors' pack-quantized layout, for b bits (4 or 8; P = 32 / b values a word):
+element k of a row is bits b (k % P) .. +b-1 of word k // P, as an unsigned value u offset
+by 2^(b-1) (q = u - 8 for 4 bits, in [-8, 7]; u - 128 for 8); each row has a scale per
+group of `group` columns, w ~ q * scale (symmetric). Weights with zero points (AWQ's,
+asymmetric GPTQ's) also have a zero point z per scale, w ~ (u - z) * scale (fp32 [N,
+groups], shaped as the scales).
 
 On the GPU a weight is stored tiled (`tile`, once, as it loads): each block of TILE_N rows
 is transposed to [words, TILE_N], so that a [BLOCK_K, TILE_N] tile of a kernel is one
@@ -22,8 +24,12 @@ from typing import NamedTuple
 import torch
 import triton
 
-PACK = 8  # 4-bit values per int32
 TILE_N = 128  # rows per stored tile
+
+
+def per_word(bits: int) -> int:
+    """Values packed in an int32: 8 of 4 bits, 4 of 8."""
+    return 32 // bits
 
 
 class ColumnOrder(NamedTuple):
@@ -43,7 +49,7 @@ def tile(w: torch.Tensor) -> torch.Tensor:
 
 
 def sort_columns(w: torch.Tensor, g_idx: torch.Tensor, rows: list[tuple[int, int]],
-                 group: int, k: int) -> tuple[torch.Tensor, ColumnOrder | None]:
+                 group: int, k: int, bits: int = 4) -> tuple[torch.Tensor, ColumnOrder | None]:
     """An act-order weight (plain packed w [N, words]; g_idx [parts, k]: the group of each
     input column of each part, the rows rows[p]) with each part's columns sorted by group,
     and their order (None: already in order). ValueError if a group has other than `group`
@@ -55,10 +61,10 @@ def sort_columns(w: torch.Tensor, g_idx: torch.Tensor, rows: list[tuple[int, int
         raise ValueError(f"an act-order g_idx whose groups are not {group} columns each")
     if torch.equal(columns, torch.arange(k, device=w.device).expand_as(columns)):
         return w, None
-    values = unpack(w, k)
+    values = unpack(w, k, bits)
     for (start, end), part in zip(rows, columns):
         values[start:end] = values[start:end, part]
-    return pack(values), ColumnOrder(columns, tuple(rows))
+    return pack(values, bits), ColumnOrder(columns, tuple(rows))
 
 
 def tile_parts(order: ColumnOrder, n: int) -> ColumnOrder:
@@ -94,17 +100,18 @@ def group_strides(scales: torch.Tensor, zeros: torch.Tensor | None) -> tuple[int
     return scales.stride(0), scales.stride(1) if scales.dim() == 2 else 0
 
 
-def unpack(w: torch.Tensor, k: int) -> torch.Tensor:
-    """Plain packed w [N, words] as its unsigned values [N, k] (int32, 0..15)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
-    return ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(w.shape[0], -1)[:, :k]
+def unpack(w: torch.Tensor, k: int, bits: int = 4) -> torch.Tensor:
+    """Plain packed w [N, words] as its unsigned values [N, k] (int32, 0 .. 2^bits - 1)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=w.device)
+    return ((w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(w.shape[0], -1)[:, :k]
 
 
-def pack(u: torch.Tensor) -> torch.Tensor:
-    """unpack's inverse: values [N, k] (0..15) as words [N, ceil(k / 8)] int32."""
-    u = torch.nn.functional.pad(u.to(torch.int32), (0, -u.shape[1] % PACK))
-    u = u.view(u.shape[0], -1, PACK)
+def pack(u: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """unpack's inverse: values [N, k] (0 .. 2^bits - 1) as words [N, ceil(k / P)] int32."""
+    n = per_word(bits)
+    u = torch.nn.functional.pad(u.to(torch.int32), (0, -u.shape[1] % n))
+    u = u.view(u.shape[0], -1, n)
     words = u[..., 0].clone()
-    for j in range(1, PACK):
-        words |= u[..., j] << (4 * j)
+    for j in range(1, n):
+        words |= u[..., j] << (bits * j)
     return words

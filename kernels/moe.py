@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kernels.fp8_quantize import GROUP, quantize_groups
 from kernels.int4 import block_k as int4_block_k
+from kernels.int4 import unpack_tile
 
 
 # BLOCK_M -> (BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -125,7 +126,7 @@ def _expert_matmul_kernel(a_ptr, as_ptr, w_ptr, s_ptr, z_ptr, out_ptr, pair_ids_
                           stride_se, stride_sn, stride_sg, stride_out, N, K, num_pairs,
                           NUM_EXPERTS: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
                           SCALED: tl.constexpr, A_SCALED: tl.constexpr, INT4: tl.constexpr,
-                          HAS_ZERO: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                          HAS_ZERO: tl.constexpr, BITS: tl.constexpr, SCALE_ROWS: tl.constexpr,
                           SCALE_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     block = tl.program_id(0)
@@ -150,17 +151,16 @@ def _expert_matmul_kernel(a_ptr, as_ptr, w_ptr, s_ptr, z_ptr, out_ptr, pair_ids_
         mask_k = offs_k < K
         a = tl.load(a_ptr + rows[:, None] * stride_a + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if INT4:  # words [BLOCK_K / 8, BLOCK_N] unpacked: row 8 w + j is word w's nibble j
-            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        if INT4:  # words [BLOCK_K / P, BLOCK_N] unpacked (P = 32 / BITS values a word)
+            offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
             packed = tl.load(w_base + offs_w[:, None] * BLOCK_N,
-                             mask=(offs_w < tl.cdiv(K, 8))[:, None], other=0)
-            q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-            q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+                             mask=(offs_w < tl.cdiv(K, 32 // BITS))[:, None], other=0)
+            q = unpack_tile(packed, BITS, BLOCK_K, BLOCK_N).to(tl.float32)
             at_group = (k0 // SCALE_COLS) * stride_sg
             if HAS_ZERO:
                 q -= tl.load(z_ptr + s_offset + at_group, mask=mask_n, other=0.0)[None, :]
             else:
-                q -= 8
+                q -= 1 << (BITS - 1)
             w = q * tl.load(s_base + at_group, mask=mask_n, other=0.0)[None, :]
         else:
             w = tl.load(w_base + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None],
@@ -188,8 +188,8 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
                   block_experts: torch.Tensor, num_pairs: int, pairs_per_row: int,
                   block_m: int, config: tuple[int, int, int, int] | None = None,
                   scales: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                  quantize_a: bool = False, int4: tuple[int, torch.Tensor | None] | None = None
-                  ) -> torch.Tensor:
+                  quantize_a: bool = False,
+                  int4: tuple[int, torch.Tensor | None, int] | None = None) -> torch.Tensor:
     """a [R, K] (R = num_pairs / pairs_per_row: a token's row serves its top_k pairs, or a
     pair's own row), w [E, N, K] -> [num_pairs, N]: pair p is row p // pairs_per_row of `a`
     times its expert's w[e]^T. pair_ids and block_experts from align_pairs(block_m);
@@ -201,14 +201,15 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
     `quantize_a`, a is quantized to e4m3 per row and group of columns (the blocks' width,
     else 128) and the tiles multiply on FP8 tensor cores (W8A8: prompts).
 
-    An INT4 w comes tiled (kernels.int4_layout.tile_experts: [E, ceil(N / 128), ceil(K / 8), 128]
-    int32) with `int4` (columns per scale, zero points or None) and fp32 `scales` [E, N,
-    groups] (zero points alike; any strides, kernels.int4_layout.by_group's best); each tile is
-    unpacked and scaled as it loads."""
+    An INT4 or INT8 w comes tiled (kernels.int4_layout.tile_experts: [E, ceil(N / 128),
+    ceil(K / P), 128] int32, P = 32 / bits) with `int4` (columns per scale, zero points or
+    None, bits) and fp32 `scales` [E, N, groups] (zero points alike; any strides,
+    kernels.int4_layout.by_group's best); each tile is unpacked and scaled as it loads."""
     if int4 is not None:
         n, k = scales.shape[1], a.shape[1]
         num_experts, tiles, words, tile_n = w.shape
-        assert words == triton.cdiv(k, 8) and tile_n == 128 and tiles == triton.cdiv(n, 128)
+        assert words == triton.cdiv(k, 32 // int4[2]) and tile_n == 128 and \
+            tiles == triton.cdiv(n, 128)
         assert int4[1] is None or int4[1].stride() == scales.stride()
     else:
         num_experts, n, k = w.shape
@@ -241,6 +242,7 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor,
         n, k, num_pairs,
         NUM_EXPERTS=num_experts, PAIRS_PER_ROW=pairs_per_row, SCALED=scales is not None,
         A_SCALED=quantize_a, INT4=int4 is not None, HAS_ZERO=zeros is not None,
+        BITS=int4[2] if int4 is not None else 4,
         SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=num_warps,
         num_stages=num_stages)

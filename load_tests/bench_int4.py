@@ -1,7 +1,7 @@
 """INT4 projections (W4A16) against bf16 ones: llama-8b's four matmuls of one layer.
 
     python -m load_tests.bench_int4 --tokens 1 16 64 128 256 2048 [--sweep] [--act-order]
-        [--zero-points]
+        [--zero-points] [--bits 8]
 
 Per token count M, the summed time of the qkv, o, gate_up and down projections (groups of
 128): bf16 F.linear (cuBLAS); kernels.int4's kernel (int4_matmul, its default tile and
@@ -12,6 +12,7 @@ and gate_up in its own random column order: x gathered into it). With --zero-poi
 int4_linear on weights with zero points (random ones). Scales are stored group by group
 (kernels.int4_layout.by_group, as the engine stores them); kernel_row_scales is the kernel with
 them stored row by row, the layout before.
+With --bits 8 every path but bf16's takes INT8 weights (W8A16) instead.
 The floor is the INT4 weights' bytes (words and scales) at the measured copy bandwidth.
 Each is timed over a CUDA graph of 20 calls; each kernel's output is checked against the
 dequantized weight's matmul first.
@@ -62,8 +63,9 @@ def in_input_order(stored: torch.Tensor, order: ColumnOrder | None) -> torch.Ten
     return weight
 
 
-def packed(n: int, k: int, group: int):
-    words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+def packed(n: int, k: int, group: int, bits: int):
+    words = torch.randint(-2**31, 2**31 - 1, (n, k * bits // 32), dtype=torch.int32,
+                          device="cuda")
     scales = torch.rand(n, k // group, device="cuda") / 100
     return words, scales
 
@@ -75,41 +77,44 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--act-order", action="store_true")
     ap.add_argument("--zero-points", action="store_true")
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=4)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     bandwidth = copy_bandwidth_gbs()
-    g = args.group
+    g, b = args.group, args.bits
     weights, row_scales = {}, {}  # (scales stored row by row, as before by_group)
     for name, (n, k) in SHAPES.items():
-        words, scales = packed(n, k, g)
+        words, scales = packed(n, k, g, b)
         weights[name] = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02,
                          words, tile(words), by_group(scales), random_order(name, n, k))
         row_scales[name] = scales
     floor = sum(w.numel() * 4 + s.numel() * 4 for _, w, _, s, _ in weights.values()) \
         / bandwidth / 1e6
     paths = {"bf16_ms": lambda x, w, q, s, o: F.linear(x, w),
-             "kernel_ms": lambda x, w, q, s, o: int4_matmul(x, q, s, g),
+             "kernel_ms": lambda x, w, q, s, o: int4_matmul(x, q, s, g, bits=b),
              "dequantized_cublas_ms": lambda x, w, q, s, o: F.linear(
-                 x, dequantize_tiled(q, s, g, x.shape[1], x.dtype)),
-             "int4_linear_ms": lambda x, w, q, s, o: int4_linear(x, q, s, g, x.shape[1]),
+                 x, dequantize_tiled(q, s, g, x.shape[1], x.dtype, bits=b)),
+             "int4_linear_ms": lambda x, w, q, s, o: int4_linear(x, q, s, g, x.shape[1],
+                                                                 bits=b),
              "kernel_row_scales_ms": lambda x, w, q, s, o: int4_matmul(
-                 x, q, row_scales[NAMES[x.shape[1], q.shape[0]]], g)}
+                 x, q, row_scales[NAMES[x.shape[1], q.shape[0]]], g, bits=b)}
     if args.act_order:
-        paths["act_order_kernel_ms"] = lambda x, w, q, s, o: int4_matmul(x, q, s, g, order=o)
+        paths["act_order_kernel_ms"] = lambda x, w, q, s, o: int4_matmul(x, q, s, g, order=o,
+                                                                         bits=b)
         paths["act_order_int4_linear_ms"] = lambda x, w, q, s, o: int4_linear(
-            x, q, s, g, x.shape[1], order=o)
-    zeros = {name: by_group(torch.randint(0, 16, (n, k // g), device="cuda").float())
+            x, q, s, g, x.shape[1], order=o, bits=b)
+    zeros = {name: by_group(torch.randint(0, 1 << b, (n, k // g), device="cuda").float())
              for name, (n, k) in SHAPES.items()}
     if args.zero_points:
         paths["zero_points_int4_linear_ms"] = lambda x, w, q, s, o: int4_linear(
-            x, q, s, g, x.shape[1], zeros=zeros[NAMES[x.shape[1], q.shape[0]]])
+            x, q, s, g, x.shape[1], zeros=zeros[NAMES[x.shape[1], q.shape[0]]], bits=b)
     rows = []
     for m in args.tokens:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
               for name, (n, k) in SHAPES.items()}
         wants = {(name, kind): F.linear(xs[name].float(), in_input_order(dequantize(
                      plain, s, g, k, torch.float32,
-                     zeros=zeros[name] if kind == "zero_points" else None),
+                     zeros=zeros[name] if kind == "zero_points" else None, bits=b),
                      order if kind == "act_order" else None))
                  for name, (_, k) in SHAPES.items() for _, plain, _, s, order in [weights[name]]
                  for kind in ("plain", "act_order", "zero_points")}
@@ -135,11 +140,11 @@ def main(argv=None) -> dict:
         for t, split in sweep(m) if args.sweep and m <= 128 else []:
             key = str((t, split))
             check(key, lambda name: int4_matmul(*operands(name)[:3:2], operands(name)[3], g,
-                                                config=t, split_k=split))
+                                                config=t, split_k=split, bits=b))
             for name in SHAPES:
                 x, _, q, s, _ = operands(name)
                 row.setdefault("sweep_ms", {}).setdefault(key, {})[name] = graph_ms(
-                    lambda: int4_matmul(x, q, s, g, config=t, split_k=split))
+                    lambda: int4_matmul(x, q, s, g, config=t, split_k=split, bits=b))
         default = next(c for limit, c in CONFIGS if limit is None or m <= limit)
         print(f"M={m:5d}: bf16 {row['bf16_ms']:.3f} | kernel {row['kernel_ms']:.3f} "
               f"(tile {default}) | dequantized + cuBLAS {row['dequantized_cublas_ms']:.3f} | "
@@ -152,7 +157,7 @@ def main(argv=None) -> dict:
         for key, t in by_total[:4]:
             print(f"    {sum(t.values()):.3f} {key}", flush=True)
         rows.append(row)
-    report = {"shapes": SHAPES, "group": g, "copy_gbs": bandwidth, "rows": rows}
+    report = {"shapes": SHAPES, "group": g, "bits": b, "copy_gbs": bandwidth, "rows": rows}
     save_json(args.out, report)
     return report
 

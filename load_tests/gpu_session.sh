@@ -55,18 +55,23 @@ for part in $BENCH; do
         python3 -m load_tests.bench_http --model qwen3-30b-a3b --systems orca,http-stream --replicas "" \
           $([ $q = fp8 ] && echo --quantization fp8) --label="-$q" --out "$OUT/http-qwen3-30b-a3b-$q.json" \
           > "$OUT/http-moe-$q.log" 2>&1; echo "-- $q"; tail -4 "$OUT/http-moe-$q.log"; done ;;
+    http-moe-int4) # ORCA's offline trace through HTTP, qwen3-30b-a3b in bf16 then INT4 (written here first)
+      [ -f /tmp/qwen3-30b-a3b-w4a16/config.json ] || python3 -m load_tests.int4_checkpoint --model qwen3-30b-a3b --out /tmp/qwen3-30b-a3b-w4a16
+      for m in qwen3-30b-a3b /tmp/qwen3-30b-a3b-w4a16; do n=$([ $m = qwen3-30b-a3b ] && echo bf16 || echo int4)
+        python3 -m load_tests.bench_http --model $m --systems orca,http-stream --replicas "" --label="-$n" \
+          --out "$OUT/http-qwen3-30b-a3b-$n.json" > "$OUT/http-moe-$n.log" 2>&1; echo "-- $n"; tail -4 "$OUT/http-moe-$n.log"; done ;;
     int4-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_int4.py tests/test_gptq.py tests/test_awq.py tests/test_int4_moe.py tests/test_fp8.py \
-        2>&1 | tee "$OUT/int4-tests.log" | tail -6 ;;
+        tests/test_distributed.py::test_int4_checkpoint_over_two_gpus_equals_one_gpu_in_fp32 2>&1 | tee "$OUT/int4-tests.log" | tail -6 ;;
     int4-layer) python3 -m load_tests.bench_int4 ${INT4_ARGS:-} --out "$OUT/int4-layer${LABEL:-}.json" \
         > "$OUT/int4-layer${LABEL:-}.log" 2>&1; grep -v "^ *[\"{}\[\]]" "$OUT/int4-layer${LABEL:-}.log" | tail -60 ;;
-    decode-int4) # llama-8b's decode step, bf16 then INT4 (W4A16, groups of 128: written here first)
-      [ -f /tmp/llama-8b-w4a16/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b --out /tmp/llama-8b-w4a16
-      for m in llama-8b /tmp/llama-8b-w4a16; do n=$([ $m = llama-8b ] && echo bf16 || echo int4)
+    decode-int4) # llama-8b's decode step, bf16 then INT4 (W4A16, groups of 128: written here first; BITS=8: INT8)
+      w=/tmp/llama-8b-w${BITS:-4}a16; [ -f $w/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b --bits ${BITS:-4} --out $w
+      for m in llama-8b $w; do n=$([ $m = llama-8b ] && echo bf16 || echo int${BITS:-4})
         python3 -m load_tests.bench_decode --model $m --batch-size ${BATCH:-64} --variants \
           --out "$OUT/decode-llama-8b-$n${LABEL:-}.json" > "$OUT/decode-int4-$n.log" 2>&1
         echo "-- $n"; grep -E '"(weight_gb_per_rank|floor_ms|eager_ms|graph_ms)"' "$OUT/decode-int4-$n.log" | tr -d '\n'; echo; done ;;
-    http-int4) [ -f /tmp/llama-8b-w4a16/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b --out /tmp/llama-8b-w4a16
-      for m in llama-8b /tmp/llama-8b-w4a16; do n=$([ $m = llama-8b ] && echo bf16 || echo int4)
+    http-int4) w=/tmp/llama-8b-w${BITS:-4}a16; [ -f $w/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b --bits ${BITS:-4} --out $w
+      for m in llama-8b $w; do n=$([ $m = llama-8b ] && echo bf16 || echo int${BITS:-4})
         python3 -m load_tests.bench_http --model $m --systems orca,http-stream --replicas "" --label="-$n" \
           --out "$OUT/http-llama-8b-$n.json" > "$OUT/http-int4-$n.log" 2>&1; echo "-- $n"; tail -4 "$OUT/http-int4-$n.log"; done ;;
     spec-steps) python3 -m load_tests.bench_spec steps --model llama-8b ${SPEC_ARGS:-} --out "$OUT/spec-steps${LABEL:-}.json" \

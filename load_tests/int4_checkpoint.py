@@ -1,12 +1,14 @@
-"""Write an INT4 (W4A16) copy of a checkpoint, in compressed-tensors' pack-quantized format, to
-benchmark INT4 serving beside the original (no quantized checkpoint reaches these machines).
+"""Write an INT4 (W4A16) or INT8 (W8A16, --bits 8) copy of a checkpoint, in compressed-tensors'
+pack-quantized format, to benchmark it beside the original (no quantized checkpoint reaches
+these machines).
 
     python -m load_tests.int4_checkpoint --model llama-8b --group 128 --out /tmp/llama-8b-w4a16
 
 Every decoder projection's weight (a mixture's experts too: transformers 5's stacked
 `experts.gate_up_proj` and `experts.down_proj` are written as each expert's gate_proj,
-up_proj and down_proj, as quantized checkpoints store them; the router is left out) becomes `weight_packed` (8 four-bit values an int32, low
-nibble first, offset by 8), `weight_scale` (each group's absolute maximum over 7, in the
+up_proj and down_proj, as quantized checkpoints store them; the router is left out) becomes
+`weight_packed` (8 four-bit values an int32, low bits first, offset by 8; or 4 eight-bit
+ones offset by 128), `weight_scale` (each group's absolute maximum over 7, or 127, in the
 model's dtype) and `weight_shape`, as llm-compressor writes them; everything else is copied.
 The quantization here is this script's own (round to nearest), not the engine's.
 """
@@ -48,12 +50,14 @@ def projections(name: str, tensor: torch.Tensor):
 SHARD_BYTES = 4 * 10**9
 
 
-def pack(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+def pack(w: torch.Tensor, group: int, bits: int = 4) -> dict[str, torch.Tensor]:
     n, k = w.shape
+    top, per_word = (1 << (bits - 1)) - 1, 32 // bits
     g = w.float().reshape(n, k // group, group)
-    scales = g.abs().amax(-1) / 7
-    q = (g / scales[..., None]).round().clamp(-8, 7).to(torch.int32).reshape(n, k // 8, 8) + 8
-    words = sum(q[..., i] << (4 * i) for i in range(8))  # (bit 31 set: a negative int32)
+    scales = g.abs().amax(-1) / top
+    q = (g / scales[..., None]).round().clamp(-top - 1, top).to(torch.int32)
+    q = q.reshape(n, k // per_word, per_word) + top + 1
+    words = sum(q[..., i] << (bits * i) for i in range(per_word))  # (bit 31: negative)
     return {"weight_packed": words.to(torch.int32), "weight_scale": scales.to(w.dtype),
             "weight_shape": torch.tensor([n, k])}
 
@@ -62,6 +66,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     src, out = Path(resolve_model_path(args.model)), Path(args.out)
@@ -83,7 +88,7 @@ def main(argv=None) -> None:
             parts = {name: tensor}
             if PROJECTION.fullmatch(name):
                 stem = name.removesuffix("weight")
-                parts = {stem + k: v for k, v in pack(tensor, args.group).items()}
+                parts = {stem + k: v for k, v in pack(tensor, args.group, args.bits).items()}
             for key, value in parts.items():
                 shard[key] = value
                 size += value.numel() * value.element_size()
@@ -101,7 +106,7 @@ def main(argv=None) -> None:
         "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$",
                    "re:.*shared_expert_gate$"],
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                      "weights": {"num_bits": 4, "type": "int",
+                                      "weights": {"num_bits": args.bits, "type": "int",
                                                   "symmetric": True, "strategy": "group",
                                                   "group_size": args.group, "dynamic": False,
                                                   "actorder": None}}}}

@@ -21,14 +21,16 @@ from tests.test_parity import check_parity, ragged_workload
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def quantize_asymmetric(w: torch.Tensor, group: int):
-    """w [N, K] -> (u [N, K] in [0, 15], zeros [N, K / group] in [0, 15], fp16 scales)."""
+def quantize_asymmetric(w: torch.Tensor, group: int, bits: int = 4):
+    """w [N, K] -> (u [N, K] in [0, 15], zeros [N, K / group] in [0, 15], fp16 scales);
+    bits 8: in [0, 255]."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
+    top = (1 << bits) - 1
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-    scales = ((hi - lo) / 15).clamp(min=1e-6).half()
-    zeros = (-lo / scales.float()).round().clamp(0, 15)
-    u = (g / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15)
+    scales = ((hi - lo) / top).clamp(min=1e-6).half()
+    zeros = (-lo / scales.float()).round().clamp(0, top)
+    u = (g / scales.float()[..., None] + zeros[..., None]).round().clamp(0, top)
     return u.reshape(n, k).to(torch.int32), zeros.to(torch.int32), scales
 
 
@@ -49,15 +51,16 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 
 
 def write_checkpoint(src, out_dir, ref_dir, group: int, method: str,
-                     desc_act: bool = False, projections=PROJECTION) -> None:
+                     desc_act: bool = False, projections=PROJECTION, bits: int = 4) -> None:
     """out_dir: src's projections in AWQ's (or asymmetric GPTQ's) layout; ref_dir: src with
-    them dequantized. desc_act (GPTQ): quantized in act-order (tests/test_gptq.py)."""
+    them dequantized. desc_act (GPTQ): quantized in act-order (tests/test_gptq.py); bits
+    (GPTQ): 4 or 8."""
     seeds = iter(range(1000))
 
     def convert(w):
         k = w.shape[1]
         order = act_order(k, next(seeds)) if desc_act else torch.arange(k)
-        u_sorted, zeros, scales = quantize_asymmetric(w[:, order], group)
+        u_sorted, zeros, scales = quantize_asymmetric(w[:, order], group, bits)
         u, ref = torch.empty_like(u_sorted), torch.empty_like(w)
         u[:, order] = u_sorted
         ref[:, order] = dequantize_asymmetric(u_sorted, zeros, scales, group)
@@ -67,15 +70,17 @@ def write_checkpoint(src, out_dir, ref_dir, group: int, method: str,
             stored = {"qweight": pack_awq(u.T.contiguous()),
                       "qzeros": pack_awq(zeros.T.contiguous())}
         else:  # GPTQ's v2 format (zero points as they are: the original one stores them
-            # minus 1, and cannot hold a zero point of 0); pack_to_int32 adds 8
-            stored = {"qweight": pack_to_int32((u - 8).T.contiguous().to(torch.int8), 4,
-                                               packed_dim=0),
-                      "qzeros": pack_to_int32((zeros - 8).T.contiguous().to(torch.int8), 4),
+            # minus 1, and cannot hold a zero point of 0); pack_to_int32 adds the offset
+            offset = 1 << (bits - 1)
+            stored = {"qweight": pack_to_int32((u - offset).T.contiguous().to(torch.int8),
+                                               bits, packed_dim=0),
+                      "qzeros": pack_to_int32((zeros - offset).T.contiguous().to(torch.int8),
+                                              bits),
                       "g_idx": g_idx}
         stored["scales"] = scales.T.contiguous()
         return stored, ref
     write_quantized(src, out_dir, ref_dir, convert, awq_config(group) if method == "awq"
-                    else gptq_config(group, "gptq_v2", sym=False, desc_act=desc_act),
+                    else gptq_config(group, "gptq_v2", sym=False, desc_act=desc_act, bits=bits),
                     projections)
 
 
@@ -84,19 +89,20 @@ def awq_config(group: int, **changes) -> dict:
             "version": "gemm", "modules_to_not_convert": None, **changes}
 
 
-@pytest.mark.parametrize("arch,group,method,desc_act", [
-    ("llama", 32, "awq", False),
-    ("qwen2", 16, "awq", False),  # q/k/v biases
-    ("phi3", 16, "awq", False),  # fused qkv_proj and gate_up_proj
-    ("llama", 16, "gptq", False),  # sym: false
-    ("qwen2", 32, "gptq", True),  # sym: false, act-order: each part's groups in its order
+@pytest.mark.parametrize("arch,group,method,desc_act,bits", [
+    ("llama", 32, "awq", False, 4),
+    ("qwen2", 16, "awq", False, 4),  # q/k/v biases
+    ("phi3", 16, "awq", False, 4),  # fused qkv_proj and gate_up_proj
+    ("llama", 16, "gptq", False, 4),  # sym: false
+    ("qwen2", 32, "gptq", True, 4),  # sym: false, act-order: each part's groups in its order
+    ("llama", 32, "gptq", False, 8),  # INT8, sym: false (zero points 4 to a word)
 ])
 def test_checkpoint_with_zero_points_matches_transformers_on_its_dequantized_weights(
-        tmp_path, arch, group, method, desc_act):
+        tmp_path, arch, group, method, desc_act, bits):
     extra = {"num_key_value_heads": 1} if arch == "phi3" else {}
     save_random_checkpoint(str(tmp_path / "base"), arch, seed=5, intermediate_size=192, **extra)
     write_checkpoint(tmp_path / "base", tmp_path / "q", tmp_path / "ref", group, method,
-                     desc_act)
+                     desc_act, bits=bits)
     served = engine(tmp_path / "q")
     down = served.worker.runner.model.layers["0"].mlp.down_proj
     assert down.weight.dtype == torch.int32 and down.quant.zero_points

@@ -484,3 +484,29 @@ def test_fp8_checkpoint_over_two_gpus_equals_one_gpu_in_fp32(ray_cluster, checkp
     assert results[(1, 1)] != unquantized[(1, 1)]  # the weights are the quantized ones
     for key, outputs in results.items():
         assert outputs == results[(1, 1)], key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("fmt", ["dense", "experts"])
+def test_int4_checkpoint_over_two_gpus_equals_one_gpu_in_fp32(ray_cluster, tmp_path, fmt):
+    """INT4 projections (groups of 16, tiled for the kernel on each rank) and INT4 experts
+    with zero points over T=2 and P=2: the row-parallel all-reduce's buffer takes the
+    layer's output features, not the tiled weight's shape; the same greedy tokens as one
+    GPU."""
+    from tests.test_int4 import write_int4_checkpoint
+    from tests.test_int4_moe import write
+    from tests.test_fp8_moe import moe_checkpoint
+    base = tmp_path / "base"  # (192 intermediate features: 96 a rank, six groups)
+    if fmt == "experts":
+        moe_checkpoint(base, "qwen3-moe", intermediate_size=192)
+        write(base, tmp_path / "q", tmp_path / "ref", "gptq-asymmetric")
+    else:
+        save_random_llama(str(base), seed=9, intermediate_size=192)
+        write_int4_checkpoint(base, tmp_path / "q", tmp_path / "ref", 16)
+    _, results = compare_configs(str(tmp_path / "q"), [(1, 1), (2, 1), (1, 2)],
+                                 device="cuda", dtype="float32")
+    _, unquantized = compare_configs(str(base), [(1, 1)], device="cuda", dtype="float32")
+    assert results[(1, 1)] != unquantized[(1, 1)]  # the weights are the quantized ones
+    for key, outputs in results.items():
+        assert outputs == results[(1, 1)], key

@@ -208,7 +208,8 @@ def test_blocks_that_straddle_shards_are_refused(tmp_path):
       "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.down_proj"]}, {},
      r"unquantized decoder projections .*layers.0.mlp.down_proj"),
     (ct_config("channel") | {"config_groups": {"g": {"weights": {
-        "num_bits": 8, "type": "int", "strategy": "channel"}}}}, {}, "int weights of 8 bits"),
+        "num_bits": 8, "type": "int", "strategy": "channel"}, "input_activations": {
+        "num_bits": 8, "type": "int"}}}}, {}, r"quantized activations \(W8A8\)"),
     (ct_config("group"), {}, "FP8 weights by 'group' are not supported"),
     (ct_config("channel") | {"config_groups": {"g": {
         **ct_config("channel")["config_groups"]["group_0"], "targets": ["Embedding"]}}}, {},

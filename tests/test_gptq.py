@@ -38,64 +38,69 @@ def act_order(k: int, seed: int) -> torch.Tensor:
 
 def write_gptq_checkpoint(src, gptq_dir, ref_dir, group: int, checkpoint_format=None,
                           g_idx: bool = True, desc_act: bool = False,
-                          projections=PROJECTION) -> None:
-    """gptq_dir: src's projections in GPTQ's layout; ref_dir: src with them dequantized.
-    desc_act: each projection quantized in its own column order, stored in the original
-    one, with g_idx giving each column's group."""
-    zero = 8 if checkpoint_format == "gptq_v2" else 7  # (v1 stores zero - 1)
+                          projections=PROJECTION, bits: int = 4) -> None:
+    """gptq_dir: src's projections in GPTQ's layout (of `bits`-bit values); ref_dir: src with
+    them dequantized. desc_act: each projection quantized in its own column order, stored in
+    the original one, with g_idx giving each column's group."""
+    offset = 1 << (bits - 1)  # (pack_to_int32 stores value + offset)
+    zero = offset - (checkpoint_format != "gptq_v2")  # (v1 stores zero - 1)
     size = None if group == -1 else group
     seeds = iter(range(1000))
 
     def convert(w):
         n, k = w.shape
         order = act_order(k, next(seeds)) if desc_act else torch.arange(k)
-        q_sorted, scales = quantize(w[:, order], size)  # [N, K], [N, groups]
+        q_sorted, scales = quantize(w[:, order], size, bits)  # [N, K], [N, groups]
         groups = scales.shape[1]
         scales = scales.to(torch.float16)
         q, ref = torch.empty_like(q_sorted), torch.empty_like(w)
         q[:, order] = q_sorted
         ref[:, order] = dequantize(q_sorted, scales.float(), size)
-        stored = {"qweight": pack_to_int32(q.T.contiguous(), 4, packed_dim=0),
-                  # pack_to_int32 stores value + 8: a zero point z as z - 8
-                  "qzeros": pack_to_int32(torch.full((groups, n), zero - 8, dtype=torch.int8),
-                                          4),
+        stored = {"qweight": pack_to_int32(q.T.contiguous(), bits, packed_dim=0),
+                  # a zero point z as z - offset
+                  "qzeros": pack_to_int32(torch.full((groups, n), zero - offset,
+                                                     dtype=torch.int8), bits),
                   "scales": scales.T.contiguous()}
         if g_idx:
             stored["g_idx"] = torch.empty(k, dtype=torch.int32)
             stored["g_idx"][order] = (torch.arange(k) // (k // groups)).to(torch.int32)
         return stored, ref
     write_quantized(src, gptq_dir, ref_dir, convert,
-                    gptq_config(group, checkpoint_format, desc_act=desc_act), projections)
+                    gptq_config(group, checkpoint_format, desc_act=desc_act, bits=bits),
+                    projections)
 
 
-@pytest.mark.parametrize("arch,group,checkpoint_format", [
-    ("llama", 32, None),  # the original format: zero points stored as 7
-    ("llama", -1, "gptq_v2"),  # one scale per row; zero points stored as 8
-    ("qwen2", 16, "gptq"),  # q/k/v biases
-    ("phi3", 16, None),  # fused qkv_proj and gate_up_proj
+@pytest.mark.parametrize("arch,group,checkpoint_format,bits", [
+    ("llama", 32, None, 4),  # the original format: zero points stored as 7
+    ("llama", -1, "gptq_v2", 4),  # one scale per row; zero points stored as 8
+    ("qwen2", 16, "gptq", 4),  # q/k/v biases
+    ("phi3", 16, None, 4),  # fused qkv_proj and gate_up_proj
+    ("qwen2", 32, None, 8),  # Qwen's -GPTQ-Int8: zero points stored as 127
+    ("llama", -1, "gptq_v2", 8),  # zero points stored as 128
 ])
 def test_gptq_checkpoint_matches_transformers_on_its_dequantized_weights(
-        tmp_path, arch, group, checkpoint_format):
+        tmp_path, arch, group, checkpoint_format, bits):
     extra = {"num_key_value_heads": 1} if arch == "phi3" else {}
     save_random_checkpoint(str(tmp_path / "base"), arch, seed=5, intermediate_size=192, **extra)
     write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", group,
-                          checkpoint_format, g_idx=arch != "qwen2")
+                          checkpoint_format, g_idx=arch != "qwen2", bits=bits)
     served = engine(tmp_path / "gptq")
     down = served.worker.runner.model.layers["0"].mlp.down_proj
-    assert down.weight.dtype == torch.int32 and down.weight.shape == (64, 192 // 8)
+    assert down.weight.dtype == torch.int32 and down.weight.shape == (64, 192 * bits // 32)
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
 
 
-@pytest.mark.parametrize("arch,group,checkpoint_format", [
-    ("llama", 32, None),
-    ("phi3", 16, "gptq_v2"),  # one order for each fused tensor, its parts split by rows
+@pytest.mark.parametrize("arch,group,checkpoint_format,bits", [
+    ("llama", 32, None, 4),
+    ("phi3", 16, "gptq_v2", 4),  # one order for each fused tensor, its parts split by rows
+    ("llama", 32, None, 8),
 ])
 def test_act_order_gptq_matches_transformers_on_its_dequantized_weights(
-        tmp_path, arch, group, checkpoint_format):
+        tmp_path, arch, group, checkpoint_format, bits):
     extra = {"num_key_value_heads": 1} if arch == "phi3" else {}
     save_random_checkpoint(str(tmp_path / "base"), arch, seed=7, intermediate_size=192, **extra)
     write_gptq_checkpoint(tmp_path / "base", tmp_path / "gptq", tmp_path / "ref", group,
-                          checkpoint_format, desc_act=True)
+                          checkpoint_format, desc_act=True, bits=bits)
     served = engine(tmp_path / "gptq")
     qkv = served.worker.runner.model.layers["0"].self_attn.qkv_proj
     assert qkv.order is not None and len(qkv.order.rows) == 3
@@ -117,12 +122,12 @@ def test_two_ranks_hold_their_shards_of_gptq_weights(tmp_path):
 
 
 @pytest.mark.parametrize("change,args,message", [
-    ({"bits": 8}, {}, "GPTQ weights of 8 bits"),
+    ({"bits": 3}, {}, "GPTQ weights of 3 bits"),
     ({"checkpoint_format": "marlin"}, {}, "checkpoint_format 'marlin'"),
     ({"lm_head": True}, {}, "quantized LM head"),
     ({"dynamic": {"-:.*down_proj": {}}}, {}, "per-module settings"),
     ({"group_size": 48}, {}, "GPTQ groups of 48 columns"),
-    ({}, {"quantization": "fp8"}, "GPTQ \\(INT4\\) already"),
+    ({}, {"quantization": "fp8"}, "GPTQ \\(integer weights\\) already"),
     ({}, {"enable_finetuning": True}, "enable_finetuning with INT4"),
 ])
 def test_unserved_gptq_variants_are_refused_at_start(tmp_path, change, args, message):

@@ -25,13 +25,15 @@ from tests.test_parity import check_parity, ragged_workload
 PROJECTION = re.compile(r"layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
 
 
-def quantize(w: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q [N, K] int8 in [-8, 7], scales [N, K / group] or [N, 1]): each group's
-    absolute maximum maps to 7."""
+def quantize(w: torch.Tensor, group: int | None, bits: int = 4
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] int8 in [-8, 7] (bits 4; 8: [-128, 127]), scales [N, K / group]
+    or [N, 1]): each group's absolute maximum maps to 7 (127)."""
     n, k = w.shape
     g = group or k
-    scales = w.reshape(n, k // g, g).abs().amax(-1) / 7
-    q = (w.reshape(n, k // g, g) / scales[..., None]).round().clamp(-8, 7)
+    top = (1 << (bits - 1)) - 1
+    scales = w.reshape(n, k // g, g).abs().amax(-1) / top
+    q = (w.reshape(n, k // g, g) / scales[..., None]).round().clamp(-top - 1, top)
     return q.reshape(n, k).to(torch.int8), scales
 
 
@@ -74,15 +76,17 @@ def write_quantized(src, out_dir, ref_dir, convert, quantization_config: dict,
 
 
 def write_int4_checkpoint(src, int4_dir, ref_dir, group: int | None,
-                          scale_dtype=torch.float32, projections=PROJECTION) -> None:
-    """int4_dir: src's projections in INT4 (pack-quantized); ref_dir: src with them
-    dequantized."""
+                          scale_dtype=torch.float32, projections=PROJECTION, bits: int = 4
+                          ) -> None:
+    """int4_dir: src's projections in INT4 (bits 8: INT8; pack-quantized); ref_dir: src with
+    them dequantized."""
     def convert(w):
-        q, scales = quantize(w, group)
+        q, scales = quantize(w, group, bits)
         scales = scales.to(scale_dtype)
-        return ({"weight_packed": pack_to_int32(q, 4), "weight_scale": scales,
+        return ({"weight_packed": pack_to_int32(q, bits), "weight_scale": scales,
                  "weight_shape": torch.tensor(list(w.shape))}, dequantize(q, scales, group))
-    write_quantized(src, int4_dir, ref_dir, convert, w4a16_config(group), projections)
+    write_quantized(src, int4_dir, ref_dir, convert, w4a16_config(group, num_bits=bits),
+                    projections)
 
 
 def write_act_order_checkpoint(src, int4_dir, ref_dir, group: int, actorder) -> None:
@@ -107,31 +111,34 @@ def engine(model, **args) -> InProcessEngine:
                            max_num_batched_tokens=24, max_num_tokens=4096, **args)
 
 
-@pytest.mark.parametrize("arch,group,scale_dtype", [
-    ("llama", 16, torch.float32),
-    ("llama", None, torch.float32),  # strategy "channel"
-    ("qwen2", 32, torch.bfloat16),  # q/k/v biases; scales stored in bf16, as released
-    ("phi3", 16, torch.float32),  # fused qkv_proj and gate_up_proj split by rows
+@pytest.mark.parametrize("arch,group,scale_dtype,bits", [
+    ("llama", 16, torch.float32, 4),
+    ("llama", None, torch.float32, 4),  # strategy "channel"
+    ("qwen2", 32, torch.bfloat16, 4),  # q/k/v biases; scales stored in bf16, as released
+    ("phi3", 16, torch.float32, 4),  # fused qkv_proj and gate_up_proj split by rows
+    ("llama", 32, torch.bfloat16, 8),  # INT8 (W8A16)
+    ("phi3", None, torch.float32, 8),
 ])
 def test_int4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path, arch, group,
-                                                                         scale_dtype):
+                                                                         scale_dtype, bits):
     extra = {"num_key_value_heads": 1} if arch == "phi3" else {}
     save_random_checkpoint(str(tmp_path / "base"), arch, seed=5, intermediate_size=192, **extra)
     write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group,
-                          scale_dtype)
+                          scale_dtype, bits=bits)
     served = engine(tmp_path / "int4")
     down = served.worker.runner.model.layers["0"].mlp.down_proj
-    assert down.weight.dtype == torch.int32 and down.weight.shape == (64, 192 // 8)
+    assert down.weight.dtype == torch.int32 and down.weight.shape == (64, 192 * bits // 32)
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
 
 
-def write_asymmetric_checkpoint(src, out_dir, ref_dir, group: int | None) -> None:
+def write_asymmetric_checkpoint(src, out_dir, ref_dir, group: int | None, bits: int = 4
+                                ) -> None:
     """Zero points: quantized, packed and dequantized by compressed-tensors itself (its
     qparams, its PackedQuantizationCompressor), an independent reference of their layout."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
-    config = w4a16_config(group, symmetric=False)
+    config = w4a16_config(group, symmetric=False, num_bits=bits)
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
         **config["config_groups"]["group_0"]["weights"]))
 
@@ -157,22 +164,26 @@ def test_act_order_int4_checkpoint_matches_transformers_on_its_dequantized_weigh
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
 
 
-@pytest.mark.parametrize("group", [16, None], ids=["groups", "channel"])
+@pytest.mark.parametrize("group,bits", [(16, 4), (None, 4), (32, 8)],
+                         ids=["groups", "channel", "int8-groups"])
 def test_asymmetric_int4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path,
-                                                                                   group):
+                                                                                   group, bits):
     save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, intermediate_size=192)
-    write_asymmetric_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group)
+    write_asymmetric_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group,
+                                bits)
     served = engine(tmp_path / "int4")
     assert served.worker.runner.model.layers["0"].mlp.down_proj.quant.zero_points
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
 
 
-@pytest.mark.parametrize("group", [32, None], ids=["groups", "channel"])
-def test_two_ranks_hold_their_shards_of_packed_weights_and_scales(tmp_path, group):
+@pytest.mark.parametrize("group,bits", [(32, 4), (None, 4), (None, 8)],
+                         ids=["groups", "channel", "int8-channel"])
+def test_two_ranks_hold_their_shards_of_packed_weights_and_scales(tmp_path, group, bits):
     """Two ranks' projections together give the one worker's: column-parallel outputs
     concatenated part by part, row-parallel partial sums added."""
     save_random_checkpoint(str(tmp_path / "base"), "llama", seed=6, intermediate_size=192)
-    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", group,
+                          bits=bits)
     check_shards_add_up(tmp_path / "int4")
 
 
@@ -233,9 +244,10 @@ def test_int4_weights_stored_unpacked_are_refused(tmp_path):
 
 @pytest.mark.parametrize("change,args,message", [
     ({"actorder": "by-size"}, {}, r"actorder 'by-size'"),
-    ({}, {"quantization": "fp8"}, "this checkpoint is INT4 already"),
+    ({}, {"quantization": "fp8"}, "this checkpoint's weights are integers already"),
     ({"group_size": 48}, {}, "INT4 groups of 48 columns"),
-    ({"num_bits": 8}, {}, "int weights of 8 bits are not supported"),
+    ({"num_bits": 2}, {}, "int weights of 2 bits are not supported"),
+    ({"num_bits": 8, "strategy": "tensor"}, {}, "INT8 weights by 'tensor'"),
     ({"strategy": "tensor"}, {}, "INT4 weights by 'tensor'"),
     ({}, {"enable_finetuning": True}, "enable_finetuning with INT4"),
 ])
@@ -268,13 +280,14 @@ def test_act_order_experts_and_quantized_activations_are_refused(tmp_path):
 # ---- the GPU kernels (CPU: the Triton interpreter) ----------------------------------------
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("m,n,k,group,split", [(1, 48, 256, 128, 1), (5, 40, 96, 32, 2),
-                                               (20, 72, 160, None, 3), (70, 130, 256, 64, 2),
-                                               (300, 256, 512, 128, 1)])
-def test_int4_matmul_kernel(monkeypatch, device, m, n, k, group, split):
+@pytest.mark.parametrize("m,n,k,group,split,bits", [
+    (1, 48, 256, 128, 1, 4), (5, 40, 96, 32, 2, 4), (20, 72, 160, None, 3, 4),
+    (70, 130, 256, 64, 2, 4), (300, 256, 512, 128, 1, 4),
+    (1, 48, 256, 128, 1, 8), (5, 40, 160, 32, 2, 8), (20, 72, 100, None, 3, 8)])
+def test_int4_matmul_kernel(monkeypatch, device, m, n, k, group, split, bits):
     """x times each tiled tile unpacked and scaled as it loads, the K range split over
     programs or not, against the dequantized weight's fp32 matmul (channel scales; groups
-    narrower than the K tile; rows, columns and words past the tiles')."""
+    narrower than the K tile; rows, columns and words past the tiles'); INT8 alike."""
     if device == "cpu":
         if m * n * k > 3e6:
             pytest.skip("too slow in the interpreter")
@@ -282,20 +295,21 @@ def test_int4_matmul_kernel(monkeypatch, device, m, n, k, group, split):
     from kernels.int4 import int4_matmul
     from kernels.int4_layout import tile
     torch.manual_seed(m + k)
-    q, scales = quantize(torch.randn(n, k), group)
+    q, scales = quantize(torch.randn(n, k), group, bits)
     x, bias = torch.randn(m, k), torch.randn(n)
     want = x @ dequantize(q, scales, group).T + bias
-    w = tile(pack_to_int32(q, 4).to(device))
+    w = tile(pack_to_int32(q, bits).to(device))
     got = int4_matmul(x.to(device), w, scales.to(device), group or k, bias.to(device),
-                      split_k=split)
+                      split_k=split, bits=bits)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("m,group", [(5, 32), (3, None), (200, 64)])
-def test_kernels_with_zero_points(monkeypatch, device, m, group):
-    """w = (u - z) s with a zero point z per scale, u the stored nibble: the kernel (up to
+@pytest.mark.parametrize("m,group,bits", [(5, 32, 4), (3, None, 4), (200, 64, 4), (5, 32, 8),
+                                          (200, 64, 8)])
+def test_kernels_with_zero_points(monkeypatch, device, m, group, bits):
+    """w = (u - z) s with a zero point z per scale, u the stored value: the kernel (up to
     128 rows) and the unpacking for cuBLAS (more) against this test's dequantization."""
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -303,37 +317,40 @@ def test_kernels_with_zero_points(monkeypatch, device, m, group):
     from kernels.int4_layout import by_group, tile
     n, k = 136, 256
     gen = torch.Generator().manual_seed(m)
-    u = torch.randint(0, 16, (n, k), generator=gen)
+    u = torch.randint(0, 1 << bits, (n, k), generator=gen)
     groups = k // (group or k)
-    zeros = torch.randint(0, 16, (n, groups), generator=gen).float()
+    zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).float()
     scales = torch.rand(n, groups, generator=gen) / 10
     ref = ((u - zeros.repeat_interleave(k // groups, 1)) * scales.repeat_interleave(
         k // groups, 1))
     if group is None:  # (channel: one scale and zero point per row, [N])
         zeros, scales = zeros.reshape(n), scales.reshape(n)
-    w = tile(pack_to_int32((u - 8).to(torch.int8), 4)).to(device)
+    w = tile(pack_to_int32((u - (1 << (bits - 1))).to(torch.int8), bits)).to(device)
     scales, zeros = by_group(scales.to(device)), by_group(zeros.to(device))  # (as stored)
     if m <= 128:
         x = torch.randn(m, k)
-        got = int4_matmul(x.to(device), w, scales, group or k, zeros=zeros, split_k=2)
+        got = int4_matmul(x.to(device), w, scales, group or k, zeros=zeros, split_k=2,
+                          bits=bits)
         torch.testing.assert_close(got.cpu(), x @ ref.T, rtol=1e-4, atol=1e-3)
     else:
-        got = dequantize_tiled(w, scales, group or k, k, torch.float32, zeros)
+        got = dequantize_tiled(w, scales, group or k, k, torch.float32, zeros, bits)
         torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="interpreter"),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("n,k,group", [(130, 192, 64), (40, 100, None), (64, 256, 16)])
-def test_dequantize_tiled(monkeypatch, device, n, k, group):
+@pytest.mark.parametrize("n,k,group,bits", [(130, 192, 64, 4), (40, 100, None, 4),
+                                            (64, 256, 16, 4), (130, 192, 64, 8),
+                                            (40, 100, None, 8)])
+def test_dequantize_tiled(monkeypatch, device, n, k, group, bits):
     """The prompt path's unpacking of a tiled weight equals this test's dequantization."""
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kernels.int4 import dequantize_tiled
     from kernels.int4_layout import tile
-    q, scales = quantize(torch.randn(n, k), group)
-    got = dequantize_tiled(tile(pack_to_int32(q, 4).to(device)), scales.to(device), group or k,
-                           k, torch.float32)
+    q, scales = quantize(torch.randn(n, k), group, bits)
+    got = dequantize_tiled(tile(pack_to_int32(q, bits).to(device)), scales.to(device),
+                           group or k, k, torch.float32, bits=bits)
     torch.testing.assert_close(got.cpu(), dequantize(q, scales, group), rtol=0, atol=0)
 
 
@@ -393,26 +410,29 @@ def test_sort_columns_refuses_groups_of_other_sizes_and_parts_off_tiles():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 16, 64, 100, 128, 129, 300])
-def test_int4_linear_bf16_on_gpu(m):
+def test_int4_linear_bf16_on_gpu(m, bits):
     """bf16 activations on both paths (the kernel up to KERNEL_MAX_TOKENS rows, the weight
     unpacked for cuBLAS beyond), against the dequantized weight's matmul."""
     from kernels.int4 import int4_linear
     from kernels.int4_layout import tile
     torch.manual_seed(m)
-    q, scales = quantize(torch.randn(6144, 4096), 128)
+    q, scales = quantize(torch.randn(6144, 4096), 128, bits)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     want = x.float() @ dequantize(q, scales, 128).cuda().T
-    got = int4_linear(x, tile(pack_to_int32(q, 4).cuda()), scales.cuda(), 128, 4096)
+    got = int4_linear(x, tile(pack_to_int32(q, bits).cuda()), scales.cuda(), 128, 4096,
+                      bits=bits)
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu
-def test_int4_on_gpu_matches_transformers(tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_on_gpu_matches_transformers(tmp_path, bits):
     """fp32 activations (the kernel widens the weights to fp32), CUDA graphs and prompts."""
     save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, intermediate_size=192)
-    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 32)
+    write_int4_checkpoint(tmp_path / "base", tmp_path / "int4", tmp_path / "ref", 32, bits=bits)
     served = InProcessEngine(device="cuda", model=str(tmp_path / "int4"), dtype="float32",
                              max_batch_size=8, max_num_tokens=4096)
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3), device="cuda")

@@ -8,7 +8,7 @@ both are plain linears. Either may carry LoRA slots (`lora`, see layers/lora.py)
 token's low-rank update is added to the output (to the partial sums, before the reduce).
 Built inside quantization.fp8_weights, either holds an e4m3 weight and its `weight_scale`
 (per output row, or per block: shards then start and end on block boundaries), or an INT4
-weight packed 8 to an int32 along its input features with a scale per row or group
+(INT8) weight packed 8 (4) to an int32 along its input features with a scale per row or group
 (int4_format.py; a group is a block of one row) and, if asymmetric, a `weight_zero_point`
 per scale; an act-order one also holds `weight_g_idx` [parts, K], each part's columns'
 groups. Once loaded, `finish_loading` sorts an act-order weight's columns by group and tiles
@@ -27,7 +27,7 @@ from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import fp8_linear
 from kernels.fp8_quantize import FP8
 from kernels.int4 import int4_linear
-from kernels.int4_layout import PACK, by_group, sort_columns, tile, tile_parts
+from kernels.int4_layout import by_group, sort_columns, tile, tile_parts
 
 
 # a quantized weight's tensors shaped as its scales (sharded alike)
@@ -54,7 +54,7 @@ class Linear(nn.Module):
         self.int4 = isinstance(self.quant, Int4Format)
         self.in_features, self.out_features = in_features, out_features  # (this rank's)
         dtype = torch.int32 if self.int4 else FP8 if self.quant is not None else None
-        self.weight = nn.Parameter(torch.empty(out_features, cdiv(in_features, PACK) if self.int4
+        self.weight = nn.Parameter(torch.empty(out_features, cdiv(in_features, self.quant.per_word) if self.int4
                                                else in_features, dtype=dtype),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -78,7 +78,8 @@ class Linear(nn.Module):
         if self.int4:
             group = self.quant.group or self.in_features
             return int4_linear(x, self.weight, self.weight_scale, group, self.in_features,
-                               bias, out, self.order, getattr(self, "weight_zero_point", None))
+                               bias, out, self.order, getattr(self, "weight_zero_point", None),
+                               self.quant.bits)
         if self.quant is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.quant.block, bias, out)
         if out is not None:
@@ -94,7 +95,7 @@ class Linear(nn.Module):
         if self.int4 and self.quant.act_order:
             self.weight.data, self.order = sort_columns(
                 self.weight.data, self.weight_g_idx.data, self.part_rows(),
-                self.quant.group or self.in_features, self.in_features)
+                self.quant.group or self.in_features, self.in_features, self.quant.bits)
             if self.order is not None and self.weight.is_cuda:
                 self.order = tile_parts(self.order, self.out_features)
         if self.int4 and self.weight.is_cuda:
@@ -119,8 +120,9 @@ class Linear(nn.Module):
             raise ValueError(f"a projection's {name!r} tensor is not served here (a "
                              "quantization format this engine does not read)")
         if name == "weight" and self.int4 and tensor.dtype != torch.int32:
-            raise ValueError(f"an INT4 checkpoint's weight is stored as {tensor.dtype}, not "
-                             "int32 words of packed 4-bit values (weight_packed)")
+            raise ValueError(f"an {self.quant.name} checkpoint's weight is stored as "
+                             f"{tensor.dtype}, not int32 words of packed {self.quant.bits}-bit "
+                             "values (weight_packed)")
         if name == "weight" and self.quant is not None and not self.quant.online \
                 and not self.int4 and tensor.dtype != FP8:
             raise ValueError(f"an FP8 checkpoint's weight is stored as {tensor.dtype}, not "
@@ -131,7 +133,8 @@ class Linear(nn.Module):
         """Shards of a block-scaled weight must start and end on block boundaries."""
         for start, size, unit, last in starts_and_sizes:
             if start % unit or (size % unit and not last):
-                what_unit = f"INT4 weight groups of {unit} columns" if self.int4 else \
+                what_unit = f"{self.quant.name} weight groups of {unit} columns" if self.int4 \
+                    else \
                     f"FP8 weight blocks of {list(self.quant.block)}"
                 raise ValueError(f"{what_unit} do not divide "
                                  f"this model's {what} features into whole blocks ({size} "
@@ -212,7 +215,8 @@ class RowParallelLinear(Linear):
         if self.quant is not None and (self.quant.block is not None or self.int4):
             # (INT4 by channel: shards of whole words)
             self.check_blocks([(self.in_start, local_in,
-                                self.quant.block[1] if self.quant.block else PACK,
+                                self.quant.block[1] if self.quant.block else
+                                self.quant.per_word,
                                 parallel.tp_rank == parallel.tp_size - 1)], "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,7 +231,7 @@ class RowParallelLinear(Linear):
         """This rank's columns (input features) of a full [*, in_features] tensor; packed:
         of an INT4 weight's words (a shard starts on a group: a whole number of words)."""
         if packed:
-            return tensor.narrow(1, self.in_start // PACK, self.weight.shape[1])
+            return tensor.narrow(1, self.in_start // self.quant.per_word, self.weight.shape[1])
         return tensor.narrow(1, self.in_start, self.in_features)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:

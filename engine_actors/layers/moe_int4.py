@@ -1,8 +1,8 @@
-"""A mixture of experts' INT4 experts (the mixin of layers/moe.py's SparseMoE).
+"""A mixture of experts' INT4 (or INT8) experts (the mixin of layers/moe.py's SparseMoE).
 
 Built inside quantization.fp8_weights with an INT4 format (int4_format.py: compressed-
-tensors', GPTQ's or AWQ's), the experts hold 4-bit weights packed 8 to an int32 along their
-input features (`w13`, `w2` [E, N, K / 8]), a scale per row and group (`w13_scale`,
+tensors', GPTQ's or AWQ's), the experts hold 4-bit (8-bit) weights packed 8 (4) to an int32
+along their input features (`w13`, `w2` [E, N, K / P]), a scale per row and group (`w13_scale`,
 `w2_scale` [E, N, groups]) and, if asymmetric, zero points shaped alike (`w13_zero_point`,
 `w2_zero_point`). Tensor parallelism shards gate's and up's rows and the down projection's
 words and groups (a group a rank's share would split is refused). On the GPU they are
@@ -17,7 +17,7 @@ from torch import nn
 
 from engine_actors.layers.linear import cdiv, copy_checked
 from kernels.int4 import dequantize
-from kernels.int4_layout import PACK, by_group, tile_experts
+from kernels.int4_layout import by_group, tile_experts
 
 
 class Int4Experts:
@@ -33,14 +33,15 @@ class Int4Experts:
         group = self.quant.group or None
         for name, (n, k) in (("w13", (2 * local, hidden)), ("w2", (hidden, local))):
             setattr(self, name, nn.Parameter(torch.empty(
-                num_experts, n, cdiv(k, PACK), dtype=torch.int32), requires_grad=False))
+                num_experts, n, cdiv(k, self.quant.per_word), dtype=torch.int32),
+                requires_grad=False))
             groups = cdiv(k, group) if group else 1
             for kind in ("scale", "zero_point")[:1 + self.quant.zero_points]:
                 setattr(self, f"{name}_{kind}", nn.Parameter(torch.empty(
                     num_experts, n, groups, dtype=torch.float32), requires_grad=False))
-        unit = group or PACK
+        unit = group or self.quant.per_word
         if local < inter and (self.inter_start % unit or local % unit):
-            raise ValueError(f"INT4 expert groups of {unit} columns do not divide this "
+            raise ValueError(f"{self.quant.name} expert groups of {unit} columns do not divide this "
                              f"model's experts' {inter} intermediate features into whole "
                              f"groups (a rank's {local} from {self.inter_start})")
 
@@ -55,12 +56,12 @@ class Int4Experts:
                 t = getattr(self, f"{name}_{kind}")
                 t.data = by_group(t.data)
 
-    def int4_args(self, name: str) -> tuple[int, torch.Tensor | None] | None:
-        """INT4 experts' (columns per scale, zero points or None) for kernels.moe."""
+    def int4_args(self, name: str) -> tuple[int, torch.Tensor | None, int] | None:
+        """INT4 experts' (columns per scale, zero points or None, bits) for kernels.moe."""
         if not self.int4:
             return None
         k = self.gate.shape[1] if name == "w13" else self.local
-        return self.quant.group or k, getattr(self, f"{name}_zero_point", None)
+        return self.quant.group or k, getattr(self, f"{name}_zero_point", None), self.quant.bits
 
     def int4_dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The experts' INT4 weights `name` [E, N, K] times their scales, in dtype (CPU)."""
@@ -70,7 +71,8 @@ class Int4Experts:
         zeros = getattr(self, f"{name}_zero_point", None)
         return dequantize(
             w.reshape(e * n, -1), self.scales(name).reshape(e * n, -1), self.quant.group or k,
-            k, dtype, zeros=None if zeros is None else zeros.reshape(e * n, -1)).view(e, n, k)
+            k, dtype, zeros=None if zeros is None else zeros.reshape(e * n, -1),
+            bits=self.quant.bits).view(e, n, k)
 
     def load_int4(self, e: int, projection: str, kind: str, tensor: torch.Tensor) -> str:
         """One INT4 tensor of expert e's projection (kind: "weight", its packed words;
@@ -80,8 +82,9 @@ class Int4Experts:
             raise ValueError(f"expert {e}'s {projection} has a {kind} tensor, which is not "
                              "served for INT4 experts")
         if kind == "weight" and tensor.dtype != torch.int32:
-            raise ValueError(f"an INT4 checkpoint's expert weight is stored as {tensor.dtype}, "
-                             "not int32 words of packed 4-bit values")
+            raise ValueError(f"an {self.quant.name} checkpoint's expert weight is stored as "
+                             f"{tensor.dtype}, not int32 words of packed {self.quant.bits}-bit "
+                             "values")
         if kind == "weight_zero_point" and not self.quant.zero_points:
             raise ValueError(f"expert {e}'s {projection} has zero points in a checkpoint whose "
                              "config says symmetric")
@@ -91,7 +94,7 @@ class Int4Experts:
         if projection != "down_proj":
             src = tensor.reshape(tensor.shape[0], -1).narrow(*rows)
         elif kind == "weight":
-            src = tensor.narrow(1, self.inter_start // PACK, dst.shape[1])
+            src = tensor.narrow(1, self.inter_start // self.quant.per_word, dst.shape[1])
         else:  # (one per row: every rank's; per group: this rank's groups)
             tensor = tensor.reshape(tensor.shape[0], -1)
             src = tensor if tensor.shape[1] == 1 else \
