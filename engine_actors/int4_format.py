@@ -8,16 +8,22 @@ ceil(K / group)] (strategy "group") or [N, 1] ("channel"), and `weight_shape`; w
 scale, q in [-8, 7] or [-128, 127] (symmetric); actorder "group" ones also store
 `weight_g_idx` [K], each column's group; asymmetric ones also store `weight_zero_point`
 [ceil(N / P), groups], packed along N as the weights are along K (`translate` unpacks it),
-w ~ (q - zero point) * scale. Activations stay in the model's dtype. Served: 4- and 8-bit
-int weights by group (a power of two, at least 16) or channel, with any activation ordering
-(actorder "group" at tensor_parallel_size 1). Refused at start: quantized activations
-(W8A8 INT8), other bit widths.
+w ~ (q - zero point) * scale. 8-bit weights may also be stored one int8 each
+(`int-quantized`, as llm-compressor writes W8A8 INT8: RedHatAI's `quantized.w8a8` releases):
+`weight` [N, K] int8 and `weight_zero_point` [N, groups] int8, which `translate` packs as
+above. Activations stay in the model's dtype: a checkpoint's 8-bit int activation scheme
+(W8A8, W4A8) is not applied, its `input_scale` and `input_zero_point` are not read, and the
+matmuls are W8A16's (W4A16's). Served: 4- and 8-bit int weights by group (a power of two,
+at least 16) or channel, with any activation ordering (actorder "group" at
+tensor_parallel_size 1). Refused at start: float activations, other bit widths.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kernels.int4_layout import pack
 
 
 # compressed-tensors' activation orderings and their aliases: the weights' columns in order
@@ -40,6 +46,9 @@ class Int4Format:
     # act-order (GPTQ's desc_act, compressed-tensors' actorder "group"): a `weight_g_idx`
     # [K] per projection gives each input column's group (kernels.int4_layout.sort_columns)
     act_order: bool = False
+    # the weights as stored: packed in int32 words (pack-quantized, GPTQ's, AWQ's), or one
+    # int8 each (int-quantized: `translate` packs them as they load)
+    packed: bool = True
 
     @property
     def per_word(self) -> int:
@@ -75,13 +84,16 @@ def read(config: dict) -> Int4Format:
             raise ValueError(f"compressed-tensors {kind} weights of {bits} bits are not "
                              "supported; served: symmetric 8-bit float (FP8), and 4- and "
                              "8-bit int (W4A16, W8A16)")
-        if inputs:
-            raise ValueError(f"INT{bits} weights with quantized activations (W{bits}A"
-                             f"{inputs.get('num_bits')}) are not supported; served: "
-                             f"W{bits}A16 (no input_activations)")
-        if stored != "pack-quantized":
+        if inputs and (inputs.get("type"), inputs.get("num_bits")) != ("int", 8):
+            raise ValueError(f"INT{bits} weights with {inputs.get('type')} activations of "
+                             f"{inputs.get('num_bits')} bits are not supported; served: "
+                             f"none (W{bits}A16) or 8-bit int ones, computed in the "
+                             "model's dtype")
+        packed = stored == "pack-quantized"
+        if not packed and (bits != 8 or stored not in ("int-quantized", "naive-quantized")):
             raise ValueError(f"compressed-tensors format {stored!r} is not supported for "
-                             f"{bits}-bit int weights; served: pack-quantized")
+                             f"{bits}-bit int weights; served: pack-quantized"
+                             + ", int-quantized" * (bits == 8))
         if weights.get("actorder") not in (None, False, *STATIC_ORDER, *GROUP_ORDER):
             raise ValueError(f"INT{bits} weights with actorder {weights.get('actorder')!r} are "
                              "not supported; served: null, \"weight\", \"group\"")
@@ -97,7 +109,8 @@ def read(config: dict) -> Int4Format:
                              "group, channel")
         formats.add(Int4Format(size if strategy == "group" else None, bits,
                                zero_points=not weights.get("symmetric", True),
-                               act_order=weights.get("actorder") in GROUP_ORDER))
+                               act_order=weights.get("actorder") in GROUP_ORDER,
+                               packed=packed))
     if len(formats) > 1:
         raise ValueError("compressed-tensors groups with different int formats are not "
                          "supported")
@@ -106,9 +119,17 @@ def read(config: dict) -> Int4Format:
 
 def translate(name: str, tensor: torch.Tensor, fmt: Int4Format) -> tuple[str, torch.Tensor]:
     """An asymmetric checkpoint's packed zero points [ceil(N / P), groups] as the layer holds
-    them: [N, groups], unsigned (the stored value: zero point + 2^(bits - 1))."""
+    them: [N, groups], unsigned (the stored value: zero point + 2^(bits - 1)); an
+    int-quantized checkpoint's int8 weights packed as pack-quantized's, its zero points
+    unsigned."""
+    if not fmt.packed and name.endswith(".weight") and tensor.dtype == torch.int8:
+        values = tensor.to(torch.int32) + 128  # ([..., N, K]: a projection's, or experts')
+        words = pack(values.reshape(-1, values.shape[-1]), 8)
+        return f"{name}_packed", words.view(*values.shape[:-1], -1)
     if not name.endswith(".weight_zero_point"):
         return name, tensor
+    if not fmt.packed:
+        return name, tensor.float() + 128
     shifts = torch.arange(0, 32, fmt.bits, dtype=torch.int32, device=tensor.device)
     values = (tensor.unsqueeze(1) >> shifts[None, :, None]) & ((1 << fmt.bits) - 1)
     return name, values.reshape(-1, tensor.shape[1]).float()  # ([words, P, groups] flat)

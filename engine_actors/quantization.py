@@ -31,9 +31,10 @@ from kernels.fp8_quantize import FP8, FP8_MAX, GROUP
 # a checkpoint's names of a projection's quantized weight and scales -> the layer's
 SCALE_NAMES = {"weight_scale": "weight_scale", "weight_scale_inv": "weight_scale",
                "weight_packed": "weight"}
-# a static activation scale (activations are quantized per token); a packed weight's shape
-# (the layer knows it)
-UNUSED = ("input_scale", "weight_shape")
+# a static activation scale (FP8's activations are quantized per token; integer weights'
+# activations stay in the model's dtype) and zero point; a packed weight's shape (the layer
+# knows it)
+UNUSED = ("input_scale", "input_zero_point", "weight_shape")
 # an FP8 KV cache's per-tensor scales (kernels/kv_write.py): `self_attn.k_scale` and
 # `v_scale` (compressed-tensors' kv_cache_scheme), `k_proj`/`v_proj.output_scale`, or one
 # `kv_scale` for both (an older format, as vLLM reads it)

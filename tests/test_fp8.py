@@ -209,7 +209,7 @@ def test_blocks_that_straddle_shards_are_refused(tmp_path):
      r"unquantized decoder projections .*layers.0.mlp.down_proj"),
     (ct_config("channel") | {"config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "int", "strategy": "channel"}, "input_activations": {
-        "num_bits": 8, "type": "int"}}}}, {}, r"quantized activations \(W8A8\)"),
+        "num_bits": 8, "type": "float"}}}}, {}, "INT8 weights with float activations"),
     (ct_config("group"), {}, "FP8 weights by 'group' are not supported"),
     (ct_config("channel") | {"config_groups": {"g": {
         **ct_config("channel")["config_groups"]["group_0"], "targets": ["Embedding"]}}}, {},

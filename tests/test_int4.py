@@ -270,10 +270,16 @@ def test_act_order_experts_and_quantized_activations_are_refused(tmp_path):
     with pytest.raises(ValueError, match="act-order INT4 weights are not supported for "
                                          "Mixtral"):
         model_info(EngineConfig(model=str(tmp_path)))
-    w4a8 = w4a16_config(16)
-    w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": w4a8}))
-    with pytest.raises(ValueError, match="INT4 weights with quantized activations"):
+    w4afp8 = w4a16_config(16)
+    w4afp8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float"}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": w4afp8}))
+    with pytest.raises(ValueError, match="INT4 weights with float activations of 8 bits"):
+        model_info(EngineConfig(model=str(tmp_path)))
+    int4_stored_unpacked = w4a16_config(16)
+    int4_stored_unpacked["format"] = "int-quantized"
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config":
+                                                      int4_stored_unpacked}))
+    with pytest.raises(ValueError, match="format 'int-quantized' is not supported for 4-bit"):
         model_info(EngineConfig(model=str(tmp_path)))
 
 

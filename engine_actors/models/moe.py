@@ -31,7 +31,7 @@ from kernels.act_mul import act_mul
 EXPERT_WEIGHT = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
                            r"(?:(gate|shared_expert_gate)\.weight|experts\.(\d+)\.(\w+)\."
                            r"(weight|weight_packed|weight_scale_inv|weight_scale|"
-                           r"weight_zero_point|weight_g_idx|weight_shape|input_scale)|"
+                           r"weight_zero_point|weight_g_idx|weight_shape|input_scale|input_zero_point)|"
                            r"experts\.(gate_up_proj|down_proj))")
 
 
@@ -51,7 +51,7 @@ class MoEWeights:
         layer = self.layers[m[1]] if m[1] in self.layers else None
         if layer is None or not isinstance(layer.mlp, SparseMoE):
             return None  # another stage's layer
-        if m[5] in ("input_scale", "weight_shape"):
+        if m[5] in ("input_scale", "input_zero_point", "weight_shape"):
             return None
         name = m[2] or m[6] or f"{m[3]}.{m[4]}" + EXPERT_SUFFIX[m[5]]
         return [f"layers.{m[1]}.mlp.{key}" for key in layer.mlp.load_checkpoint(name, tensor)]
