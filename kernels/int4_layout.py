@@ -72,7 +72,7 @@ def tile_parts(order: ColumnOrder, n: int) -> ColumnOrder:
     tile (ValueError if not)."""
     starts = [start for start, _ in order.rows]
     if any(start % TILE_N for start in starts):
-        raise ValueError(f"act-order INT4 weights on the GPU need each stacked projection "
+        raise ValueError(f"act-order integer weights on the GPU need each stacked projection "
                          f"(q/k/v, gate/up) to start on a multiple of {TILE_N} rows; this "
                          f"layer's start at rows {starts}")
     tiles = torch.arange(0, triton.cdiv(n, TILE_N) * TILE_N, TILE_N)

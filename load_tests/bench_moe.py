@@ -50,7 +50,7 @@ def fused(x, w13, w2, experts, block_m, config=None, fp8=None, int4=None):
     pair_ids, block_experts = align_pairs(experts, w13.shape[0], block_m)
     s13, s2, block = fp8 or int4 or (None, None, None)
     w8a8 = fp8 is not None and block_m >= W8A8_ROWS
-    groups = (None, None) if int4 is None else ((int4[2], None), (int4[2], None))
+    groups = (None, None) if int4 is None else ((int4[2], None, 4), (int4[2], None, 4))
     hidden = act_mul(expert_matmul(x, w13, pair_ids, block_experts, num_pairs, top_k,
                                    block_m, config, scales=s13, block=fp8 and block,
                                    quantize_a=w8a8, int4=groups[0]))

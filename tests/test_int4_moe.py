@@ -163,3 +163,20 @@ def test_the_benchmarks_int4_writer_packs_each_expert(tmp_path, name, bits):
     error = (weight.view(64, 32) - original).norm() / original.norm()
     assert 0 < error < (0.15 if bits == 4 else 0.01)
     assert written["model.layers.0.mlp.gate.weight"].is_floating_point()
+
+
+def test_the_benchmarks_int4_experts_call_matches_its_dequantized_weights(monkeypatch):
+    """load_tests/bench_moe.py's INT4 path (its own quantization, the layer's storage) in the
+    Triton interpreter: both matmuls over the INT4 experts equal those over the weights it
+    dequantized."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels.int4_layout import by_group, tile_experts
+    from load_tests.bench_moe import fused, int4_quantized
+    g = torch.Generator().manual_seed(0)
+    experts = torch.randint(0, 4, (6, 2), generator=g)
+    x = torch.randn(6, 64, generator=g)
+    (q13, s13, d13), (q2, s2, d2) = (int4_quantized(torch.randn(4, n, k, generator=g), 32)
+                                     for n, k in ((64, 64), (64, 32)))
+    got = fused(x, tile_experts(q13), tile_experts(q2), experts, 16,
+                int4=(by_group(s13), by_group(s2), 32))
+    torch.testing.assert_close(got, fused(x, d13, d2, experts, 16), rtol=1e-4, atol=1e-4)

@@ -209,7 +209,8 @@ class RowParallelLinear(Linear):
         self.in_start, local_in = shard_range(in_features, parallel.tp_rank, parallel.tp_size)
         self.make_weight(out_features, local_in, bias)
         if self.int4 and self.quant.act_order and parallel.tp_size > 1:
-            raise ValueError("act-order INT4 weights (GPTQ's desc_act, actorder \"group\") "
+            raise ValueError(f"act-order {self.quant.name} weights (GPTQ's desc_act, "
+                             "actorder \"group\") "
                              "are served at tensor_parallel_size 1: a shard of a layer's input "
                              "columns would hold parts of every group")
         if self.quant is not None and (self.quant.block is not None or self.int4):

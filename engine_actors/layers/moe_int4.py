@@ -28,8 +28,8 @@ class Int4Experts:
         """Packed weights, scales (and zero points) per row and group; a rank's share of
         the down projection's input features starts on a group (and a word)."""
         if self.quant.act_order:
-            raise ValueError("act-order INT4 experts (a g_idx) are not supported; served: "
-                             "INT4 experts without act-order")
+            raise ValueError(f"act-order {self.quant.name} experts (a g_idx) are not "
+                             f"supported; served: {self.quant.name} experts without act-order")
         group = self.quant.group or None
         for name, (n, k) in (("w13", (2 * local, hidden)), ("w2", (hidden, local))):
             setattr(self, name, nn.Parameter(torch.empty(
@@ -80,7 +80,7 @@ class Int4Experts:
         columns (words, or groups) of down's."""
         if kind not in ("weight", "weight_scale", "weight_zero_point"):
             raise ValueError(f"expert {e}'s {projection} has a {kind} tensor, which is not "
-                             "served for INT4 experts")
+                             f"served for {self.quant.name} experts")
         if kind == "weight" and tensor.dtype != torch.int32:
             raise ValueError(f"an {self.quant.name} checkpoint's expert weight is stored as "
                              f"{tensor.dtype}, not int32 words of packed {self.quant.bits}-bit "
