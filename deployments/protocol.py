@@ -60,6 +60,10 @@ class _Base(BaseModel):
                     or fields[k].is_required() or k in cls.NULL_KEPT}
         return data
 
+    def check_supported(self) -> None:
+        """APIError 400 for what the server does not serve (request_body.parse_body asks a
+        request body once it has parsed it; nothing, unless a schema says otherwise)."""
+
 
 def check_runner(schema: type[_Base], runner: str) -> None:
     """APIError 400 when the route's schema needs the other runner (text generation on a

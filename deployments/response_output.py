@@ -44,6 +44,7 @@ class ResponseObject:
             "max_tool_calls": req.max_tool_calls, "top_logprobs": req.top_logprobs or 0,
             "metadata": req.metadata or {}, "store": is_stored, "background": req.background,
             "previous_response_id": req.previous_response_id, "truncation": req.truncation,
+            "conversation": {"id": req.conversation_id} if req.conversation_id else None,
             "reasoning": req.reasoning.model_dump() if req.reasoning else None,
             "user": req.user}
 

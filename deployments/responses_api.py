@@ -6,6 +6,8 @@ limits, disconnects, metrics); only the output differs: a `response` object, or 
 stream of typed events (response_output.py). Finished responses are stored unless the
 request says `"store": false` (stored_responses.py); `"background": true` answers at once
 and generates in a task (background_responses.py), streamed from the store with `stream`.
+With `conversation` (conversations_api.py) the response continues that conversation's
+items, and its input and output items are added to it once it has ended.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from deployments.background_responses import BackgroundResponses
+from deployments.conversations_api import ConversationsAPI
 from deployments.openai_api import OpenAIRoutes
 from deployments.protocol import APIError
 from deployments.response_output import ResponseEvents, ResponseObject
@@ -30,9 +33,11 @@ class ResponsesAPI:
         self.frontend = openai.frontend
         self.stored = StoredResponses(self.frontend)
         self.background = BackgroundResponses(openai, self.stored)
+        self.conversations = ConversationsAPI(self.frontend)
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/responses", self.create, methods=["POST"])] + self.stored.routes()
+        return [Route("/v1/responses", self.create, methods=["POST"])] + \
+            self.stored.routes() + self.conversations.routes()
 
     async def create(self, request: Request):
         arrival = time.monotonic()
@@ -44,6 +49,9 @@ class ResponsesAPI:
                                "unsupported_parameter")
             earlier, items = await self.stored.conversation(req.previous_response_id,
                                                             normalize_input(req.input))
+            conversation = req.conversation_id
+            if conversation is not None:
+                earlier = await self.conversations.items_of(conversation)
             chat = req.to_chat(earlier + items)
             info = await self.frontend.ready()
             ids, grammar, parser = await self.openai.chat_prompt(chat, info)
@@ -57,8 +65,7 @@ class ResponsesAPI:
                                       _pick(req.top_p, defaults, "top_p"),
                                       cfg.block_size if cfg.enable_prefix_caching else None,
                                       is_stored=req.store and self.stored.is_enabled)
-            save = (lambda body: self.stored.save(body, items)) \
-                if response.is_stored else None
+            save = self._saving(response, items, conversation)
             group, choices, timeout = await self.openai.submit(
                 response.id, chat, [(None, ids)], chat.max_tokens, info, chat=True,
                 arrival=arrival, grammar=grammar, tool_parser=parser)
@@ -82,6 +89,19 @@ class ResponsesAPI:
                 e.message = e.message.replace(e.param, RESPONSES_PARAMS[e.param])
                 e.param = RESPONSES_PARAMS[e.param]
             return e.response()
+
+    def _saving(self, response: ResponseObject, items: list[dict], conversation: str | None):
+        """What keeps a response once it has ended (None: nothing): stored, and its input
+        and output items added to its conversation."""
+        if not response.is_stored and conversation is None:
+            return None
+
+        async def save(body: dict) -> None:
+            if response.is_stored:
+                await self.stored.save(body, items)
+            if conversation is not None:
+                await self.conversations.append(conversation, items + body["output"])
+        return save
 
     async def _truncated(self, req, items: list[dict], info):
         """truncation "auto" (OpenAI's): the conversation without as few of its first items

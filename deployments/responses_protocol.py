@@ -93,10 +93,18 @@ class ResponsesRequest(SamplingOptions):
     timeout_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
 
     def check_supported(self) -> None:
-        if self.conversation is not None:
-            raise APIError(400, "conversation is not supported: this server has no "
-                                "Conversations API; continue with previous_response_id, or "
-                                "send the whole conversation as input", "conversation",
+        if isinstance(self.conversation, dict) and \
+                not isinstance(self.conversation.get("id"), str):
+            raise APIError(400, "conversation must be an id or an object with an `id`",
+                           "conversation", "invalid_value")
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise APIError(400, "Mutually exclusive parameters: previous_response_id and "
+                                "conversation; use one of them", "conversation",
+                           "mutually_exclusive_parameters")
+        if self.conversation is not None and self.background:
+            raise APIError(400, "conversation with background is not supported: run the "
+                                "response in the foreground, or continue it with "
+                                "previous_response_id", "conversation",
                            "unsupported_parameter")
         if self.background and not self.store:
             raise APIError(400, "background responses must be stored: set store to true "
@@ -105,6 +113,12 @@ class ResponsesRequest(SamplingOptions):
             raise APIError(400, "prompt (a stored prompt template) is not supported: this "
                                 "server stores none; send the text as input", "prompt",
                            "unsupported_parameter")
+
+    @property
+    def conversation_id(self) -> str | None:
+        """`conversation`: an id, or an object with one (checked by check_supported)."""
+        return self.conversation["id"] if isinstance(self.conversation, dict) \
+            else self.conversation
 
     @property
     def wants_logprobs(self) -> bool:

@@ -33,6 +33,7 @@ from engine_actors.messages import BatchRequest, EngineRequest, Refusal, Request
 from engine_actors.metrics import EngineMetrics
 from engine_actors.outbox import EarlyAborts, Outbox
 from engine_actors.request import FinishReason
+from engine_actors.conversation_store import ConversationStore
 from engine_actors.response_store import ResponseStore
 
 logger = logging.getLogger("orca_serve.scheduler")
@@ -61,6 +62,7 @@ class SchedulerActor:
             if cfg.enable_finetuning else None
         self.outboxes: dict[str, Outbox] = {}
         self.responses = ResponseStore(cfg.response_store_mib * 2**20, self.abort)
+        self.conversations = ConversationStore(cfg.response_store_mib * 2**20)
         self.batches = Batches(self._add, self.abort,
                                lambda: load_tokenizer(resolve_model_path(cfg.model)))
         self.draining = False
@@ -242,6 +244,9 @@ class SchedulerActor:
     async def response_call(self, method: str, *args):  # ResponseStore's put, get, ...
         result = getattr(self.responses, method)(*args)  # (events_after waits for some)
         return await result if asyncio.iscoroutine(result) else result
+
+    def conversation_call(self, method: str, *args):  # ConversationStore's create, get, ...
+        return getattr(self.conversations, method)(*args)
 
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
                            priority: int = 1) -> Refusal | None:

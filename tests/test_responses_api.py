@@ -87,7 +87,8 @@ def test_input_items_become_chat_messages():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
+    ({"conversation": {"name": "conv_1"}}, "conversation"),
     ({"background": True, "store": False}, "background"),
     ({"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what is it?"},

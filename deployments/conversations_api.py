@@ -1,0 +1,238 @@
+"""OpenAI's Conversations API: POST /v1/conversations, GET, POST (metadata) and DELETE
+/v1/conversations/{id}, GET and POST /v1/conversations/{id}/items, GET and DELETE
+/v1/conversations/{id}/items/{item_id}; and what POST /v1/responses with `conversation`
+needs (responses_api.py): the conversation's items before its input, and its input and
+output items added once it has ended.
+
+Conversations live in the scheduler actor (engine_actors/conversation_store.py), so every
+ingress replica sees the same ones. Items are the Responses API's input items (messages,
+function calls and their outputs, reasoning: responses_items.normalize_input), each given a
+new id as it is added.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Annotated
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from deployments.frontend import Frontend
+from deployments.list_params import query_limit, query_order
+from deployments.protocol import APIError, _Base
+from deployments.responses_items import normalize_input
+from engine_actors.messages import page
+
+logger = logging.getLogger("orca_serve.ingress")
+MAX_NEW_ITEMS = 20  # OpenAI's: items in one create call
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
+                          Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
+class CreateConversation(_Base):
+    items: list | None = None
+    metadata: Metadata | None = None
+
+
+class UpdateConversation(_Base):
+    metadata: Metadata
+
+
+class AddItems(_Base):
+    items: list
+
+
+def not_found(conversation_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"Conversation with id {conversation_id!r} not found.", param,
+                    "not_found", "not_found_error")
+
+
+def new_items(items: list, param: str = "items") -> list[tuple[str, str]]:
+    """Input items as the store keeps them ((id, JSON) each): checked and given new ids;
+    an error names the item by its index under `param`."""
+    if len(items) > MAX_NEW_ITEMS:
+        raise APIError(400, f"at most {MAX_NEW_ITEMS} items may be added at once, not "
+                            f"{len(items)}", param, "invalid_value")
+    try:
+        normalized = normalize_input(items)
+    except APIError as e:
+        if e.param and e.param.startswith("input."):
+            e.message = e.message.replace("input.", f"{param}.", 1)
+            e.param = param + e.param.removeprefix("input")
+        raise
+    for i, item in enumerate(normalized):
+        if item["type"] == "item_reference":
+            raise APIError(400, "item_reference items can not be added to a conversation",
+                           f"{param}.{i}", "invalid_value")
+    return [(item["id"], json.dumps(item)) for item in normalized]
+
+
+class ConversationsAPI:
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    def routes(self) -> list[Route]:
+        one, item = "/v1/conversations/{conversation_id}", "/items/{item_id}"
+        return [Route("/v1/conversations", self.create, methods=["POST"]),
+                Route(one, self.retrieve, methods=["GET"]),
+                Route(one, self.update, methods=["POST"]),
+                Route(one, self.delete, methods=["DELETE"]),
+                Route(one + "/items", self.list_items, methods=["GET"]),
+                Route(one + "/items", self.add_items, methods=["POST"]),
+                Route(one + item, self.retrieve_item, methods=["GET"]),
+                Route(one + item, self.delete_item, methods=["DELETE"])]
+
+    # ---- used by POST /v1/responses -----------------------------------------------------
+    async def items_of(self, conversation_id: str) -> list[dict]:
+        """The conversation's items, oldest first (400 naming `conversation` if none)."""
+        items = await self._call("items", conversation_id)
+        if items is None:
+            raise APIError(400, f"Conversation with id {conversation_id!r} not found.",
+                           "conversation", "invalid_value")
+        return [json.loads(item) for item in items]
+
+    async def append(self, conversation_id: str, items: list[dict]) -> None:
+        """A response's input and output items added once it has ended. If the conversation
+        is gone (deleted, evicted) or the scheduler is, the response is still delivered."""
+        try:
+            added = await self._call("add", conversation_id,
+                                     [(item["id"], json.dumps(item)) for item in items])
+        except APIError as e:
+            added = e.message
+        if added is not True:
+            logger.warning("conversation %s: a response's items not added (%s)",
+                           conversation_id, "not found" if added is None else
+                           "over response_store_mib by itself" if added is False else added)
+
+    # ---- the routes ---------------------------------------------------------------------
+    async def create(self, request: Request):
+        try:
+            req = await self.frontend.parse(request, CreateConversation)
+            items = new_items(req.items or [])
+            conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": "conversation",
+                            "created_at": int(time.time()), "metadata": req.metadata or {}}
+            if not await self._call("create", conversation["id"], json.dumps(conversation),
+                                    items):
+                raise APIError(400, "the conversation is larger than this server's "
+                                    "conversation store (response_store_mib)", "items",
+                               "invalid_value")
+            return JSONResponse(conversation)
+        except APIError as e:
+            return e.response()
+
+    async def retrieve(self, request: Request):
+        try:
+            return JSONResponse(await self._conversation(request))
+        except APIError as e:
+            return e.response()
+
+    async def update(self, request: Request):
+        try:
+            req = await self.frontend.parse(request, UpdateConversation)
+            conversation = {**await self._conversation(request), "metadata": req.metadata}
+            if not await self._call("update", conversation["id"], json.dumps(conversation)):
+                raise not_found(conversation["id"])
+            return JSONResponse(conversation)
+        except APIError as e:
+            return e.response()
+
+    async def delete(self, request: Request):
+        try:
+            conversation_id = request.path_params["conversation_id"]
+            if not await self._call("delete", conversation_id):
+                raise not_found(conversation_id)
+            return JSONResponse({"id": conversation_id, "object": "conversation.deleted",
+                                 "deleted": True})
+        except APIError as e:
+            return e.response()
+
+    async def list_items(self, request: Request):
+        """A page of `limit` items after the item `after`, newest first by default."""
+        try:
+            conversation_id = request.path_params["conversation_id"]
+            query = request.query_params
+            limit, order = query_limit(query), query_order(query)
+            items = await self._call("items", conversation_id)
+            if items is None:
+                raise not_found(conversation_id)
+            items = [json.loads(item) for item in items]
+            return JSONResponse(listed(items[::-1] if order == "desc" else items,
+                                       query.get("after"), limit))
+        except APIError as e:
+            return e.response()
+
+    async def add_items(self, request: Request):
+        try:
+            conversation_id = request.path_params["conversation_id"]
+            req = await self.frontend.parse(request, AddItems)
+            items = new_items(req.items)
+            added = await self._call("add", conversation_id, items)
+            if added is None:
+                raise not_found(conversation_id)
+            if not added:
+                raise APIError(400, "the conversation would be larger than this server's "
+                                    "conversation store (response_store_mib)", "items",
+                               "invalid_value")
+            data = [json.loads(item) for _, item in items]
+            return JSONResponse({"object": "list", "data": data, "has_more": False,
+                                 "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None})
+        except APIError as e:
+            return e.response()
+
+    async def retrieve_item(self, request: Request):
+        try:
+            return JSONResponse(json.loads((await self._item(request, "item"))[1]))
+        except APIError as e:
+            return e.response()
+
+    async def delete_item(self, request: Request):
+        """The item removed; the answer is the conversation (OpenAI's)."""
+        try:
+            return JSONResponse(json.loads((await self._item(request, "delete_item"))[0]))
+        except APIError as e:
+            return e.response()
+
+    async def _item(self, request: Request, method: str):
+        """The store's `method` on the item the path names: (the conversation's JSON, the
+        item's JSON or whether it was deleted); APIError 404 if either is not found."""
+        conversation_id, item_id = (request.path_params[k] for k in ("conversation_id",
+                                                                      "item_id"))
+        conversation, item = await self._call(method, conversation_id, item_id)
+        if conversation is None:
+            raise not_found(conversation_id)
+        if not item:
+            raise APIError(404, f"Item with id {item_id!r} not found.", None, "not_found",
+                           "not_found_error")
+        return conversation, item
+
+    async def _conversation(self, request: Request) -> dict:
+        conversation_id = request.path_params["conversation_id"]
+        data = await self._call("get", conversation_id)
+        if data is None:
+            raise not_found(conversation_id)
+        return json.loads(data)
+
+    async def _call(self, method: str, *args):
+        if self.frontend.cfg.response_store_mib <= 0:
+            raise APIError(400, "this server stores no conversations (response_store_mib is "
+                                "0)", None, "unsupported_parameter")
+        await self.frontend.ready()
+        return await self.frontend.call("conversation_call", method, *args)
+
+
+def listed(items: list[dict], after: str | None, limit: int) -> dict:
+    """OpenAI's list object of items (engine_actors.messages.page) with first and last ids."""
+    try:
+        result = page(items, after, limit)
+    except KeyError:
+        raise APIError(400, f"after: no item {after!r} in this conversation", "after",
+                       "invalid_value") from None
+    data = result["data"]
+    return {**result, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}

@@ -1,0 +1,130 @@
+"""OpenAI's Conversations API: the store's bookkeeping (no server), then over HTTP with the
+official client: conversations and their items created, listed in pages, retrieved,
+updated and deleted; a response made with `conversation` renders the conversation's items
+then its input as the chat template renders the whole conversation (greedy text equal to
+transformers'), and its input and output are added to the conversation; refusals."""
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine's image
+
+from engine_actors.checkpoint import resolve_model_path  # noqa: E402
+from engine_actors.config import DEFAULT_MODEL  # noqa: E402
+from engine_actors.conversation_store import (CONVERSATION_BYTES, ITEM_BYTES,  # noqa: E402
+                                              ConversationStore)
+from tests.engine_harness import hf_greedy  # noqa: E402
+from tests.test_responses_api import MODEL  # noqa: E402
+from tests.test_stored_responses import NO_EOS, template_ids  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from engine_actors.checkpoint import load_tokenizer
+    return load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+
+
+# ---- the store, without a server -------------------------------------------------------------
+def test_the_store_counts_bytes_and_evicts_the_least_recently_used_conversation():
+    one = CONVERSATION_BYTES + 10 + ITEM_BYTES + 2 + 5  # its JSON, one item ("i1", 5 bytes)
+    store = ConversationStore(max_bytes=2 * one)
+    assert store.create("a", "x" * 10, [("i1", "hello")])
+    assert store.create("b", "y" * 10, [("i2", "world")])
+    assert store.num_bytes == 2 * one
+    assert store.items("a") == ["hello"]  # a is now the most recently used
+    assert store.create("c", "z" * 10, [("i3", "again")])
+    assert store.get("b") is None and store.get("a") == "x" * 10
+    assert store.add("a", [("i4", "more!")]) is True  # over the budget: c goes, not a
+    assert store.get("c") is None and store.items("a") == ["hello", "more!"]
+    assert store.num_bytes == one + ITEM_BYTES + 2 + 5
+    assert store.add("a", [("i5", "x" * 3 * one)]) is False  # over the whole store
+    assert store.items("a") == ["hello", "more!"]
+    assert store.item("a", "i4") == ("x" * 10, "more!") and store.item("a", "no")[1] is None
+    assert store.delete_item("a", "i1") == ("x" * 10, True)
+    assert store.delete_item("a", "i1") == ("x" * 10, False)
+    assert store.update("a", "w" * 12) and store.get("a") == "w" * 12
+    assert store.num_bytes == CONVERSATION_BYTES + 12 + ITEM_BYTES + 2 + 5
+    assert store.add("nope", []) is None and store.items("nope") is None
+    assert store.delete("a") and not store.delete("a") and store.num_bytes == 0
+
+
+# ---- over HTTP -------------------------------------------------------------------------------
+def test_conversations_and_their_items(client):
+    conv = client.conversations.create(
+        items=[{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}],
+        metadata={"topic": "numbers"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "numbers"}
+    assert client.conversations.retrieve(conv.id).created_at == conv.created_at
+    added = client.conversations.items.create(conv.id, items=[
+        {"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                         "text": "three"}]}])
+    assert [item.content[0].text for item in added.data] == ["three"]
+    texts = [item.content[0].text for item in client.conversations.items.list(conv.id)]
+    assert texts == ["three", "two", "one"]  # newest first, paged through by the client
+    pages = client.conversations.items.list(conv.id, order="asc", limit=2)
+    assert [i.content[0].text for i in pages.data] == ["one", "two"] and pages.has_more
+    assert [i.content[0].text for i in pages] == ["one", "two", "three"]
+    first = pages.data[0]
+    assert client.conversations.items.retrieve(first.id, conversation_id=conv.id).id == first.id
+    assert client.conversations.items.delete(first.id, conversation_id=conv.id).id == conv.id
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.retrieve(first.id, conversation_id=conv.id)
+    updated = client.conversations.update(conv.id, metadata={"topic": "letters"})
+    assert client.conversations.retrieve(conv.id).metadata == updated.metadata == \
+        {"topic": "letters"}
+    assert client.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.list(conv.id)
+
+
+def test_responses_continue_a_conversation_and_add_to_it(client, tokenizer):
+    """Turn 1 runs on the conversation's items then its input; turn 2 on all of that, turn
+    1's output and its own input; each greedy text is transformers' on its prompt."""
+    conv = client.conversations.create(items=[{"role": "user", "content": "My name is Ada."},
+                                              {"role": "assistant", "content": "Hello Ada."}])
+    first = client.responses.create(model=MODEL, input="What is my name?", conversation=conv.id,
+                                    max_output_tokens=6, temperature=0, extra_body=NO_EOS)
+    messages = [{"role": "user", "content": "My name is Ada."},
+                {"role": "assistant", "content": "Hello Ada."},
+                {"role": "user", "content": "What is my name?"}]
+    prompt = template_ids(tokenizer, messages)
+    assert first.usage.input_tokens == len(prompt) and first.conversation.id == conv.id
+    ref = hf_greedy(resolve_model_path(DEFAULT_MODEL), prompt, 6)
+    assert first.output_text == tokenizer.decode(ref, skip_special_tokens=True)
+    listed = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.role for i in listed] == ["user", "assistant", "user", "assistant"]
+    assert listed[-1].id == first.output[0].id
+    second = client.responses.create(model=MODEL, input="Again?", max_output_tokens=4,
+                                     conversation={"id": conv.id}, stream=True,
+                                     temperature=0, extra_body=NO_EOS)
+    done = [event for event in second if event.type in (
+        "response.completed", "response.incomplete")][0].response  # (incomplete: 4 tokens)
+    messages += [{"role": "assistant", "content": first.output_text},
+                 {"role": "user", "content": "Again?"}]
+    assert done.usage.input_tokens == len(template_ids(tokenizer, messages))
+    assert len(client.conversations.items.list(conv.id).data) == 6  # (streamed: added too)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"conversation": "conv_nope"}, 400, "conversation"),
+    ({"conversation": "conv_x", "previous_response_id": "resp_x"}, 400, "conversation"),
+    ({"conversation": {"name": "x"}}, 400, "conversation"),
+    ({"conversation": "conv_x", "background": True}, 400, "conversation"),
+])
+def test_responses_refuse_what_a_conversation_can_not_take(client, body, status, param):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                extra_body=body)
+    assert e.value.status_code == status and e.value.body["param"] == param
+
+
+def test_bad_items_are_refused_by_their_index(client, url):
+    import httpx
+    r = httpx.post(f"{url}/v1/conversations", json={"items": [
+        {"role": "user", "content": "ok"}, {"type": "computer_call", "id": "c"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "items.1.type"
+    r = httpx.post(f"{url}/v1/conversations", json={"items": [{"role": "user",
+                                                                "content": "x"}] * 21})
+    assert r.status_code == 400 and "at most 20" in r.json()["error"]["message"]
