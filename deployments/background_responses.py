@@ -14,6 +14,9 @@ come. The POST's answer streams them from the record (stored_responses.StoredRes
 .stream), as GET /v1/responses/{id}?stream=true&starting_after=N does from any replica: a
 client that loses its connection resumes after the last event it saw, and the response is
 generated all the same.
+
+A response that continues a conversation (`conversation`) adds its input and output items
+to it once it has ended, completed or incomplete (`on_end`).
 """
 from __future__ import annotations
 
@@ -36,9 +39,11 @@ class BackgroundResponses:
         self._tasks: set[asyncio.Task] = set()  # running, kept alive
 
     async def start(self, response: ResponseObject, items: list[dict], group, choices,
-                    chat, timeout: float | None, events: ResponseEvents | None) -> dict:
+                    chat, timeout: float | None, events: ResponseEvents | None,
+                    on_end=None) -> dict:
         """Store the submitted request's response as queued and run it; its body now.
-        `events`: the stream's, for a streamed one."""
+        `events`: the stream's, for a streamed one; `on_end`: an async function of its
+        final body once it is stored completed or incomplete."""
         body = response.body("queued", [])
         owner = self.openai.frontend.client.client_id  # (a reconnect makes a new one)
         try:
@@ -48,7 +53,8 @@ class BackgroundResponses:
             group.close()  # its engine requests end, and a record stored all the same goes
             self._spawn(self.stored.delete_quietly(response.id))
             raise
-        self._spawn(self._run(response, items, owner, group, choices, chat, timeout, events))
+        self._spawn(self._run(response, items, owner, group, choices, chat, timeout, events,
+                              on_end))
         return body
 
     def _spawn(self, coro) -> None:
@@ -65,7 +71,7 @@ class BackgroundResponses:
 
     async def _run(self, response: ResponseObject, items: list[dict], owner: str, group,
                    choices, chat, timeout: float | None,
-                   events: ResponseEvents | None) -> None:
+                   events: ResponseEvents | None, on_end=None) -> None:
         try:
             started = [events.state("in_progress")] if events else []
             if not await self.stored.update(response.body("in_progress", []), items, owner,
@@ -89,6 +95,8 @@ class BackgroundResponses:
                                                               "message": e.message})
             if not await self.stored.update(body, items, owner, False, last):
                 group.close()
+            elif on_end is not None and body["status"] in ("completed", "incomplete"):
+                await on_end(body)
         except Exception:  # (a stream's last event, response.failed, is the store's)
             logger.exception("background response %s failed", response.id)
             group.close()

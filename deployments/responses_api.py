@@ -71,8 +71,9 @@ class ResponsesAPI:
                 arrival=arrival, grammar=grammar, tool_parser=parser)
             if req.background:
                 events = ResponseEvents(response, background=True) if chat.stream else None
-                body = await self.background.start(response, items, group, choices, chat,
-                                                   timeout, events)
+                body = await self.background.start(
+                    response, items, group, choices, chat, timeout, events,
+                    self._adding(items, conversation))
                 return await self.stored.stream(response.id) if chat.stream \
                     else JSONResponse(body)
             if chat.stream:
@@ -96,12 +97,20 @@ class ResponsesAPI:
         if not response.is_stored and conversation is None:
             return None
 
+        add = self._adding(items, conversation)
+
         async def save(body: dict) -> None:
             if response.is_stored:
                 await self.stored.save(body, items)
-            if conversation is not None:
-                await self.conversations.append(conversation, items + body["output"])
+            if add is not None:
+                await add(body)
         return save
+
+    def _adding(self, items: list[dict], conversation: str | None):
+        """What adds a response's input and output items to its conversation, if any."""
+        if conversation is None:
+            return None
+        return lambda body: self.conversations.append(conversation, items + body["output"])
 
     async def _truncated(self, req, items: list[dict], info):
         """truncation "auto" (OpenAI's): the conversation without as few of its first items

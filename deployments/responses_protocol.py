@@ -101,11 +101,6 @@ class ResponsesRequest(SamplingOptions):
             raise APIError(400, "Mutually exclusive parameters: previous_response_id and "
                                 "conversation; use one of them", "conversation",
                            "mutually_exclusive_parameters")
-        if self.conversation is not None and self.background:
-            raise APIError(400, "conversation with background is not supported: run the "
-                                "response in the foreground, or continue it with "
-                                "previous_response_id", "conversation",
-                           "unsupported_parameter")
         if self.background and not self.store:
             raise APIError(400, "background responses must be stored: set store to true "
                                 "(or leave it out)", "background", "invalid_value")

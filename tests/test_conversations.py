@@ -5,6 +5,8 @@ then its input as the chat template renders the whole conversation (greedy text 
 transformers'), and its input and output are added to the conversation; refusals."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine's image
@@ -105,13 +107,26 @@ def test_responses_continue_a_conversation_and_add_to_it(client, tokenizer):
                  {"role": "user", "content": "Again?"}]
     assert done.usage.input_tokens == len(template_ids(tokenizer, messages))
     assert len(client.conversations.items.list(conv.id).data) == 6  # (streamed: added too)
+    third = client.responses.create(model=MODEL, input="Once more.", conversation=conv.id,
+                                    background=True, max_output_tokens=3, extra_body=NO_EOS)
+    deadline = time.monotonic() + 60
+    while third.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        third = client.responses.retrieve(third.id)
+    assert third.status == "incomplete"
+    deadline = time.monotonic() + 10  # (added just after it is stored as ended)
+    while len(client.conversations.items.list(conv.id).data) < 8 and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    newest = client.conversations.items.list(conv.id, limit=2).data
+    assert [i.id for i in newest] == [third.output[0].id, newest[1].id]
+    assert newest[1].content[0].text == "Once more."
 
 
 @pytest.mark.parametrize("body,status,param", [
     ({"conversation": "conv_nope"}, 400, "conversation"),
     ({"conversation": "conv_x", "previous_response_id": "resp_x"}, 400, "conversation"),
     ({"conversation": {"name": "x"}}, 400, "conversation"),
-    ({"conversation": "conv_x", "background": True}, 400, "conversation"),
 ])
 def test_responses_refuse_what_a_conversation_can_not_take(client, body, status, param):
     with pytest.raises(openai.APIStatusError) as e:
