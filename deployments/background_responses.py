@@ -16,7 +16,8 @@ client that loses its connection resumes after the last event it saw, and the re
 generated all the same.
 
 A response that continues a conversation (`conversation`) adds its input and output items
-to it once it has ended, completed or incomplete (`on_end`).
+to it as it ends completed or incomplete, before it is stored so (`on_end`: a client that
+sees it ended continues from them), and releases its hold on it however it ends.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class BackgroundResponses:
                     chat, timeout: float | None, events: ResponseEvents | None,
                     on_end=None) -> dict:
         """Store the submitted request's response as queued and run it; its body now.
-        `events`: the stream's, for a streamed one; `on_end`: an async function of its
-        final body once it is stored completed or incomplete."""
+        `events`: the stream's, for a streamed one; `on_end`: an async function called once,
+        with its final body before it is stored completed or incomplete, else with None."""
         body = response.body("queued", [])
         owner = self.openai.frontend.client.client_id  # (a reconnect makes a new one)
         try:
@@ -93,15 +94,21 @@ class BackgroundResponses:
                 except APIError as e:  # (OpenAI's codes: the cause is in the message)
                     body = response.body("failed", [], error={"code": "server_error",
                                                               "message": e.message})
+            cut = any(c.finish_reason == "abort" for c in choices.values())  # (cancelled)
+            if on_end is not None and body["status"] in ("completed", "incomplete") \
+                    and not cut:
+                await on_end(body)
+                on_end = None
             if not await self.stored.update(body, items, owner, False, last):
                 group.close()
-            elif on_end is not None and body["status"] in ("completed", "incomplete"):
-                await on_end(body)
         except Exception:  # (a stream's last event, response.failed, is the store's)
             logger.exception("background response %s failed", response.id)
             group.close()
             await self.stored.update(response.body("failed", [], error={
                 "code": "server_error", "message": INTERNAL_ERROR}), items, owner, False, [])
+        finally:
+            if on_end is not None:  # (it failed, was cancelled, or runs here no more)
+                await on_end(None)
 
     async def _stream(self, response_id: str, owner: str, group, choices, chat,
                       timeout: float | None, events: ResponseEvents

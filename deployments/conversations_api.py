@@ -2,7 +2,8 @@
 /v1/conversations/{id}, GET and POST /v1/conversations/{id}/items, GET and DELETE
 /v1/conversations/{id}/items/{item_id}; and what POST /v1/responses with `conversation`
 needs (responses_api.py): the conversation's items before its input, and its input and
-output items added once it has ended.
+output items added once it has ended. The response holds the conversation meanwhile
+(conversation_store.py): another one on it is a 400 with code `conversation_locked`.
 
 Conversations live in the scheduler actor (engine_actors/conversation_store.py), so every
 ingress replica sees the same ones. Items are the Responses API's input items (messages,
@@ -11,6 +12,8 @@ new id as it is added.
 """
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -40,7 +43,7 @@ class CreateConversation(_Base):
 
 
 class UpdateConversation(_Base):
-    metadata: Metadata
+    metadata: Metadata | None = None  # (the client sends null to clear it)
 
 
 class AddItems(_Base):
@@ -52,29 +55,28 @@ def not_found(conversation_id: str, param: str | None = None) -> APIError:
                     "not_found", "not_found_error")
 
 
-def new_items(items: list, param: str = "items") -> list[tuple[str, str]]:
-    """Input items as the store keeps them ((id, JSON) each): checked and given new ids;
-    an error names the item by its index under `param`."""
+async def new_items(items: list, stored) -> list[tuple[str, str]]:
+    """Input items as the store keeps them ((id, JSON) each): checked and given new ids,
+    item_reference items replaced by copies of the stored items they name (`stored`:
+    stored_responses.StoredResponses); an error names the item by its index in `items`."""
     if len(items) > MAX_NEW_ITEMS:
         raise APIError(400, f"at most {MAX_NEW_ITEMS} items may be added at once, not "
-                            f"{len(items)}", param, "invalid_value")
+                            f"{len(items)}", "items", "invalid_value")
     try:
-        normalized = normalize_input(items)
+        _, normalized = await stored.conversation(None, normalize_input(items))
     except APIError as e:
         if e.param and e.param.startswith("input."):
-            e.message = e.message.replace("input.", f"{param}.", 1)
-            e.param = param + e.param.removeprefix("input")
+            e.message = e.message.replace("input.", "items.", 1)
+            e.param = "items" + e.param.removeprefix("input")
         raise
-    for i, item in enumerate(normalized):
-        if item["type"] == "item_reference":
-            raise APIError(400, "item_reference items can not be added to a conversation",
-                           f"{param}.{i}", "invalid_value")
     return [(item["id"], json.dumps(item)) for item in normalized]
 
 
 class ConversationsAPI:
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, stored):
         self.frontend = frontend
+        self.stored = stored  # stored_responses.StoredResponses: item references
+        self._tasks: set[asyncio.Task] = set()  # releases under way, kept alive
 
     def routes(self) -> list[Route]:
         one, item = "/v1/conversations/{conversation_id}", "/items/{item_id}"
@@ -88,19 +90,25 @@ class ConversationsAPI:
                 Route(one + item, self.delete_item, methods=["DELETE"])]
 
     # ---- used by POST /v1/responses -----------------------------------------------------
-    async def items_of(self, conversation_id: str) -> list[dict]:
-        """The conversation's items, oldest first (400 naming `conversation` if none)."""
-        items = await self._call("items", conversation_id)
+    async def begin(self, conversation_id: str, token: str) -> list[dict]:
+        """The conversation's items, oldest first, held for response `token` until `end`
+        (400 naming `conversation` if it is not found or another response holds it)."""
+        items = await self._call("begin", conversation_id, token, time.time())
         if items is None:
             raise APIError(400, f"Conversation with id {conversation_id!r} not found.",
                            "conversation", "invalid_value")
+        if items is False:
+            raise APIError(400, f"Another response is running on conversation "
+                                f"{conversation_id!r}; send this one once it has ended.",
+                           "conversation", "conversation_locked")
         return [json.loads(item) for item in items]
 
-    async def append(self, conversation_id: str, items: list[dict]) -> None:
-        """A response's input and output items added once it has ended. If the conversation
-        is gone (deleted, evicted) or the scheduler is, the response is still delivered."""
+    async def end(self, conversation_id: str, token: str, items: list[dict]) -> None:
+        """Response `token` has ended: its input and output items added (none: it failed)
+        and its hold released. If the conversation is gone (deleted, evicted) or the
+        scheduler is, the response is still delivered."""
         try:
-            added = await self._call("add", conversation_id,
+            added = await self._call("end", conversation_id, token,
                                      [(item["id"], json.dumps(item)) for item in items])
         except APIError as e:
             added = e.message
@@ -109,11 +117,20 @@ class ConversationsAPI:
                            conversation_id, "not found" if added is None else
                            "over response_store_mib by itself" if added is False else added)
 
+    def release_soon(self, conversation_id: str, token: str) -> None:
+        """`end` with no items, in a task of its own context (the request's may be gone:
+        Serve cancels the Ray calls made in it when its client leaves). A hold already
+        released (the response ended) stays released."""
+        task = asyncio.get_running_loop().create_task(
+            self.end(conversation_id, token, []), context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     # ---- the routes ---------------------------------------------------------------------
     async def create(self, request: Request):
         try:
             req = await self.frontend.parse(request, CreateConversation)
-            items = new_items(req.items or [])
+            items = await new_items(req.items or [], self.stored)
             conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": "conversation",
                             "created_at": int(time.time()), "metadata": req.metadata or {}}
             if not await self._call("create", conversation["id"], json.dumps(conversation),
@@ -134,7 +151,8 @@ class ConversationsAPI:
     async def update(self, request: Request):
         try:
             req = await self.frontend.parse(request, UpdateConversation)
-            conversation = {**await self._conversation(request), "metadata": req.metadata}
+            conversation = {**await self._conversation(request),
+                            "metadata": req.metadata or {}}
             if not await self._call("update", conversation["id"], json.dumps(conversation)):
                 raise not_found(conversation["id"])
             return JSONResponse(conversation)
@@ -170,7 +188,7 @@ class ConversationsAPI:
         try:
             conversation_id = request.path_params["conversation_id"]
             req = await self.frontend.parse(request, AddItems)
-            items = new_items(req.items)
+            items = await new_items(req.items, self.stored)
             added = await self._call("add", conversation_id, items)
             if added is None:
                 raise not_found(conversation_id)

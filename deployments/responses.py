@@ -33,6 +33,15 @@ class SSEResponse(EventSourceResponse):
     runs however the response ends, even when the client leaves before the body starts,
     so the stream's requests are always aborted."""
 
+    def add_on_close(self, fn) -> None:
+        """Also call fn() as the response closes, after what was given."""
+        first = self._on_close
+
+        def both():
+            first()
+            fn()
+        self._on_close = both
+
     def __init__(self, content, on_close):
         super().__init__(content, headers={"Cache-Control": "no-cache"}, sep="\n")
         self._on_close = on_close

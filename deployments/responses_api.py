@@ -11,7 +11,9 @@ items, and its input and output items are added to it once it has ended.
 """
 from __future__ import annotations
 
+import functools
 import time
+import uuid
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -33,7 +35,7 @@ class ResponsesAPI:
         self.frontend = openai.frontend
         self.stored = StoredResponses(self.frontend)
         self.background = BackgroundResponses(openai, self.stored)
-        self.conversations = ConversationsAPI(self.frontend)
+        self.conversations = ConversationsAPI(self.frontend, self.stored)
 
     def routes(self) -> list[Route]:
         return [Route("/v1/responses", self.create, methods=["POST"])] + \
@@ -41,6 +43,7 @@ class ResponsesAPI:
 
     async def create(self, request: Request):
         arrival = time.monotonic()
+        conversation, hold = None, f"hold_{uuid.uuid4().hex}"  # (the response's hold on it)
         try:
             req = await self.frontend.parse(request, ResponsesRequest)
             if req.background and not self.stored.is_enabled:
@@ -49,9 +52,9 @@ class ResponsesAPI:
                                "unsupported_parameter")
             earlier, items = await self.stored.conversation(req.previous_response_id,
                                                             normalize_input(req.input))
-            conversation = req.conversation_id
-            if conversation is not None:
-                earlier = await self.conversations.items_of(conversation)
+            if req.conversation_id is not None:
+                earlier = await self.conversations.begin(req.conversation_id, hold)
+                conversation = req.conversation_id  # (held: released however this ends)
             chat = req.to_chat(earlier + items)
             info = await self.frontend.ready()
             ids, grammar, parser = await self.openai.chat_prompt(chat, info)
@@ -65,7 +68,7 @@ class ResponsesAPI:
                                       _pick(req.top_p, defaults, "top_p"),
                                       cfg.block_size if cfg.enable_prefix_caching else None,
                                       is_stored=req.store and self.stored.is_enabled)
-            save = self._saving(response, items, conversation)
+            save = self._saving(response, items, conversation, hold)
             group, choices, timeout = await self.openai.submit(
                 response.id, chat, [(None, ids)], chat.max_tokens, info, chat=True,
                 arrival=arrival, grammar=grammar, tool_parser=parser)
@@ -73,44 +76,57 @@ class ResponsesAPI:
                 events = ResponseEvents(response, background=True) if chat.stream else None
                 body = await self.background.start(
                     response, items, group, choices, chat, timeout, events,
-                    self._adding(items, conversation))
+                    self._ending(items, conversation, hold))
+                conversation = None  # (the background task releases it)
                 return await self.stored.stream(response.id) if chat.stream \
                     else JSONResponse(body)
             if chat.stream:
-                return self.openai.stream_response(
+                streamed = self.openai.stream_response(
                     group, choices, ResponseEvents(response, save), chat, timeout)
+                if conversation is not None:  # (released at the end, or as the stream closes)
+                    streamed.add_on_close(functools.partial(
+                        self.conversations.release_soon, conversation, hold))
+                    conversation = None
+                return streamed
             await self.openai.collect(group, choices, chat, timeout)
             body = response.final(next(iter(choices.values())))
             if save is not None:
                 await save(body)
+                conversation = None  # (released as its items were added)
             return JSONResponse(body)
-        except APIError as e:
+        except BaseException as e:
+            if conversation is not None:
+                self.conversations.release_soon(conversation, hold)
+            if not isinstance(e, APIError):
+                raise
             # the chat machinery names the chat request's params (in its messages too)
             if e.param in RESPONSES_PARAMS:
                 e.message = e.message.replace(e.param, RESPONSES_PARAMS[e.param])
                 e.param = RESPONSES_PARAMS[e.param]
             return e.response()
 
-    def _saving(self, response: ResponseObject, items: list[dict], conversation: str | None):
+    def _saving(self, response: ResponseObject, items: list[dict], conversation: str | None,
+                hold: str):
         """What keeps a response once it has ended (None: nothing): stored, and its input
-        and output items added to its conversation."""
+        and output items added to its conversation (whose hold it releases)."""
         if not response.is_stored and conversation is None:
             return None
-
-        add = self._adding(items, conversation)
+        end = self._ending(items, conversation, hold)
 
         async def save(body: dict) -> None:
             if response.is_stored:
                 await self.stored.save(body, items)
-            if add is not None:
-                await add(body)
+            if end is not None:
+                await end(body)
         return save
 
-    def _adding(self, items: list[dict], conversation: str | None):
-        """What adds a response's input and output items to its conversation, if any."""
+    def _ending(self, items: list[dict], conversation: str | None, hold: str):
+        """What ends a response's hold on its conversation, if any: with its final body,
+        its input and output items added; with None (it failed), none."""
         if conversation is None:
             return None
-        return lambda body: self.conversations.append(conversation, items + body["output"])
+        return lambda body: self.conversations.end(
+            conversation, hold, [] if body is None else items + body["output"])
 
     async def _truncated(self, req, items: list[dict], info):
         """truncation "auto" (OpenAI's): the conversation without as few of its first items

@@ -1,5 +1,5 @@
 """Stored responses of the Responses API: `store`, `previous_response_id`, `item_reference`
-input items, and GET /v1/responses/{id}, DELETE /v1/responses/{id},
+input items (a stored response's items, or a conversation's), and GET /v1/responses/{id}, DELETE /v1/responses/{id},
 GET /v1/responses/{id}/input_items.
 
 The records live in the scheduler actor (engine_actors/response_store.py), so every
@@ -114,15 +114,21 @@ class StoredResponses:
                                    "previous_response_id", "invalid_value")
                 earlier += record_items(record)
         if refs:
-            found = await self._call("holding", [items[i]["id"] for i in refs])
+            ids = [items[i]["id"] for i in refs]
+            found = {item_id: next(item for item in record_items(json.loads(data))
+                                   if item["id"] == item_id)
+                     for item_id, data in (await self._call("holding", ids)).items()}
+            missing = [item_id for item_id in ids if item_id not in found]
+            if missing:  # (a conversation's items: conversations_api.py)
+                found |= {item_id: json.loads(data) for item_id, data in (
+                    await self.frontend.call("conversation_call", "find", missing)).items()}
             items = list(items)
             for i in refs:
                 item_id = items[i]["id"]
                 if item_id not in found:
                     raise APIError(400, f"Item with id {item_id!r} not found.",
                                    f"input.{i}.id", "item_not_found")
-                item = next(item for item in record_items(json.loads(found[item_id]))
-                            if item["id"] == item_id)
+                item = found[item_id]
                 # a copy: an id names one stored item
                 items[i] = {**item, "id": new_id(item_id.split("_")[0])}
         return earlier, items

@@ -6,12 +6,18 @@ order, each a string: their sizes are exact. The store is bounded in bytes (the 
 response_store_mib, a budget of its own): past it the least recently used conversations
 go whole, never the one being written. A conversation or item evicted or deleted is not
 found.
+
+A response that continues a conversation holds it from its start (`begin`, which reads the
+items) to its end (`end`, which adds its items): another one meanwhile is refused, as
+OpenAI's API refuses it (its items would follow a history it never saw). A hold left by a
+replica that died lapses after LOCK_S.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+LOCK_S = 600.0  # how long a response's hold on its conversation lasts at most
 CONVERSATION_BYTES = 400  # beside its strings: the record, its dicts (measured roughly)
 ITEM_BYTES = 160  # per item beside its string: its id and the dict entry
 
@@ -20,6 +26,7 @@ ITEM_BYTES = 160  # per item beside its string: its id and the dict entry
 class Conversation:
     data: str  # the conversation object's JSON
     items: OrderedDict[str, str] = field(default_factory=OrderedDict)  # id -> item JSON
+    holder: tuple[str, float] | None = None  # (a running response's token, until when)
 
     @property
     def num_bytes(self) -> int:
@@ -31,6 +38,7 @@ class ConversationStore:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.conversations: OrderedDict[str, Conversation] = OrderedDict()  # oldest use first
+        self.item_owner: dict[str, str] = {}  # item id -> the conversation that holds it
         self.num_bytes = 0
 
     def create(self, conversation_id: str, data: str, items: list[tuple[str, str]]) -> bool:
@@ -40,6 +48,7 @@ class ConversationStore:
         if conversation.num_bytes > self.max_bytes:
             return False
         self.conversations[conversation_id] = conversation
+        self.item_owner.update(dict.fromkeys(conversation.items, conversation_id))
         self._grew(conversation_id, conversation.num_bytes)
         return True
 
@@ -61,7 +70,18 @@ class ConversationStore:
         conversation = self.conversations.pop(conversation_id, None)
         if conversation is not None:
             self.num_bytes -= conversation.num_bytes
+            for item_id in conversation.items:
+                self.item_owner.pop(item_id, None)
         return conversation is not None
+
+    def find(self, item_ids: list[str]) -> dict[str, str]:
+        """The JSON of those of the items (of any conversation) that are stored."""
+        found = {}
+        for item_id in item_ids:
+            conversation = self._use(self.item_owner.get(item_id, ""))
+            if conversation is not None and item_id in conversation.items:
+                found[item_id] = conversation.items[item_id]
+        return found
 
     def add(self, conversation_id: str, items: list[tuple[str, str]]) -> bool | None:
         """Items appended to the conversation; None if it is not found, False if it would be
@@ -71,12 +91,34 @@ class ConversationStore:
             return None
         before = conversation.num_bytes
         grown = Conversation(conversation.data, OrderedDict([*conversation.items.items(),
-                                                             *items]))
+                                                             *items]), conversation.holder)
         if grown.num_bytes > self.max_bytes:
             return False
         self.conversations[conversation_id] = grown
+        self.item_owner.update((item_id, conversation_id) for item_id, _ in items)
         self._grew(conversation_id, grown.num_bytes - before)
         return True
+
+    def begin(self, conversation_id: str, token: str, now: float) -> list[str] | bool | None:
+        """A response `token` starts on the conversation: its items' JSON in order, held
+        until `end`; None if it is not found, False if another response holds it."""
+        conversation = self._use(conversation_id)
+        if conversation is None:
+            return None
+        if conversation.holder is not None and conversation.holder[1] > now:
+            return False
+        conversation.holder = (token, now + LOCK_S)
+        return list(conversation.items.values())
+
+    def end(self, conversation_id: str, token: str, items: list[tuple[str, str]]
+            ) -> bool | None:
+        """Response `token` ends: its items (none if it failed) added, its hold released.
+        As `add`."""
+        conversation = self.conversations.get(conversation_id)
+        if conversation is not None and conversation.holder is not None and \
+                conversation.holder[0] == token:
+            conversation.holder = None
+        return self.add(conversation_id, items) if items or conversation is None else True
 
     def items(self, conversation_id: str) -> list[str] | None:
         """Its items' JSON in order; None if it is not found."""
@@ -98,6 +140,7 @@ class ConversationStore:
         item = conversation.items.pop(item_id, None)
         if item is not None:
             self.num_bytes -= ITEM_BYTES + len(item_id) + len(item)
+            self.item_owner.pop(item_id, None)
         return conversation.data, item is not None
 
     def _use(self, conversation_id: str) -> Conversation | None:
@@ -114,4 +157,4 @@ class ConversationStore:
             if self.num_bytes <= self.max_bytes:
                 break
             if other != conversation_id:
-                self.num_bytes -= self.conversations.pop(other).num_bytes
+                self.delete(other)

@@ -60,7 +60,7 @@ for part in $BENCH; do
       for m in qwen3-30b-a3b /tmp/qwen3-30b-a3b-w4a16; do n=$([ $m = qwen3-30b-a3b ] && echo bf16 || echo int4)
         python3 -m load_tests.bench_http --model $m --systems orca,http-stream --replicas "" --label="-$n" \
           --out "$OUT/http-qwen3-30b-a3b-$n.json" > "$OUT/http-moe-$n.log" 2>&1; echo "-- $n"; tail -4 "$OUT/http-moe-$n.log"; done ;;
-    int4-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_int4.py tests/test_gptq.py tests/test_awq.py tests/test_int4_moe.py tests/test_fp8.py \
+    int4-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_int4.py tests/test_gptq.py tests/test_awq.py tests/test_int4_moe.py tests/test_fp8.py tests/test_int8.py \
         tests/test_distributed.py::test_int4_checkpoint_over_two_gpus_equals_one_gpu_in_fp32 2>&1 | tee "$OUT/int4-tests.log" | tail -6 ;;
     int4-layer) python3 -m load_tests.bench_int4 ${INT4_ARGS:-} --out "$OUT/int4-layer${LABEL:-}.json" \
         > "$OUT/int4-layer${LABEL:-}.log" 2>&1; grep -v "^ *[\"{}\[\]]" "$OUT/int4-layer${LABEL:-}.log" | tail -60 ;;

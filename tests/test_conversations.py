@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machin
 from engine_actors.checkpoint import resolve_model_path  # noqa: E402
 from engine_actors.config import DEFAULT_MODEL  # noqa: E402
 from engine_actors.conversation_store import (CONVERSATION_BYTES, ITEM_BYTES,  # noqa: E402
-                                              ConversationStore)
+                                              LOCK_S, ConversationStore)
 from tests.engine_harness import hf_greedy  # noqa: E402
 from tests.test_responses_api import MODEL  # noqa: E402
 from tests.test_stored_responses import NO_EOS, template_ids  # noqa: E402
@@ -47,7 +47,23 @@ def test_the_store_counts_bytes_and_evicts_the_least_recently_used_conversation(
     assert store.update("a", "w" * 12) and store.get("a") == "w" * 12
     assert store.num_bytes == CONVERSATION_BYTES + 12 + ITEM_BYTES + 2 + 5
     assert store.add("nope", []) is None and store.items("nope") is None
+    assert store.find(["i4", "i1", "i3"]) == {"i4": "more!"}  # (i1 deleted, i3 evicted)
     assert store.delete("a") and not store.delete("a") and store.num_bytes == 0
+    assert store.find(["i4"]) == {} and store.item_owner == {}
+
+
+def test_a_response_holds_its_conversation_until_it_ends():
+    store = ConversationStore(max_bytes=10_000)
+    store.create("c", "{}", [("i1", "hi")])
+    assert store.begin("c", "r1", now=0.0) == ["hi"]
+    assert store.begin("c", "r2", now=1.0) is False  # held by r1
+    assert store.end("c", "r2", []) is True and store.begin("c", "r2", now=1.0) is False
+    assert store.end("c", "r1", [("i2", "yo")]) is True  # added, released
+    assert store.begin("c", "r2", now=2.0) == ["hi", "yo"]
+    assert store.begin("c", "r3", now=2.0 + LOCK_S + 1) == ["hi", "yo"]  # r2's lapsed
+    assert store.end("c", "r2", [("i3", "late")]) is True  # added; r3 still holds it
+    assert store.begin("c", "r4", now=3.0 + LOCK_S) is False
+    assert store.begin("nope", "r5", now=0.0) is None and store.end("nope", "r5", []) is None
 
 
 # ---- over HTTP -------------------------------------------------------------------------------
@@ -74,6 +90,7 @@ def test_conversations_and_their_items(client):
     updated = client.conversations.update(conv.id, metadata={"topic": "letters"})
     assert client.conversations.retrieve(conv.id).metadata == updated.metadata == \
         {"topic": "letters"}
+    assert client.conversations.update(conv.id, metadata=None).metadata == {}
     assert client.conversations.delete(conv.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.conversations.retrieve(conv.id)
@@ -114,13 +131,49 @@ def test_responses_continue_a_conversation_and_add_to_it(client, tokenizer):
         time.sleep(0.2)
         third = client.responses.retrieve(third.id)
     assert third.status == "incomplete"
-    deadline = time.monotonic() + 10  # (added just after it is stored as ended)
-    while len(client.conversations.items.list(conv.id).data) < 8 and \
-            time.monotonic() < deadline:
-        time.sleep(0.1)
     newest = client.conversations.items.list(conv.id, limit=2).data
     assert [i.id for i in newest] == [third.output[0].id, newest[1].id]
     assert newest[1].content[0].text == "Once more."
+
+
+def test_a_second_response_on_a_held_conversation_is_refused_until_the_first_ends(client):
+    """The first response streams and is left unread: the second is a 400 with code
+    conversation_locked; once the first's stream is closed, the conversation is free."""
+    conv = client.conversations.create(items=[{"role": "user", "content": "hi"}])
+    first = client.responses.create(model=MODEL, input="one", conversation=conv.id,
+                                    stream=True, max_output_tokens=400, extra_body=NO_EOS)
+    next(iter(first))  # (response.created: it holds the conversation)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="two", conversation=conv.id,
+                                max_output_tokens=2)
+    assert e.value.body["code"] == "conversation_locked"
+    first.close()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.responses.create(model=MODEL, input="two", conversation=conv.id,
+                                    max_output_tokens=2)
+            break
+        except openai.BadRequestError:
+            assert time.monotonic() < deadline, "the closed stream's hold was not released"
+            time.sleep(0.2)
+    texts = [i.content[0].text for i in client.conversations.items.list(conv.id, order="asc")]
+    assert texts[:2] == ["hi", "two"]  # (the closed stream added nothing)
+
+
+def test_items_of_a_conversation_can_be_referenced(client):
+    conv = client.conversations.create(items=[{"role": "user", "content": "My name is Ada."}])
+    item = client.conversations.items.list(conv.id).data[0]
+    ref = {"type": "item_reference", "id": item.id}
+    answer = client.responses.create(model=MODEL, input=[ref, {"role": "user", "content": "Hi"}],
+                                     max_output_tokens=2, extra_body=NO_EOS)
+    plain = client.responses.create(model=MODEL, max_output_tokens=2, extra_body=NO_EOS,
+                                    input=[{"role": "user", "content": "My name is Ada."},
+                                           {"role": "user", "content": "Hi"}])
+    assert answer.usage.input_tokens == plain.usage.input_tokens
+    other = client.conversations.create(items=[ref])
+    copied = client.conversations.items.list(other.id).data[0]
+    assert copied.id != item.id and copied.content[0].text == "My name is Ada."
 
 
 @pytest.mark.parametrize("body,status,param", [

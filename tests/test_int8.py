@@ -81,3 +81,16 @@ def test_int8_experts_stored_unpacked_match_transformers(tmp_path):
     served = engine(tmp_path / "q")
     assert experts_of(served.worker.runner).w13.dtype == torch.int32
     check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3))
+
+
+@pytest.mark.gpu
+def test_int8_weights_stored_unpacked_on_gpu_match_transformers(tmp_path):
+    """Packed on the device as they load, then INT8's kernels (fp32 activations), CUDA
+    graphs and prompts."""
+    from tests.engine_harness import InProcessEngine
+    save_random_checkpoint(str(tmp_path / "base"), "llama", seed=5, intermediate_size=192)
+    write_w8a8_checkpoint(tmp_path / "base", tmp_path / "q", tmp_path / "ref", symmetric=False)
+    served = InProcessEngine(device="cuda", model=str(tmp_path / "q"), dtype="float32",
+                             max_batch_size=8, max_num_tokens=4096)
+    check_parity(str(tmp_path / "ref"), served, ragged_workload(seed=3), device="cuda")
+    assert served.worker.runner.num_graph_replays > 0
