@@ -21,15 +21,15 @@ from tests.test_parity import check_parity, ragged_workload
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def quantize_asymmetric(w: torch.Tensor, group: int, bits: int = 4):
-    """w [N, K] -> (u [N, K] in [0, 15], zeros [N, K / group] in [0, 15], fp16 scales);
-    bits 8: in [0, 255]."""
+def quantize_asymmetric(w: torch.Tensor, group: int, bits: int = 4, min_zero: int = 0):
+    """w [N, K] -> (u [N, K] in [0, 15], zeros [N, K / group] in [min_zero, 15], fp16
+    scales); bits 8: in [0, 255]."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
     top = (1 << bits) - 1
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
     scales = ((hi - lo) / top).clamp(min=1e-6).half()
-    zeros = (-lo / scales.float()).round().clamp(0, top)
+    zeros = (-lo / scales.float()).round().clamp(min_zero, top)
     u = (g / scales.float()[..., None] + zeros[..., None]).round().clamp(0, top)
     return u.reshape(n, k).to(torch.int32), zeros.to(torch.int32), scales
 
@@ -52,15 +52,16 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 
 def write_checkpoint(src, out_dir, ref_dir, group: int, method: str,
                      desc_act: bool = False, projections=PROJECTION, bits: int = 4) -> None:
-    """out_dir: src's projections in AWQ's (or asymmetric GPTQ's) layout; ref_dir: src with
-    them dequantized. desc_act (GPTQ): quantized in act-order (tests/test_gptq.py); bits
-    (GPTQ): 4 or 8."""
+    """out_dir: src's projections in AWQ's (or asymmetric GPTQ's: "gptq" in its v2 format,
+    "gptq-v1" in the original one) layout; ref_dir: src with them dequantized. desc_act
+    (GPTQ): quantized in act-order (tests/test_gptq.py); bits (GPTQ): 4 or 8."""
+    v1 = int(method == "gptq-v1")  # (zero points stored minus 1: none can be 0)
     seeds = iter(range(1000))
 
     def convert(w):
         k = w.shape[1]
         order = act_order(k, next(seeds)) if desc_act else torch.arange(k)
-        u_sorted, zeros, scales = quantize_asymmetric(w[:, order], group, bits)
+        u_sorted, zeros, scales = quantize_asymmetric(w[:, order], group, bits, min_zero=v1)
         u, ref = torch.empty_like(u_sorted), torch.empty_like(w)
         u[:, order] = u_sorted
         ref[:, order] = dequantize_asymmetric(u_sorted, zeros, scales, group)
@@ -74,13 +75,14 @@ def write_checkpoint(src, out_dir, ref_dir, group: int, method: str,
             offset = 1 << (bits - 1)
             stored = {"qweight": pack_to_int32((u - offset).T.contiguous().to(torch.int8),
                                                bits, packed_dim=0),
-                      "qzeros": pack_to_int32((zeros - offset).T.contiguous().to(torch.int8),
-                                              bits),
+                      "qzeros": pack_to_int32((zeros - v1 - offset).T.contiguous()
+                                              .to(torch.int8), bits),
                       "g_idx": g_idx}
         stored["scales"] = scales.T.contiguous()
         return stored, ref
     write_quantized(src, out_dir, ref_dir, convert, awq_config(group) if method == "awq"
-                    else gptq_config(group, "gptq_v2", sym=False, desc_act=desc_act, bits=bits),
+                    else gptq_config(group, "gptq" if v1 else "gptq_v2", sym=False,
+                                     desc_act=desc_act, bits=bits),
                     projections)
 
 
@@ -96,6 +98,8 @@ def awq_config(group: int, **changes) -> dict:
     ("llama", 16, "gptq", False, 4),  # sym: false
     ("qwen2", 32, "gptq", True, 4),  # sym: false, act-order: each part's groups in its order
     ("llama", 32, "gptq", False, 8),  # INT8, sym: false (zero points 4 to a word)
+    ("llama", 16, "gptq-v1", False, 4),  # the original format: zero points stored minus 1
+    ("qwen2", 32, "gptq-v1", False, 8),
 ])
 def test_checkpoint_with_zero_points_matches_transformers_on_its_dequantized_weights(
         tmp_path, arch, group, method, desc_act, bits):
