@@ -18,6 +18,7 @@ import re
 
 from deployments.protocol import APIError
 from deployments.reasoning import END, START
+from deployments.pythonic_grammar import pythonic_grammar
 from deployments.tool_parsers import CALL_SEPARATORS
 
 MAX_JSON_DEPTH = 64  # objects and arrays nested in a schema (a level of properties is 2)
@@ -85,6 +86,14 @@ def tool_grammar(tools, tool_choice, parser_name: str, parallel: bool = True,
     the tools, or with `parallel` one or more; with a named function, one call of it. In the
     format of `parser_name`, the arguments valid against the function's parameters, nothing
     else."""
+    if parser_name == "pythonic":
+        named = [tool_choice.function.name] if not isinstance(tool_choice, str) \
+            else [t.function.name for t in tools]
+        spec = ("ebnf", pythonic_grammar(tools, named, parallel and isinstance(tool_choice,
+                                                                              str)))
+        _check(spec, "tools")
+        return reasoning_grammar(spec, reasoning_parser, "tools", think_ids) \
+            if reasoning_parser else spec
     if parser_name not in XGRAMMAR_FORMATS and parser_name not in MARKER_FORMATS:
         what = "required" if tool_choice == "required" else "naming a function"
         raise APIError(400, f"tool_choice {what} is not supported with the {parser_name} "
@@ -145,6 +154,8 @@ def reasoning_grammar(spec: tuple[str, str], parser: str, param: str | None = No
         answer = json.loads(value)["format"]
     elif kind == "regex":
         answer = {"type": "regex", "pattern": value}
+    elif kind == "ebnf":
+        answer = {"type": "grammar", "grammar": value}
     else:  # a JSON schema, by the engine's own rules (bounded whitespace, strict strings)
         answer = {"type": "grammar", "grammar": json_grammar(kind, value)}
     thinking = {"type": "tag", "begin": START if parser == "qwen3" else "",

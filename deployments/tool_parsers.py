@@ -117,8 +117,8 @@ class Qwen3CoderParser(HermesParser):
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
     "mistral": MistralParser, "granite": GraniteParser, "pythonic": PythonicParser}
-# what a forcing grammar writes between calls (deployments/structured.py); pythonic has no
-# forcing grammar
+# what a forcing grammar writes between calls (deployments/structured.py; pythonic's:
+# deployments/pythonic_grammar.py)
 CALL_SEPARATORS = {"hermes": "\n", "llama3_json": "; ", "qwen3_coder": "\n", "mistral": "\n",
                    "granite": "\n"}
 

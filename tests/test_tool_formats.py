@@ -184,11 +184,53 @@ def test_forced_calls_follow_each_format_and_parse_back(parser, calls):
         ToolCall("now", "{}")])
 
 
-def test_pythonic_refuses_forced_calls_with_a_400():
+def test_forced_pythonic_calls_take_each_parameters_type_and_parse_back():
+    """tool_choice "required" (one or more calls) and a named function: keyword arguments
+    in the schema's order, the required ones always, the optional ones or not, each value
+    a Python literal of its type; what the grammar takes, the parser reads."""
     from deployments.structured import tool_grammar
+    from tests.test_structured_output import grammar_takes
+    search = {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "required": ["query"], "properties": {
+            "query": {"type": "string"}, "limit": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "exact": {"type": "boolean"}, "filters": {"type": "object"}, "extra": {}}}}}
+    tools = [Tool.model_validate(WEATHER), Tool.model_validate(search)]
+    takes = grammar_takes()
+    parallel = tool_grammar(tools, "required", "pythonic")
+    named = tool_grammar(tools, NamedToolChoice.model_validate(
+        {"type": "function", "function": {"name": "search"}}), "pythonic")
+    weather = "get_weather(city='Rome', days=2, unit=\"C\")"
+    full = "search(query='it\\'s', limit=-3, tags=['a', \"b\"], exact=True, " \
+           "filters={'k': [1, None]}, extra=2.5e-3)"
+    for text, names in ((f"[{weather}]", ["get_weather"]),
+                        (f"[{weather}, {full}]", ["get_weather", "search"]),
+                        ("[search(query='x', exact=False)]", ["search"])):
+        assert takes(parallel, text), text
+        assert [c.name for c in make_parser("pythonic").parse(text)[1]] == names
+    assert make_parser("pythonic").parse(f"[{full}]")[1] == [ToolCall("search", json.dumps(
+        {"query": "it's", "limit": -3, "tags": ["a", "b"], "exact": True,
+         "filters": {"k": [1, None]}, "extra": 0.0025}))]
+    assert takes(named, f"[{full}]") and not takes(named, f"[{weather}]")
+    assert not takes(named, f"[{full}, {full}]")  # (a named function: one call)
+    thinking = tool_grammar(tools, "required", "pythonic", reasoning_parser="qwen3")
+    assert takes(thinking, f"<think>hmm</think>\n\n[{weather}]")
+    assert not takes(thinking, "<think>hmm</think>\n\nhello")
+    for bad in ("[search()]",  # the required query left out
+                "[search(limit=1, query='x')]",  # out of the schema's order
+                "[search(query=1)]", "[search(query='x', limit='1')]",
+                "[get_weather(city='Berlin', days=2, unit='C')]",  # not in the enum
+                "[search(query='x', exact=true)]", "hi [search(query='x')]", "[]",
+                "[search(query='x')] and more"):
+        assert not takes(parallel, bad), bad
+
+
+def test_pythonic_refuses_forcing_a_tool_python_can_not_call():
+    from deployments.structured import tool_grammar
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get-weather"}})
     with pytest.raises(APIError) as e:
-        tool_grammar([Tool.model_validate(WEATHER)], "required", "pythonic")
-    assert e.value.status == 400 and "pythonic" in e.value.message
+        tool_grammar([tool], "required", "pythonic")
+    assert e.value.status == 400 and "not a Python name" in e.value.message
 
 
 @pytest.mark.parametrize("parser,marker_shown", [("mistral", True), ("hermes", False)])

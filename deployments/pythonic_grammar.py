@@ -1,0 +1,96 @@
+"""The grammar that forces pythonic tool calls (Llama 3.2 1B/3B, Llama 4: the whole output
+is a Python list of calls, `[get_weather(city='Oslo', days=2)]`), for tool_choice
+"required" or a named function (structured.tool_grammar).
+
+An xgrammar EBNF: each call names one of the forced functions and passes its parameters
+as keyword arguments, in the order of the schema's `properties`: the required ones always,
+the others optionally. A value is a Python literal of its parameter's type: a string (in
+single or double quotes), an integer, a number, True/False, None, a list of its items'
+type, a dict with string keys, or one of an `enum`'s values; a parameter of another or no
+type takes any such literal. The calls then parse (tool_formats.python_calls); their
+values follow the schema's types, not its other constraints (lengths, ranges, patterns).
+"""
+from __future__ import annotations
+
+import json
+
+from deployments.protocol import APIError
+
+WS = '" "?'  # at most one space after a separator: weak models loop on whitespace
+LITERALS = r'''
+str ::= "'" ([^'\\\n] | "\\" ["'\\nt])* "'" | "\"" ([^"\\\n] | "\\" ["'\\nt])* "\""
+int ::= "-"? ("0" | [1-9] [0-9]*)
+num ::= int ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
+bool ::= "True" | "False"
+none ::= "None"
+any ::= str | num | bool | none | any_list | any_dict
+any_list ::= "[" (any ("," WS any)*)? "]"
+any_dict ::= "{" (str ":" WS any ("," WS str ":" WS any)*)? "}"
+'''.replace("WS", WS)
+
+
+def pythonic_grammar(tools, names: list[str], parallel: bool) -> str:
+    """The EBNF of one call of any function in `names` (of `tools`), or with `parallel` one
+    or more; APIError 400 for a name that Python cannot call."""
+    rules, calls = [], []
+    for tool in tools:
+        name = tool.function.name
+        if name not in names:
+            continue
+        if not name.isidentifier():
+            raise APIError(400, f"tool {name!r} can not be called in the pythonic tool call "
+                                "format (not a Python name): use tool_choice auto",
+                           "tool_choice", "invalid_value")
+        rule = f"call{len(calls)}"
+        calls.append(rule)
+        rules += _call_rules(rule, name, tool.function.parameters or {})
+    one = " | ".join(calls)
+    root = f'root ::= "[" call ("," {WS} call)* "]"' if parallel else 'root ::= "[" call "]"'
+    return "\n".join([root, f"call ::= {one}", *rules]) + LITERALS
+
+
+def _call_rules(rule: str, name: str, schema: dict) -> list[str]:
+    """`name(k=v, ...)` with the schema's properties in order (the required ones always)."""
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    rules = []
+    for i, (key, prop) in enumerate(props.items()):
+        rules += _value_rules(f"{rule}v{i}", prop if isinstance(prop, dict) else {})
+    # a{i}{f}: the arguments from property i on; f: none written yet (no comma before)
+    n = len(props)
+    for i, key in enumerate(props):
+        arg = f'"{key}=" {rule}v{i}'
+        for first in (True, False):
+            this = (arg if first else f'"," {WS} {arg}') + f" {rule}a{i + 1}0"
+            rest = f"{rule}a{i + 1}{int(first)}"
+            body = this if key in required else f"({this}) | {rest}"
+            rules.append(f"{rule}a{i}{int(first)} ::= {body}")
+    rules += [f'{rule}a{n}1 ::= ""', f'{rule}a{n}0 ::= ""']
+    rules.append(f'{rule} ::= "{name}(" {rule}a01 ")"')
+    return rules
+
+
+def _value_rules(rule: str, schema: dict) -> list[str]:
+    """A rule `rule` for a value of `schema`'s type (and rules it needs)."""
+    if "enum" in schema:
+        values = [_literal(v) for v in schema["enum"]]
+        return [f"{rule} ::= " + " | ".join(json.dumps(v, ensure_ascii=False)
+                                             for v in values if v is not None)
+                if any(v is not None for v in values) else f"{rule} ::= any"]
+    kind = schema.get("type")
+    simple = {"string": "str", "integer": "int", "number": "num", "boolean": "bool",
+              "null": "none", "object": "any_dict"}
+    if kind == "array":
+        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        return [f'{rule} ::= "[" ({rule}i ("," {WS} {rule}i)*)? "]"',
+                *_value_rules(f"{rule}i", items)]
+    return [f"{rule} ::= {simple.get(kind, 'any') if isinstance(kind, str) else 'any'}"]
+
+
+def _literal(value) -> str | None:
+    """An enum value as Python writes it (None: one Python and JSON do not share)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, (str, int, float)):
+        return repr(value)
+    return None
