@@ -172,7 +172,7 @@ def new_choice(frontend, req, index: int, text: str | None, ids: list[int], r: E
     k = r.sampling.logprobs
     other_eos = tuple(set(eos_token_ids) - {tokenizer.eos_token_id})  # (vLLM's stop_reason)
     calls = ToolCallStream(make_parser(tool_parser, req.tools), req.max_tool_calls(),
-                           CALL_SEPARATORS[tool_parser] if req.forces_tool_calls else None) \
+                           CALL_SEPARATORS.get(tool_parser) if req.forces_tool_calls else None) \
         if tool_parser else None  # (max_tool_calls: as many as it may)
     # a format whose markers are special tokens keeps them in the text it parses
     skip_special = req.skip_special_tokens and not (calls and calls.parser.needs_special_tokens)

@@ -43,7 +43,7 @@ class CreateConversation(_Base):
 
 
 class UpdateConversation(_Base):
-    metadata: Metadata | None = None  # (the client sends null to clear it)
+    metadata: Metadata | None  # (required: the client sends null to clear it)
 
 
 class AddItems(_Base):

@@ -7,20 +7,24 @@ as keyword arguments, in the order of the schema's `properties`: the required on
 the others optionally. A value is a Python literal of its parameter's type: a string (in
 single or double quotes), an integer, a number, True/False, None, a list of its items'
 type, a dict with string keys, or one of an `enum`'s values; a parameter of another or no
-type takes any such literal. The calls then parse (tool_formats.python_calls); their
-values follow the schema's types, not its other constraints (lengths, ranges, patterns).
+type (a type list, anyOf, $ref) takes any such literal, and an object any dict. The calls
+then parse (tool_formats.python_calls); their values follow the schema's top-level types,
+not what is nested in objects nor its other constraints (lengths, ranges, patterns).
+When max_tokens cuts forced calls, none come back: the list is not whole.
 """
 from __future__ import annotations
 
 import json
+import keyword
+import unicodedata
 
 from deployments.protocol import APIError
 
 WS = '" "?'  # at most one space after a separator: weak models loop on whitespace
 LITERALS = r'''
-str ::= "'" ([^'\\\n] | "\\" ["'\\nt])* "'" | "\"" ([^"\\\n] | "\\" ["'\\nt])* "\""
+str ::= "'" ([^'\\\n\r\0] | "\\" ["'\\nt])* "'" | "\"" ([^"\\\n\r\0] | "\\" ["'\\nt])* "\""
 int ::= "-"? ("0" | [1-9] [0-9]*)
-num ::= int ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
+num ::= int ("." [0-9]+)? ([eE] [-+]? [0-9] [0-9]?)?
 bool ::= "True" | "False"
 none ::= "None"
 any ::= str | num | bool | none | any_list | any_dict
@@ -37,7 +41,7 @@ def pythonic_grammar(tools, names: list[str], parallel: bool) -> str:
         name = tool.function.name
         if name not in names:
             continue
-        if not name.isidentifier():
+        if not _passable(name):
             raise APIError(400, f"tool {name!r} can not be called in the pythonic tool call "
                                 "format (not a Python name): use tool_choice auto",
                            "tool_choice", "invalid_value")
@@ -50,9 +54,18 @@ def pythonic_grammar(tools, names: list[str], parallel: bool) -> str:
 
 
 def _call_rules(rule: str, name: str, schema: dict) -> list[str]:
-    """`name(k=v, ...)` with the schema's properties in order (the required ones always)."""
-    props = schema.get("properties") or {}
-    required = set(schema.get("required") or ())
+    """`name(k=v, ...)` with the schema's properties in order (the required ones always;
+    an optional one that Python cannot pass by keyword is left out, a required one is a
+    400)."""
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    required = {key for key in required if isinstance(key, str)}
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    props = {key: prop for key, prop in props.items() if _passable(key) or key in required}
+    for key in props:
+        if not _passable(key):
+            raise APIError(400, f"tool {name!r} has a required parameter {key!r}, which can "
+                                "not be passed in the pythonic tool call format (not a Python "
+                                "name): use tool_choice auto", "tool_choice", "invalid_value")
     rules = []
     for i, (key, prop) in enumerate(props.items()):
         rules += _value_rules(f"{rule}v{i}", prop if isinstance(prop, dict) else {})
@@ -72,7 +85,7 @@ def _call_rules(rule: str, name: str, schema: dict) -> list[str]:
 
 def _value_rules(rule: str, schema: dict) -> list[str]:
     """A rule `rule` for a value of `schema`'s type (and rules it needs)."""
-    if "enum" in schema:
+    if isinstance(schema.get("enum"), list):
         values = [_literal(v) for v in schema["enum"]]
         return [f"{rule} ::= " + " | ".join(json.dumps(v, ensure_ascii=False)
                                              for v in values if v is not None)
@@ -85,6 +98,14 @@ def _value_rules(rule: str, schema: dict) -> list[str]:
         return [f'{rule} ::= "[" ({rule}i ("," {WS} {rule}i)*)? "]"',
                 *_value_rules(f"{rule}i", items)]
     return [f"{rule} ::= {simple.get(kind, 'any') if isinstance(kind, str) else 'any'}"]
+
+
+def _passable(name: str) -> bool:
+    """Can a function or keyword argument have this name, and keep it as Python reads it
+    back (which normalizes names: NFKC)?"""
+    return name.isidentifier() and not keyword.iskeyword(name) and \
+        name not in ("None", "True", "False") and \
+        unicodedata.normalize("NFKC", name) == name
 
 
 def _literal(value) -> str | None:

@@ -52,9 +52,9 @@ class ResponsesAPI:
                                "unsupported_parameter")
             earlier, items = await self.stored.conversation(req.previous_response_id,
                                                             normalize_input(req.input))
-            if req.conversation_id is not None:
-                earlier = await self.conversations.begin(req.conversation_id, hold)
-                conversation = req.conversation_id  # (held: released however this ends)
+            if req.conversation_id is not None:  # (held: released however this ends, also
+                conversation = req.conversation_id  # if begin's answer never comes)
+                earlier = await self.conversations.begin(conversation, hold)
             chat = req.to_chat(earlier + items)
             info = await self.frontend.ready()
             ids, grammar, parser = await self.openai.chat_prompt(chat, info)

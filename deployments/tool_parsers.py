@@ -117,8 +117,9 @@ class Qwen3CoderParser(HermesParser):
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
     "mistral": MistralParser, "granite": GraniteParser, "pythonic": PythonicParser}
-# what a forcing grammar writes between calls (deployments/structured.py; pythonic's:
-# deployments/pythonic_grammar.py)
+# what a forcing grammar writes between calls (deployments/structured.py), where the calls
+# before the one max_tokens cut are whole (pythonic's list is not: its forced calls,
+# deployments/pythonic_grammar.py, come back only when the list is)
 CALL_SEPARATORS = {"hermes": "\n", "llama3_json": "; ", "qwen3_coder": "\n", "mistral": "\n",
                    "granite": "\n"}
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 LOCK_S = 600.0  # how long a response's hold on its conversation lasts at most
 CONVERSATION_BYTES = 400  # beside its strings: the record, its dicts (measured roughly)
-ITEM_BYTES = 160  # per item beside its string: its id and the dict entry
+ITEM_BYTES = 260  # per item beside its string: its id, its entries in two dicts
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")  # a test extra; absent on the GPU machine's image
@@ -67,7 +68,7 @@ def test_a_response_holds_its_conversation_until_it_ends():
 
 
 # ---- over HTTP -------------------------------------------------------------------------------
-def test_conversations_and_their_items(client):
+def test_conversations_and_their_items(client, url):
     conv = client.conversations.create(
         items=[{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}],
         metadata={"topic": "numbers"})
@@ -91,6 +92,8 @@ def test_conversations_and_their_items(client):
     assert client.conversations.retrieve(conv.id).metadata == updated.metadata == \
         {"topic": "letters"}
     assert client.conversations.update(conv.id, metadata=None).metadata == {}
+    r = httpx.post(f"{url}/v1/conversations/{conv.id}", json={})  # (metadata: required)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
     assert client.conversations.delete(conv.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.conversations.retrieve(conv.id)
@@ -189,7 +192,6 @@ def test_responses_refuse_what_a_conversation_can_not_take(client, body, status,
 
 
 def test_bad_items_are_refused_by_their_index(client, url):
-    import httpx
     r = httpx.post(f"{url}/v1/conversations", json={"items": [
         {"role": "user", "content": "ok"}, {"type": "computer_call", "id": "c"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "items.1.type"

@@ -217,6 +217,7 @@ def test_forced_pythonic_calls_take_each_parameters_type_and_parse_back():
     assert takes(thinking, f"<think>hmm</think>\n\n[{weather}]")
     assert not takes(thinking, "<think>hmm</think>\n\nhello")
     for bad in ("[search()]",  # the required query left out
+                "[search(query='a\rb')]", "[search(query='x', extra=1e999)]",  # (unreadable)
                 "[search(limit=1, query='x')]",  # out of the schema's order
                 "[search(query=1)]", "[search(query='x', limit='1')]",
                 "[get_weather(city='Berlin', days=2, unit='C')]",  # not in the enum
@@ -225,12 +226,28 @@ def test_forced_pythonic_calls_take_each_parameters_type_and_parse_back():
         assert not takes(parallel, bad), bad
 
 
-def test_pythonic_refuses_forcing_a_tool_python_can_not_call():
+def test_pythonic_forcing_leaves_out_what_python_can_not_pass():
+    """An optional parameter named as no keyword argument can be is left out; a required
+    one, or a function so named, is a 400."""
     from deployments.structured import tool_grammar
-    tool = Tool.model_validate({"type": "function", "function": {"name": "get-weather"}})
-    with pytest.raises(APIError) as e:
-        tool_grammar([tool], "required", "pythonic")
-    assert e.value.status == 400 and "not a Python name" in e.value.message
+    from tests.test_structured_output import grammar_takes
+    tool = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["a"], "properties": {
+            "from": {"type": "string"}, "x-y": {"type": "integer"}, "a": {"type": "integer"}}}}})
+    spec = tool_grammar([tool], "required", "pythonic")
+    takes = grammar_takes()
+    assert takes(spec, "[f(a=1)]") and not takes(spec, "[f(from='x', a=1)]")
+    for bad in ({"name": "get-weather"}, {"name": "import"}, {"name": "None"},
+                {"name": "\ufb01nd"},  # (Python reads it back as "find")
+                {"name": "f", "parameters": {"type": "object", "required": ["class"],
+                                             "properties": {"class": {"type": "string"}}}}):
+        with pytest.raises(APIError) as e:
+            tool_grammar([Tool.model_validate({"type": "function", "function": bad})],
+                         "required", "pythonic")
+        assert e.value.status == 400 and "not a Python name" in e.value.message
+    odd = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": 5, "properties": {"a": {"enum": "ab"}}}}})
+    assert takes(tool_grammar([odd], "required", "pythonic"), "[f(a=[1])]")  # (no 500)
 
 
 @pytest.mark.parametrize("parser,marker_shown", [("mistral", True), ("hermes", False)])
