@@ -196,31 +196,32 @@ def test_required_and_named_tool_calls_streamed_or_not(url):
     wait_idle(url)
 
 
-def check_forced_calls(url: str, rounds: int) -> list[dict]:
+def check_forced_calls(url: str, rounds: int, tool: dict = WEATHER) -> list[dict]:
     """tool_choice "required" and named, `rounds` times each, then "required" streamed:
-    each answer is one valid call of get_weather. Returns the streamed deltas."""
+    each answer is one valid call of `tool`. Returns the streamed deltas."""
     # one call: a random-weight model would go on calling (parallel calls' grammar:
     # test_forced_calls_are_one_or_more_only_with_parallel_tool_calls)
+    name = tool["function"]["name"]
     body = {"messages": [{"role": "user", "content": "weather in Rome?"}], "max_tokens": 200,
-            "temperature": 1.0, "tools": [WEATHER], "parallel_tool_calls": False}
+            "temperature": 1.0, "tools": [tool], "parallel_tool_calls": False}
     for seed, choice in enumerate(["required", {"type": "function",
-                                                "function": {"name": "get_weather"}}] * rounds):
+                                                "function": {"name": name}}] * rounds):
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
                        json={**body, "tool_choice": choice, "seed": seed})
         out = r.json()["choices"][0]
         assert out["finish_reason"] == "tool_calls", out
         assert out["message"]["content"] is None, out
         call = out["message"]["tool_calls"][0]
-        assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+        assert call["type"] == "function" and call["function"]["name"] == name
         jsonschema.validate(json.loads(call["function"]["arguments"]),
-                            WEATHER["function"]["parameters"])
+                            tool["function"]["parameters"])
     with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
                       json={**body, "tool_choice": "required", "stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
     deltas = [c["delta"] for e in events for c in e["choices"]]
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    assert len(calls) == 1 and calls[0]["function"]["name"] == name
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     return deltas
 
