@@ -61,8 +61,7 @@ class _Base(BaseModel):
         return data
 
     def check_supported(self) -> None:
-        """APIError 400 for what the server does not serve (request_body.parse_body asks a
-        request body once it has parsed it; nothing, unless a schema says otherwise)."""
+        """APIError 400 for what is not served (parse_body asks; by default nothing)."""
 
 
 def check_runner(schema: type[_Base], runner: str) -> None:
@@ -171,9 +170,6 @@ class SamplingOptions(_Base):
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=_logit_bias(self.logit_bias, vocab_size), min_tokens=self.min_tokens,
             allowed_token_ids=_allowed_ids(self.allowed_token_ids, vocab_size), **engine_fields)
-
-    def check_supported(self) -> None:
-        pass
 
 
 class JSONSchemaSpec(_Base):
