@@ -11,11 +11,17 @@ scale, q in [-8, 7] or [-128, 127] (symmetric); actorder "group" ones also store
 w ~ (q - zero point) * scale. 8-bit weights may also be stored one int8 each
 (`int-quantized`, as llm-compressor writes W8A8 INT8: RedHatAI's `quantized.w8a8` releases):
 `weight` [N, K] int8 and `weight_zero_point` [N, groups] int8, which `translate` packs as
-above. Activations stay in the model's dtype: a checkpoint's 8-bit int activation scheme
-(W8A8, W4A8) is not applied, its `input_scale` and `input_zero_point` are not read, and the
-matmuls are W8A16's (W4A16's). Served: 4- and 8-bit int weights by group (a power of two,
-at least 16) or channel, with any activation ordering (actorder "group" at
+above. Activations stay in the model's dtype (W4A16, W8A16), except for W8A8Format below:
+a checkpoint's 8-bit int activation scheme is not applied otherwise, and its `input_scale`
+and `input_zero_point` are never read. Served: 4- and 8-bit int weights by group (a power
+of two, at least 16) or channel, with any activation ordering (actorder "group" at
 tensor_parallel_size 1). Refused at start: float activations, other bit widths.
+
+W8A8 INT8 checkpoints of a dense model (int-quantized, symmetric 8-bit weights per channel,
+8-bit int activations, no act-order) are served as W8A8Format: int8 weights kept as stored,
+activations quantized per token at run time (kernels/int8.py), whatever static scale or
+zero point the checkpoint gives them, as FP8's are. Other int-quantized checkpoints (zero
+points, groups, a mixture's experts) are packed and served as W8A16.
 """
 from __future__ import annotations
 
@@ -65,17 +71,27 @@ class Int4Format:
         return (1, self.group) if self.group else None
 
 
+@dataclass(frozen=True, slots=True)
+class W8A8Format:
+    """Symmetric int8 weights [N, K] with a scale per output row, times activations
+    quantized to int8 per token as they come (layers/linear.py, kernels/int8.py)."""
+    block = None  # (a scale per row, as FP8's per-channel weights)
+    online = False
+    act_order = False
+    name = "INT8 (W8A8)"
+
+
 def is_int4(config: dict) -> bool:
     """Does a compressed-tensors config quantize weights to integers (of any width)?"""
     return any((group.get("weights") or {}).get("type") == "int"
                for group in (config.get("config_groups") or {}).values())
 
 
-def read(config: dict) -> Int4Format:
-    """The format of a compressed-tensors config with int weights; ValueError naming what is
-    not served."""
+def read(config: dict, experts: bool = False) -> Int4Format | W8A8Format:
+    """The format of a compressed-tensors config with int weights (experts: of a mixture
+    of experts); ValueError naming what is not served."""
     groups = list(config["config_groups"].values())
-    formats = set()
+    formats, int8_inputs = set(), all(g.get("input_activations") for g in groups)
     for group in groups:
         weights, inputs = group.get("weights") or {}, group.get("input_activations")
         bits, kind = weights.get("num_bits"), weights.get("type")
@@ -114,7 +130,10 @@ def read(config: dict) -> Int4Format:
     if len(formats) > 1:
         raise ValueError("compressed-tensors groups with different int formats are not "
                          "supported")
-    return formats.pop()
+    fmt = formats.pop()
+    if int8_inputs and not experts and fmt == Int4Format(None, 8, packed=False):
+        return W8A8Format()  # (symmetric, per channel, no act-order)
+    return fmt
 
 
 def translate(name: str, tensor: torch.Tensor, fmt: Int4Format) -> tuple[str, torch.Tensor]:

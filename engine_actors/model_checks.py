@@ -3,8 +3,7 @@ adapters on it), checked at start so that a model it cannot run fails the start 
 why."""
 from __future__ import annotations
 
-from engine_actors.int4_format import Int4Format
-from engine_actors.quantization import read_format
+from engine_actors.quantization import Fp8Format, read_format
 
 MIXTURES_OF_EXPERTS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
@@ -42,7 +41,7 @@ def check_quantized(hf_config, cfg, architecture: str) -> None:
     fmt = read_format(hf_config, cfg.quantization)
     if fmt is None:
         return
-    kind = fmt.name if isinstance(fmt, Int4Format) else "FP8"
+    kind = "FP8" if isinstance(fmt, Fp8Format) else fmt.name
     if kind != "FP8" and architecture in MIXTURES_OF_EXPERTS and fmt.act_order:
         raise ValueError(f"act-order {kind} weights are not supported for {architecture} (a "
                          f"mixture of experts; {kind} experts without act-order are)")

@@ -1,6 +1,6 @@
 """Quantized weights: FP8 checkpoints (float8 e4m3), bf16 ones quantized to FP8 as they load,
-and INT4 or INT8 checkpoints (engine_actors/int4_format.py; GPTQ's and AWQ's: gptq_format.py,
-awq_format.py).
+and INT4 or INT8 checkpoints (engine_actors/int4_format.py, W8A8 INT8 ones too; GPTQ's and
+AWQ's: gptq_format.py, awq_format.py).
 
 What config.json's `quantization_config` may say (anything else is refused at start):
 - `quant_method: "fp8"`, transformers' fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3): each
@@ -70,7 +70,7 @@ METHOD_NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-
 
 
 def read_format(hf_config, requested: str | None
-                ) -> Fp8Format | int4_format.Int4Format | None:
+                ) -> Fp8Format | int4_format.Int4Format | int4_format.W8A8Format | None:
     """The checkpoint's FP8 or INT4 format (or online FP8 quantization if `requested` is
     "fp8" for an unquantized checkpoint); None: unquantized. ValueError for a format not
     served."""
@@ -103,7 +103,8 @@ def read_format(hf_config, requested: str | None
                              "quantization unset)")
         check_kv_cache_scheme(config)
         check_ignored(config.get("ignore"))
-        return int4_format.read(config)
+        return int4_format.read(config, experts=bool(
+            getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0)))
     elif method == "compressed-tensors":
         block, ignore = _compressed_tensors(config), config.get("ignore")
     elif method == "awq":
@@ -190,9 +191,15 @@ def _compressed_tensors(config: dict) -> tuple[int, int] | None:
     return blocks.pop()
 
 
-def check_device(fmt: Fp8Format | None, device: torch.device) -> None:
-    """FP8 matmuls need Ada or Hopper tensor cores, and block widths the kernel can tile."""
-    if fmt is None or device.type != "cuda" or not isinstance(fmt, Fp8Format):
+def check_device(fmt, device: torch.device) -> None:
+    """FP8 matmuls need Ada or Hopper tensor cores, and block widths the kernel can tile;
+    W8A8 INT8 ones, Ampere's int8 tensor cores or later."""
+    if fmt is None or device.type != "cuda":
+        return
+    if isinstance(fmt, int4_format.W8A8Format) and \
+            torch.cuda.get_device_capability(device) < (8, 0):
+        raise ValueError("W8A8 INT8 weights need a GPU of compute capability 8.0 or later")
+    if not isinstance(fmt, Fp8Format):
         return
     if torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("FP8 weights need a GPU of compute capability 8.9 or later")

@@ -1,6 +1,8 @@
 """Activations quantized to FP8 (e4m3) for the W8A8 matmuls of kernels/fp8.py and
 kernels/moe.py: per token and group of columns (`quantize_groups`), or per token
 (`quantize_rows`). A scale is its group's absolute maximum over 448, e4m3's largest value.
+The per-token kernel also quantizes to int8 for kernels/int8.py (INT8: over 127, rounded
+half to even).
 """
 from __future__ import annotations
 
@@ -46,18 +48,31 @@ def quantize_groups(x: torch.Tensor, group: int = GROUP, columns_first: bool = F
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):
+def round_half_even(v):
+    """v rounded to the nearest integer, halves to the even one (as torch.round)."""
+    f = tl.floor(v)
+    d = v - f
+    return tl.where(d > 0.5, f + 1, tl.where(d < 0.5, f, f + (f - 2 * tl.floor(f * 0.5))))
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, INT8: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """One row of x: its scale (amax over 448, or over 127 for INT8) and its values over it."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=cols < K - k0, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax), 1e-12), 448.0)
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax), 1e-12), 127.0 if INT8 else 448.0)
     for k0 in range(0, K, BLOCK):
         mask = cols < K - k0
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        if INT8:
+            q = tl.clamp(round_half_even(tl.math.div_rn(x, scale)), -128.0, 127.0)
+        else:
+            q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
         tl.store(q_ptr + row * K + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 
@@ -68,5 +83,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        _quantize_rows_kernel[(m,)](x, q, scales, k, x.stride(0), BLOCK=1024, num_warps=4)
+        quantize_rows_kernel[(m,)](x, q, scales, k, x.stride(0), INT8=False, BLOCK=1024,
+                                   num_warps=4)
     return q, scales

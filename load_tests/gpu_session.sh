@@ -28,6 +28,9 @@ pkill -9 -f "deployments.launch|ray.serve.scripts|raylet|gcs_server|ray::|haprox
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, ray; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" | tee -a "$OUT/gpu.txt"
 BENCH=${BENCH:-"tests decode offline-1b offline-8b"}
+# the quantized llama-8b of decode-int4 and http-int4: W4A16 (BITS=8: W8A16), or W8A8 INT8
+if [ -n "${W8A8:-}" ]; then Q=w8a8 QARGS=--w8a8 QNAME=w8a8
+else Q=w${BITS:-4}a16 QARGS="--bits ${BITS:-4}" QNAME=int${BITS:-4}; fi
 for part in $BENCH; do
   echo "=== $part"
   case $part in
@@ -64,14 +67,16 @@ for part in $BENCH; do
         tests/test_distributed.py::test_int4_checkpoint_over_two_gpus_equals_one_gpu_in_fp32 2>&1 | tee "$OUT/int4-tests.log" | tail -6 ;;
     int4-layer) python3 -m load_tests.bench_int4 ${INT4_ARGS:-} --out "$OUT/int4-layer${LABEL:-}.json" \
         > "$OUT/int4-layer${LABEL:-}.log" 2>&1; grep -v "^ *[\"{}\[\]]" "$OUT/int4-layer${LABEL:-}.log" | tail -60 ;;
-    decode-int4) # llama-8b's decode step, bf16 then INT4 (W4A16, groups of 128: written here first; BITS=8: INT8)
-      w=/tmp/llama-8b-w${BITS:-4}a16; [ -f $w/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b --bits ${BITS:-4} --out $w
-      for m in llama-8b $w; do n=$([ $m = llama-8b ] && echo bf16 || echo int${BITS:-4})
+    int8-layer) python3 -m load_tests.bench_int8 ${INT8_ARGS:-} --out "$OUT/int8-layer${LABEL:-}.json" \
+        > "$OUT/int8-layer${LABEL:-}.log" 2>&1; tail -12 "$OUT/int8-layer${LABEL:-}.log" ;;
+    decode-int4) # llama-8b's decode step, bf16 then INT4 (W4A16, groups of 128: written here first; BITS=8: INT8; W8A8=1: W8A8 INT8)
+      w=/tmp/llama-8b-$Q; [ -f $w/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b $QARGS --out $w
+      for m in llama-8b $w; do n=$([ $m = llama-8b ] && echo bf16 || echo $QNAME)
         python3 -m load_tests.bench_decode --model $m --batch-size ${BATCH:-64} --variants \
           --out "$OUT/decode-llama-8b-$n${LABEL:-}.json" > "$OUT/decode-int4-$n.log" 2>&1
         echo "-- $n"; grep -E '"(weight_gb_per_rank|floor_ms|eager_ms|graph_ms)"' "$OUT/decode-int4-$n.log" | tr -d '\n'; echo; done ;;
-    http-int4) w=/tmp/llama-8b-w${BITS:-4}a16; [ -f $w/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b --bits ${BITS:-4} --out $w
-      for m in llama-8b $w; do n=$([ $m = llama-8b ] && echo bf16 || echo int${BITS:-4})
+    http-int4) w=/tmp/llama-8b-$Q; [ -f $w/config.json ] || python3 -m load_tests.int4_checkpoint --model llama-8b $QARGS --out $w
+      for m in llama-8b $w; do n=$([ $m = llama-8b ] && echo bf16 || echo $QNAME)
         python3 -m load_tests.bench_http --model $m --systems orca,http-stream --replicas "" --label="-$n" \
           --out "$OUT/http-llama-8b-$n.json" > "$OUT/http-int4-$n.log" 2>&1; echo "-- $n"; tail -4 "$OUT/http-int4-$n.log"; done ;;
     spec-steps) python3 -m load_tests.bench_spec steps --model llama-8b ${SPEC_ARGS:-} --out "$OUT/spec-steps${LABEL:-}.json" \

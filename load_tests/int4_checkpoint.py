@@ -1,8 +1,9 @@
 """Write an INT4 (W4A16) or INT8 (W8A16, --bits 8) copy of a checkpoint, in compressed-tensors'
-pack-quantized format, to benchmark it beside the original (no quantized checkpoint reaches
-these machines).
+pack-quantized format, or a W8A8 INT8 one (--w8a8), to benchmark it beside the original (no
+quantized checkpoint reaches these machines).
 
     python -m load_tests.int4_checkpoint --model llama-8b --group 128 --out /tmp/llama-8b-w4a16
+    python -m load_tests.int4_checkpoint --model llama-8b --w8a8 --out /tmp/llama-8b-w8a8
 
 Every decoder projection's weight (a mixture's experts too: transformers 5's stacked
 `experts.gate_up_proj` and `experts.down_proj` are written as each expert's gate_proj,
@@ -10,6 +11,9 @@ up_proj and down_proj, as quantized checkpoints store them; the router is left o
 `weight_packed` (8 four-bit values an int32, low bits first, offset by 8; or 4 eight-bit
 ones offset by 128), `weight_scale` (each group's absolute maximum over 7, or 127, in the
 model's dtype) and `weight_shape`, as llm-compressor writes them; everything else is copied.
+With --w8a8 each becomes `weight` (int8, one a weight) and `weight_scale` (each row's
+absolute maximum over 127), in int-quantized format with dynamic per-token int8 activations,
+as llm-compressor's W8A8 scheme writes them (RedHatAI's quantized.w8a8 releases).
 The quantization here is this script's own (round to nearest), not the engine's.
 """
 from __future__ import annotations
@@ -48,6 +52,15 @@ def projections(name: str, tensor: torch.Tensor):
             yield f"{prefix}.{e}.gate_proj.weight", gate
             yield f"{prefix}.{e}.up_proj.weight", up
 SHARD_BYTES = 4 * 10**9
+IGNORED = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$"]
+W8A8 = {"quant_method": "compressed-tensors", "format": "int-quantized",
+        "quantization_status": "compressed", "ignore": IGNORED,
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                  "strategy": "token", "dynamic": True},
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                        "strategy": "channel", "dynamic": False}}}}
 
 
 def pack(w: torch.Tensor, group: int, bits: int = 4) -> dict[str, torch.Tensor]:
@@ -62,11 +75,19 @@ def pack(w: torch.Tensor, group: int, bits: int = 4) -> dict[str, torch.Tensor]:
             "weight_shape": torch.tensor([n, k])}
 
 
+def int8_rows(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    scales = w.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    q = (w.float() / scales).round().clamp(-128, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": scales.to(w.dtype)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    ap.add_argument("--w8a8", action="store_true", help="int8 weights per channel and "
+                    "int8 activations per token (int-quantized), not pack-quantized")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     src, out = Path(resolve_model_path(args.model)), Path(args.out)
@@ -88,7 +109,9 @@ def main(argv=None) -> None:
             parts = {name: tensor}
             if PROJECTION.fullmatch(name):
                 stem = name.removesuffix("weight")
-                parts = {stem + k: v for k, v in pack(tensor, args.group, args.bits).items()}
+                quantized = int8_rows(tensor) if args.w8a8 else \
+                    pack(tensor, args.group, args.bits)
+                parts = {stem + k: v for k, v in quantized.items()}
             for key, value in parts.items():
                 shard[key] = value
                 size += value.numel() * value.element_size()
@@ -100,11 +123,10 @@ def main(argv=None) -> None:
         {"metadata": {}, "weight_map": index}))
     (out / RANDOM_MARKER).unlink(missing_ok=True)  # (the weights are on disk now)
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {
+    cfg["quantization_config"] = W8A8 if args.w8a8 else {
         "quant_method": "compressed-tensors", "format": "pack-quantized",
         "quantization_status": "compressed",
-        "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$",
-                   "re:.*shared_expert_gate$"],
+        "ignore": IGNORED,
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
                                       "weights": {"num_bits": args.bits, "type": "int",
                                                   "symmetric": True, "strategy": "group",

@@ -11,7 +11,8 @@ Built inside quantization.fp8_weights, either holds an e4m3 weight and its `weig
 (INT8) weight packed 8 (4) to an int32 along its input features with a scale per row or group
 (int4_format.py; a group is a block of one row) and, if asymmetric, a `weight_zero_point`
 per scale; an act-order one also holds `weight_g_idx` [parts, K], each part's columns'
-groups. Once loaded, `finish_loading` sorts an act-order weight's columns by group and tiles
+groups; or a W8A8 INT8 weight (int8 [N, K], a scale per row: its activations are quantized
+per token as they come, kernels/int8.py). Once loaded, `finish_loading` sorts an act-order weight's columns by group and tiles
 the weight for the kernel on a GPU.
 """
 from __future__ import annotations
@@ -22,11 +23,12 @@ from torch import nn
 
 from engine_actors.layers.lora import LoRAWeights, add_lora
 from engine_actors.parallel import SINGLE, ParallelGroup, shard_range
-from engine_actors.int4_format import Int4Format
+from engine_actors.int4_format import Int4Format, W8A8Format
 from engine_actors.quantization import building_format, quantize_weight_rows
 from kernels.fp8 import fp8_linear
 from kernels.fp8_quantize import FP8
 from kernels.int4 import int4_linear
+from kernels.int8 import int8_linear
 from kernels.int4_layout import by_group, sort_columns, tile, tile_parts
 
 
@@ -52,8 +54,10 @@ class Linear(nn.Module):
                     ) -> None:
         self.quant = building_format()
         self.int4 = isinstance(self.quant, Int4Format)
+        self.w8a8 = isinstance(self.quant, W8A8Format)
         self.in_features, self.out_features = in_features, out_features  # (this rank's)
-        dtype = torch.int32 if self.int4 else FP8 if self.quant is not None else None
+        dtype = torch.int32 if self.int4 else torch.int8 if self.w8a8 else \
+            FP8 if self.quant is not None else None
         self.weight = nn.Parameter(torch.empty(out_features, cdiv(in_features, self.quant.per_word) if self.int4
                                                else in_features, dtype=dtype),
                                    requires_grad=False)
@@ -80,6 +84,8 @@ class Linear(nn.Module):
             return int4_linear(x, self.weight, self.weight_scale, group, self.in_features,
                                bias, out, self.order, getattr(self, "weight_zero_point", None),
                                self.quant.bits)
+        if self.w8a8:
+            return int8_linear(x, self.weight, self.weight_scale, bias, out)
         if self.quant is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.quant.block, bias, out)
         if out is not None:
@@ -119,12 +125,15 @@ class Linear(nn.Module):
                 name == "weight_g_idx" and not (self.int4 and self.quant.act_order)):
             raise ValueError(f"a projection's {name!r} tensor is not served here (a "
                              "quantization format this engine does not read)")
+        if name == "weight" and self.w8a8 and tensor.dtype != torch.int8:
+            raise ValueError(f"a W8A8 INT8 checkpoint's weight is stored as {tensor.dtype}, "
+                             "not int8 (compressed-tensors' format must be int-quantized)")
         if name == "weight" and self.int4 and tensor.dtype != torch.int32:
             raise ValueError(f"an {self.quant.name} checkpoint's weight is stored as "
                              f"{tensor.dtype}, not int32 words of packed {self.quant.bits}-bit "
                              "values (weight_packed)")
         if name == "weight" and self.quant is not None and not self.quant.online \
-                and not self.int4 and tensor.dtype != FP8:
+                and not self.int4 and not self.w8a8 and tensor.dtype != FP8:
             raise ValueError(f"an FP8 checkpoint's weight is stored as {tensor.dtype}, not "
                              "float8_e4m3fn (compressed-tensors' format must be "
                              "float-quantized)")
