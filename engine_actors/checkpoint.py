@@ -173,7 +173,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "granite": "GraniteForCausalLM"}
+                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 # multimodal architectures whose text model is served (not their vision tower): its class
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}

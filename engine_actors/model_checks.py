@@ -6,6 +6,13 @@ from __future__ import annotations
 from engine_actors.quantization import Fp8Format, read_format
 
 MIXTURES_OF_EXPERTS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# architectures whose layers differ from the trainer's (Llama's) pass: served, LoRA adapters
+# included, but not fine-tuned
+NOT_TRAINED = ("GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+               "SmolLM3ForCausalLM")
+# architectures whose query and key norms span all heads: tensor parallelism would need
+# their statistics gathered over ranks
+NORMS_OVER_HEADS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
 
 def check_model(hf_config, cfg, architecture: str) -> None:
@@ -26,8 +33,12 @@ def check_model(hf_config, cfg, architecture: str) -> None:
         check_phi3(hf_config, cfg)
     if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         check_gemma(hf_config, cfg, architecture)
-    if architecture == "GraniteForCausalLM" and cfg.enable_finetuning:
-        raise ValueError("enable_finetuning is not supported for GraniteForCausalLM (LoRA "
+    if architecture in NORMS_OVER_HEADS and cfg.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size {cfg.tensor_parallel_size} is not supported "
+                         f"for {architecture} (its query and key norms span all heads); "
+                         "pipeline_parallel_size is")
+    if architecture in NOT_TRAINED and cfg.enable_finetuning:
+        raise ValueError(f"enable_finetuning is not supported for {architecture} (LoRA "
                          "adapters are served)")
     if architecture in MIXTURES_OF_EXPERTS and cfg.enable_finetuning:
         raise ValueError(f"enable_finetuning is not supported for {architecture} (a mixture "

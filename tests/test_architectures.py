@@ -1,6 +1,6 @@
-"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, and
-the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, in fp32, bf16 or fp16, whole or sharded,
-each with greedy outputs equal to transformers' (fp32 compute)."""
+"""Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, OLMo 2
+and 3, SmolLM3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, in fp32, bf16 or
+fp16, whole or sharded, each with greedy outputs equal to transformers' (fp32 compute)."""
 from __future__ import annotations
 
 import json
@@ -63,6 +63,19 @@ CHECKPOINTS = {
     "mixtral": ("mixtral", dict(intermediate_size=48, num_local_experts=4,
                                 num_experts_per_tok=2)),
     "granite": ("granite", GRANITE),
+    # norms after each sublayer, q and k normed over all heads
+    "olmo2": ("olmo2", dict(attention_bias=True)),
+    # three sliding layers of 8 positions to one full one, each type with its own rotary
+    # (yarn on the full layers, as OLMo 3's long-context releases)
+    "olmo3-window-8": ("olmo3", dict(
+        sliding_window=8, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                               "original_max_position_embeddings": 1024}})),
+    # no rotary in every other layer (NoPE); a window on those, as use_sliding_window sets
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),
+    "smollm3-window-8": ("smollm3", dict(no_rope_layer_interval=2, use_sliding_window=True,
+                                         sliding_window=8, dtype=torch.bfloat16)),
 }
 
 
@@ -151,6 +164,30 @@ def test_gemma3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes
         model_info(EngineConfig.from_args({"model": str(tmp_path), **args}))
 
 
+@pytest.mark.parametrize("model_type,args,match", [
+    ("olmo2", {"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported for Olmo2"),
+    ("olmo3", {"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported for Olmo3"),
+    ("olmo2", {"enable_finetuning": True}, "enable_finetuning is not supported for Olmo2"),
+    ("smollm3", {"enable_finetuning": True}, "enable_finetuning is not supported for SmolLM3"),
+])
+def test_olmo_and_smollm3_refuse_what_they_cannot_run(tmp_path, model_type, args, match):
+    """OLMo's q and k norms span all heads (no tensor parallelism); neither trains (the
+    trainer's pass is Llama's)."""
+    save_random_checkpoint(str(tmp_path), model_type)
+    assert model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+    with pytest.raises(ValueError, match=match):
+        model_info(EngineConfig.from_args({"model": str(tmp_path), **args}))
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "smollm3"])
+def test_lora_adapters_on_olmo_and_smollm3_match_transformers_peft(tmp_path, model_type):
+    from tests.test_lora import ADAPTERS, check_against_peft, save_adapter
+    save_random_checkpoint(str(tmp_path / "base"), model_type, seed=5,
+                           **({"no_rope_layer_interval": 2} if model_type == "smollm3" else {}))
+    save_adapter(str(tmp_path / "base"), str(tmp_path / "lora"), *ADAPTERS["chat"], seed=6)
+    check_against_peft(str(tmp_path / "base"), str(tmp_path / "lora"))
+
+
 def test_fine_tuning_refuses_a_sliding_window_shorter_than_the_context(tmp_path):
     """Serving follows the window; fine-tuning's attention has none."""
     save_random_checkpoint(str(tmp_path), "mistral", sliding_window=512)
@@ -169,6 +206,20 @@ def test_greedy_matches_transformers_on_gpu_fp32_for_head_sizes(model_type, head
     """Triton kernels at head sizes that are not (80) and are (128) powers of two."""
     save_random_checkpoint(str(tmp_path), model_type, seed=7, hidden_size=4 * head_dim,
                            head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2)
+    engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
+                             max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
+    check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
+    assert engine.worker.runner.num_graph_replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["olmo3-window-8", "smollm3-window-8"])
+def test_olmo3_and_smollm3_on_gpu_fp32(name, tmp_path):
+    """The q and k norms over all heads (a strided view of the qkv output) in the Triton
+    norm, NoPE layers, windows and rotaries per layer type, CUDA graphs."""
+    model_type, overrides = CHECKPOINTS[name]
+    save_random_checkpoint(str(tmp_path), model_type, seed=7, **dict(overrides, head_dim=128,
+                           hidden_size=512, dtype=torch.float32))
     engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
                              max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")

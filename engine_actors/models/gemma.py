@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine_actors.layers.norm import RMSNorm
-from engine_actors.layers.rotary import RotaryEmbedding
+from engine_actors.layers.rotary import RotaryEmbedding, rotary_per_layer_type
 from engine_actors.model_checks import layer_window
 from engine_actors.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from kernels.act_mul import act_mul
@@ -61,15 +61,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                                 softcap=cfg.attn_logit_softcapping or 0.0)
 
     def make_rotary(self, cfg, max_positions: int) -> nn.Module:
-        """The rotary of each layer type: one for all (Gemma 2), or one per type with its
-        own rope parameters (Gemma 3; transformers 5 keys them by layer type)."""
-        kinds = sorted(set(cfg.layer_types))
-        if not any(kind in cfg.rope_parameters for kind in kinds):
-            shared = RotaryEmbedding(cfg, max_positions)
-            return nn.ModuleDict({kind: shared for kind in kinds})
-        return nn.ModuleDict({kind: RotaryEmbedding(cfg, max_positions,
-                                                    cfg.rope_parameters[kind])
-                              for kind in kinds})
+        """The rotary of each layer type: one for all (Gemma 2), or one per type (Gemma 3)."""
+        return rotary_per_layer_type(cfg, max_positions)
 
     def new_layer(self, cfg, i: int, parallel, opts: AttentionOptions, max_positions: int):
         return GemmaDecoderLayer(cfg, self.rotary[cfg.layer_types[i]], parallel, opts,

@@ -34,6 +34,8 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm of each query and key head before rotary (Qwen3)
+    # those norms over all of a token's query (key) heads at once (OLMo 2 and 3)
+    qk_norm_over_heads: bool = False
     unit_offset: bool = False  # those norms are Gemma's (weight as 1 + weight)
     scale: float | None = None  # of the attention scores (None: 1 / sqrt(head_dim))
     softcap: float = 0.0  # the scores' soft-capping (Gemma 2's; 0: none)
@@ -52,22 +54,25 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, opts.o_bias, parallel)
         if opts.qk_norm:
-            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, opts.unit_offset)
-            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, opts.unit_offset)
+            q_width, k_width = (self.num_heads * head_dim, self.num_kv_heads * head_dim) \
+                if opts.qk_norm_over_heads else (head_dim, head_dim)
+            self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, opts.unit_offset)
+            self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, opts.unit_offset)
         self.qk_norm = opts.qk_norm
-        self.rotary = rotary  # shared by all layers
+        self.rotary = rotary  # shared by all layers (None: no rotary in this layer, NoPE)
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, window, opts.scale,
                               opts.softcap)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
-        if self.qk_norm:  # per head: [T * H, D] rows
-            q = self.q_norm(q.reshape(-1, self.head_dim))
-            k = self.k_norm(k.reshape(-1, self.head_dim))
+        if self.qk_norm:  # per head ([T * H, D] rows), or over all heads ([T, H * D])
+            q = self.q_norm(q.reshape(-1, self.q_norm.weight.shape[0]))
+            k = self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0]))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, meta)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))
 
