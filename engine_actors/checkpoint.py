@@ -174,7 +174,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                 "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "seed_oss": "SeedOssForCausalLM"}
 
 # multimodal architectures whose text model is served (not their vision tower): its class
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}

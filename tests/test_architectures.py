@@ -1,5 +1,5 @@
 """Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, OLMo 2
-and 3, SmolLM3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, in fp32, bf16 or
+and 3, SmolLM3, Seed-OSS, and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, in fp32, bf16 or
 fp16, whole or sharded, each with greedy outputs equal to transformers' (fp32 compute)."""
 from __future__ import annotations
 
@@ -76,6 +76,8 @@ CHECKPOINTS = {
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),
     "smollm3-window-8": ("smollm3", dict(no_rope_layer_interval=2, use_sliding_window=True,
                                          sliding_window=8, dtype=torch.bfloat16)),
+    # q/k/v biases, and o_proj's own (attention_out_bias)
+    "seed-oss": ("seed_oss", dict(head_dim=32, attention_bias=True, attention_out_bias=True)),
 }
 
 

@@ -8,7 +8,7 @@ from engine_actors.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                       Qwen3MoeForCausalLM)
 from engine_actors.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM
 from engine_actors.models.phi3 import Phi3ForCausalLM
-from engine_actors.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine_actors.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, SeedOssForCausalLM
 from engine_actors.models.smollm3 import SmolLM3ForCausalLM
 
 MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
@@ -17,7 +17,8 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCa
           "Gemma3ForCausalLM": Gemma3ForCausalLM, "MixtralForCausalLM": MixtralForCausalLM,
           "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
           "GraniteForCausalLM": GraniteForCausalLM, "Olmo2ForCausalLM": Olmo2ForCausalLM,
-          "Olmo3ForCausalLM": Olmo3ForCausalLM, "SmolLM3ForCausalLM": SmolLM3ForCausalLM}
+          "Olmo3ForCausalLM": Olmo3ForCausalLM, "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+          "SeedOssForCausalLM": SeedOssForCausalLM}
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:

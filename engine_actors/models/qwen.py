@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 and Qwen3: Llama with different attention options.
+"""Qwen2 / Qwen2.5 and Qwen3 (and Seed-OSS): Llama with different attention options.
 
 Qwen2 has biases on q, k and v (not on o). Qwen3 normalises each query and key head with
 RMSNorm before rotary, takes head_dim from its config, and has biases only if
@@ -20,3 +20,12 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def attention_options(cfg) -> AttentionOptions:
         bias = bool(getattr(cfg, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+class SeedOssForCausalLM(LlamaForCausalLM):
+    """ByteDance's Seed-OSS: Llama with q/k/v biases (attention_bias) and an o_proj bias of
+    its own (attention_out_bias). Its dropouts are training's."""
+    @staticmethod
+    def attention_options(cfg) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+                                o_bias=bool(getattr(cfg, "attention_out_bias", False)))
