@@ -10,6 +10,10 @@ per-token INT8. The int8 products are summed in int32 and scaled once: y = acc *
   bytes are the same;
 - more tokens (or fp32 activations): `quantize_rows` then `int8_matmul`, on int8 tensor
   cores (twice bf16's rate on Hopper).
+So in bf16 a token's activations are quantized only in steps of more than 32 tokens (as
+FP8's above 16): a decode token's numbers depend on its step's size, where with the
+quantized path alone they would not (each row is quantized on its own and the int32 sums
+are exact).
 BENCHMARKS.md (2026-11-29, ninth part) has the measurements behind the tiles and the
 threshold.
 On CPU the same arithmetic by torch._int_mm, a reference path.
@@ -58,8 +62,9 @@ def _int8_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, c_ptr, bias_ptr, M, N, K,
     rn = (pid % (GROUP_M * tiles_n)) // band * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mask_m, mask_n = rm < M, rn < N
-    a_ptrs = a_ptr + rm[:, None] * K + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :] * K + rk[:, None]  # w [N, K] read as a [K, N] tile
+    rows, cols = rm.to(tl.int64), rn.to(tl.int64)  # (offsets past 2^31 in large steps)
+    a_ptrs = a_ptr + rows[:, None] * K + rk[None, :]
+    w_ptrs = w_ptr + cols[None, :] * K + rk[:, None]  # w [N, K] read as a [K, N] tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = rk < K - k0
@@ -72,7 +77,7 @@ def _int8_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, c_ptr, bias_ptr, M, N, K,
         * tl.load(w_s_ptr + rn, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], out.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + rows[:, None] * N + cols[None, :], out.to(c_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 

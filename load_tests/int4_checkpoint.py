@@ -67,7 +67,7 @@ def pack(w: torch.Tensor, group: int, bits: int = 4) -> dict[str, torch.Tensor]:
     n, k = w.shape
     top, per_word = (1 << (bits - 1)) - 1, 32 // bits
     g = w.float().reshape(n, k // group, group)
-    scales = g.abs().amax(-1) / top
+    scales = (g.abs().amax(-1) / top).to(w.dtype).float()  # (as stored: in w's dtype)
     q = (g / scales[..., None]).round().clamp(-top - 1, top).to(torch.int32)
     q = q.reshape(n, k // per_word, per_word) + top + 1
     words = sum(q[..., i] << (bits * i) for i in range(per_word))  # (bit 31: negative)
@@ -76,9 +76,11 @@ def pack(w: torch.Tensor, group: int, bits: int = 4) -> dict[str, torch.Tensor]:
 
 
 def int8_rows(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    scales = w.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    q = (w.float() / scales).round().clamp(-128, 127).to(torch.int8)
-    return {"weight": q, "weight_scale": scales.to(w.dtype)}
+    """(Each scale rounded to the weight's dtype first, as it is stored: the values are
+    quantized against the scale the engine reads.)"""
+    scales = (w.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127).to(w.dtype)
+    q = (w.float() / scales.float()).round().clamp(-128, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": scales}
 
 
 def main(argv=None) -> None:

@@ -114,10 +114,17 @@ class Linear(nn.Module):
         """A checkpoint's per-channel or per-tensor scale as one scale per output row."""
         return tensor.reshape(-1).expand(rows) if tensor.numel() == 1 else tensor.reshape(rows)
 
-    def check_stored(self, name: str, tensor: torch.Tensor) -> None:
+    def check_stored(self, name: str, tensor: torch.Tensor) -> bool:
         """An FP8 checkpoint's weights must be stored in e4m3 (not, say, fake-quantized bf16
         with the scales beside them, which would be cast here and scaled twice); a tensor
-        this layer has no place for (a zero point, a g_idx, a sparsity mask) is refused."""
+        this layer has no place for (a zero point, a g_idx, a sparsity mask) is refused,
+        except a W8A8 weight's zero points if all zero (symmetric, as some writers keep
+        them): False, skip it."""
+        if name == "weight_zero_point" and self.w8a8:
+            if tensor.any():
+                raise ValueError("a W8A8 INT8 checkpoint's weight zero points are not all "
+                                 "zero (its quantization config says symmetric)")
+            return False
         if name not in ("weight", "bias", "weight_scale", "weight_zero_point",
                         "weight_g_idx") or (
                 name == "weight_scale" and self.quant is None) or (
@@ -137,6 +144,7 @@ class Linear(nn.Module):
             raise ValueError(f"an FP8 checkpoint's weight is stored as {tensor.dtype}, not "
                              "float8_e4m3fn (compressed-tensors' format must be "
                              "float-quantized)")
+        return True
 
     def check_blocks(self, starts_and_sizes, what: str) -> None:
         """Shards of a block-scaled weight must start and end on block boundaries."""
@@ -190,7 +198,8 @@ class ColumnParallelLinear(Linear):
                 tensor.narrow(0, self.first_row(part), self.part_sizes[part]))
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        self.check_stored(name, tensor)
+        if not self.check_stored(name, tensor):
+            return
         part = shard or 0
         size = self.part_sizes[part]
         if name == "weight_g_idx":  # (by input column: every rank's)
@@ -245,7 +254,8 @@ class RowParallelLinear(Linear):
         return tensor.narrow(1, self.in_start, self.in_features)
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
-        self.check_stored(name, tensor)
+        if not self.check_stored(name, tensor):
+            return
         if name == "bias":
             copy_checked(self.bias.data, tensor)
         elif name == "weight_g_idx":
