@@ -6,10 +6,12 @@ An xgrammar EBNF: each call names one of the forced functions and passes its par
 as keyword arguments, in the order of the schema's `properties`: the required ones always,
 the others optionally. A value is a Python literal of its parameter's type: a string (in
 single or double quotes), an integer, a number, True/False, None, a list of its items'
-type, a dict with string keys, or one of an `enum`'s values; a parameter of another or no
-type (a type list, anyOf, $ref) takes any such literal, and an object any dict. The calls
-then parse (tool_formats.python_calls); their values follow the schema's top-level types,
-not what is nested in objects nor its other constraints (lengths, ranges, patterns).
+type, a dict, or one of an `enum`'s values. An object with `properties` is a dict of those
+keys in their order (the required ones always, the others optionally; no other keys), each
+value of its own schema, to any depth; an object without them is any dict with string keys.
+A parameter of another or no type (a type list, anyOf, $ref) takes any such literal. The
+calls then parse (tool_formats.python_calls); their values follow the schema's types, not
+its other constraints (lengths, ranges, patterns).
 When max_tokens cuts forced calls, none come back: the list is not whole.
 """
 from __future__ import annotations
@@ -69,18 +71,24 @@ def _call_rules(rule: str, name: str, schema: dict) -> list[str]:
     rules = []
     for i, (key, prop) in enumerate(props.items()):
         rules += _value_rules(f"{rule}v{i}", prop if isinstance(prop, dict) else {})
-    # a{i}{f}: the arguments from property i on; f: none written yet (no comma before)
-    n = len(props)
-    for i, key in enumerate(props):
-        arg = f'"{key}=" {rule}v{i}'
+    keys = [(f'"{key}="', key in required) for key in props]
+    return [*rules, *_sequence_rules(rule, keys),
+            f'{rule} ::= "{name}(" {rule}a01 ")"']
+
+
+def _sequence_rules(rule: str, keys: list[tuple[str, bool]]) -> list[str]:
+    """Rules `{rule}a01` for the comma-separated items `key value` (key: a terminal,
+    value: the rule `{rule}v{i}`) in order, the required ones always, the others or not.
+    a{i}{f}: the items from i on; f: none written yet (no comma before)."""
+    rules, n = [], len(keys)
+    for i, (key, required) in enumerate(keys):
+        item = f"{key} {rule}v{i}"
         for first in (True, False):
-            this = (arg if first else f'"," {WS} {arg}') + f" {rule}a{i + 1}0"
+            this = (item if first else f'"," {WS} {item}') + f" {rule}a{i + 1}0"
             rest = f"{rule}a{i + 1}{int(first)}"
-            body = this if key in required else f"({this}) | {rest}"
-            rules.append(f"{rule}a{i}{int(first)} ::= {body}")
-    rules += [f'{rule}a{n}1 ::= ""', f'{rule}a{n}0 ::= ""']
-    rules.append(f'{rule} ::= "{name}(" {rule}a01 ")"')
-    return rules
+            rules.append(f"{rule}a{i}{int(first)} ::= " +
+                         (this if required else f"({this}) | {rest}"))
+    return rules + [f'{rule}a{n}1 ::= ""', f'{rule}a{n}0 ::= ""']
 
 
 def _value_rules(rule: str, schema: dict) -> list[str]:
@@ -93,6 +101,15 @@ def _value_rules(rule: str, schema: dict) -> list[str]:
     kind = schema.get("type")
     simple = {"string": "str", "integer": "int", "number": "num", "boolean": "bool",
               "null": "none", "object": "any_dict"}
+    props = schema.get("properties")
+    if kind == "object" and isinstance(props, dict) and props:
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        keys = [(json.dumps(repr(key) + ":", ensure_ascii=False) + f" {WS}", key in required)
+                for key in props if isinstance(key, str)]
+        values = [prop if isinstance(prop, dict) else {} for key, prop in props.items()
+                  if isinstance(key, str)]
+        return [f'{rule} ::= "{{" {rule}a01 "}}"', *_sequence_rules(rule, keys),
+                *(r for i, value in enumerate(values) for r in _value_rules(f"{rule}v{i}", value))]
     if kind == "array":
         items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
         return [f'{rule} ::= "[" ({rule}i ("," {WS} {rule}i)*)? "]"',

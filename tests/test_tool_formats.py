@@ -226,6 +226,38 @@ def test_forced_pythonic_calls_take_each_parameters_type_and_parse_back():
         assert not takes(parallel, bad), bad
 
 
+def test_forced_pythonic_calls_type_nested_objects():
+    """An object parameter with properties is a dict of those keys in order (required
+    ones always, no others), each value of its own schema, at any depth; what the grammar
+    takes, the parser reads back."""
+    from deployments.structured import tool_grammar
+    from tests.test_structured_output import grammar_takes
+    book = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "required": ["trip"], "properties": {"trip": {
+            "type": "object", "required": ["to"], "properties": {
+                "to": {"type": "string"}, "nights": {"type": "integer"},
+                "rooms": {"type": "array", "items": {"type": "object", "required": ["beds"],
+                                                     "properties": {"beds": {"enum": [1, 2]}}}},
+                "extras": {"type": "object", "properties": {"it's": {"type": "boolean"}}},
+                "notes": {"type": "object"}}}}}}}
+    spec = tool_grammar([Tool.model_validate(book)], "required", "pythonic")
+    takes = grammar_takes()
+    full = ("[book(trip={'to': 'Oslo', 'nights': 2, 'rooms': [{'beds': 1}, {'beds': 2}], "
+            "'extras': {\"it's\": True}, 'notes': {'any': [None]}})]")
+    for text in (full, "[book(trip={'to': 'Oslo'})]", "[book(trip={'to':'Oslo', 'extras': {}})]"):
+        assert takes(spec, text), text
+    assert json.loads(make_parser("pythonic").parse(full)[1][0].arguments) == {"trip": {
+        "to": "Oslo", "nights": 2, "rooms": [{"beds": 1}, {"beds": 2}],
+        "extras": {"it's": True}, "notes": {"any": [None]}}}
+    for bad in ("[book(trip={})]",  # the required "to" left out
+                "[book(trip={'to': 3})]", "[book(trip={'to': 'Oslo', 'nights': '2'})]",
+                "[book(trip={'nights': 2, 'to': 'Oslo'})]",  # out of order
+                "[book(trip={'to': 'Oslo', 'pets': 1})]",  # a key it does not have
+                "[book(trip={'to': 'Oslo', 'rooms': [{'beds': 3}]})]",
+                "[book(trip={'to': 'Oslo', 'extras': {'it': True}})]"):
+        assert not takes(spec, bad), bad
+
+
 def test_pythonic_forcing_leaves_out_what_python_can_not_pass():
     """An optional parameter named as no keyword argument can be is left out; a required
     one, or a function so named, is a 400."""
