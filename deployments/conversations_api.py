@@ -3,7 +3,9 @@
 /v1/conversations/{id}/items/{item_id}; and what POST /v1/responses with `conversation`
 needs (responses_api.py): the conversation's items before its input, and its input and
 output items added once it has ended. The response holds the conversation meanwhile
-(conversation_store.py): another one on it is a 400 with code `conversation_locked`.
+(conversation_store.py): another one on it is a 400 with code `conversation_locked`. The
+replica renews the holds of its running responses every RENEW_S, so a response may run
+longer than the store's LOCK_S; a replica that dies leaves holds that lapse.
 
 Conversations live in the scheduler actor (engine_actors/conversation_store.py), so every
 ingress replica sees the same ones. Items are the Responses API's input items (messages,
@@ -33,6 +35,7 @@ from engine_actors.messages import page
 
 logger = logging.getLogger("orca_serve.ingress")
 MAX_NEW_ITEMS = 20  # OpenAI's: items in one create call
+RENEW_S = 120.0  # how often a replica renews its running responses' holds (LOCK_S: 600)
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
                           Annotated[str, Field(max_length=512)]], Field(max_length=16)]
 
@@ -77,6 +80,8 @@ class ConversationsAPI:
         self.frontend = frontend
         self.stored = stored  # stored_responses.StoredResponses: item references
         self._tasks: set[asyncio.Task] = set()  # releases under way, kept alive
+        self._held: set[tuple[str, str]] = set()  # (conversation, response) holds begun here
+        self._renewing: asyncio.Task | None = None
 
     def routes(self) -> list[Route]:
         one, item = "/v1/conversations/{conversation_id}", "/items/{item_id}"
@@ -101,12 +106,29 @@ class ConversationsAPI:
             raise APIError(400, f"Another response is running on conversation "
                                 f"{conversation_id!r}; send this one once it has ended.",
                            "conversation", "conversation_locked")
+        self._held.add((conversation_id, token))
+        if self._renewing is None or self._renewing.done():  # (out of the request's context)
+            self._renewing = asyncio.get_running_loop().create_task(
+                self._renew_holds(), context=contextvars.Context())
         return [json.loads(item) for item in items]
+
+    async def _renew_holds(self) -> None:
+        """Every RENEW_S while this replica holds conversations: renew each hold (one that
+        the store no longer has, ended or lapsed, is forgotten)."""
+        while self._held:
+            await asyncio.sleep(RENEW_S)
+            for hold in list(self._held):
+                try:
+                    if not await self._call("renew", *hold, time.time()):
+                        self._held.discard(hold)
+                except Exception as e:  # (the scheduler restarting: try again later)
+                    logger.warning("conversation %s: its hold not renewed (%s)", hold[0], e)
 
     async def end(self, conversation_id: str, token: str, items: list[dict]) -> None:
         """Response `token` has ended: its input and output items added (none: it failed)
         and its hold released. If the conversation is gone (deleted, evicted) or the
         scheduler is, the response is still delivered."""
+        self._held.discard((conversation_id, token))
         try:
             added = await self._call("end", conversation_id, token,
                                      [(item["id"], json.dumps(item)) for item in items])

@@ -9,15 +9,16 @@ found.
 
 A response that continues a conversation holds it from its start (`begin`, which reads the
 items) to its end (`end`, which adds its items): another one meanwhile is refused, as
-OpenAI's API refuses it (its items would follow a history it never saw). A hold left by a
-replica that died lapses after LOCK_S.
+OpenAI's API refuses it (its items would follow a history it never saw). The replica running
+the response renews its hold while it runs (`renew`); a hold left by a replica that died
+lapses LOCK_S after its last renewal.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-LOCK_S = 600.0  # how long a response's hold on its conversation lasts at most
+LOCK_S = 600.0  # how long a response's hold on its conversation lasts unless renewed
 CONVERSATION_BYTES = 400  # beside its strings: the record, its dicts (measured roughly)
 ITEM_BYTES = 260  # per item beside its string: its id, its entries in two dicts
 
@@ -109,6 +110,16 @@ class ConversationStore:
             return False
         conversation.holder = (token, now + LOCK_S)
         return list(conversation.items.values())
+
+    def renew(self, conversation_id: str, token: str, now: float) -> bool:
+        """Response `token`, still running, keeps its hold LOCK_S from now; False if it
+        holds the conversation no more (ended, lapsed, or the conversation is gone)."""
+        conversation = self.conversations.get(conversation_id)
+        if conversation is None or conversation.holder is None or \
+                conversation.holder[0] != token:
+            return False
+        conversation.holder = (token, now + LOCK_S)
+        return True
 
     def end(self, conversation_id: str, token: str, items: list[tuple[str, str]]
             ) -> bool | None:

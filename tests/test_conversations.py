@@ -65,6 +65,46 @@ def test_a_response_holds_its_conversation_until_it_ends():
     assert store.end("c", "r2", [("i3", "late")]) is True  # added; r3 still holds it
     assert store.begin("c", "r4", now=3.0 + LOCK_S) is False
     assert store.begin("nope", "r5", now=0.0) is None and store.end("nope", "r5", []) is None
+    assert store.renew("c", "r3", now=2.0 + 2 * LOCK_S) is True  # still its holder
+    assert store.begin("c", "r6", now=1.0 + 3 * LOCK_S) is False  # renewed: held
+    assert store.renew("c", "r2", now=0.0) is False and store.renew("nope", "r3", 0.0) is False
+    assert store.end("c", "r3", []) is True and store.renew("c", "r3", now=0.0) is False
+
+
+def test_a_replica_renews_the_holds_of_its_running_responses(monkeypatch):
+    """A response running past the store's LOCK_S keeps its conversation: its replica
+    renews the hold (here every 10 ms, the hold lasting 50 ms) until the response ends."""
+    import asyncio
+    from types import SimpleNamespace
+    from deployments import conversations_api
+    from deployments.protocol import APIError
+    from engine_actors import conversation_store
+    monkeypatch.setattr(conversation_store, "LOCK_S", 0.05)
+    monkeypatch.setattr(conversations_api, "RENEW_S", 0.01)
+    store = ConversationStore(max_bytes=10_000)
+    store.create("c", "{}", [])
+
+    async def call(name, method, *args):
+        assert name == "conversation_call"
+        return getattr(store, method)(*args)
+
+    async def ready():
+        return None
+    frontend = SimpleNamespace(cfg=SimpleNamespace(response_store_mib=1), ready=ready,
+                               call=call)
+    api = conversations_api.ConversationsAPI(frontend, stored=None)
+
+    async def scenario():
+        assert await api.begin("c", "r1") == []
+        await asyncio.sleep(0.2)  # four times the hold's length: renewed meanwhile
+        with pytest.raises(APIError, match="Another response is running"):
+            await api.begin("c", "r2")
+        await api.end("c", "r1", [])
+        assert await api.begin("c", "r2") == []
+        await api.end("c", "r2", [])
+        await asyncio.sleep(0.05)
+        assert api._renewing.done() and not api._held  # nothing left to renew
+    asyncio.run(scenario())
 
 
 # ---- over HTTP -------------------------------------------------------------------------------
