@@ -25,10 +25,13 @@ def check_model(hf_config, cfg, architecture: str) -> None:
                          "not supported")
     check_attention_window(hf_config, cfg,
                            cfg.max_model_len or hf_config.max_position_embeddings)
-    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
-    if rope_type in ("dynamic", "longrope"):  # (as layers/rotary.py, before the workers)
-        raise ValueError(f"rope_type {rope_type!r} rescales with sequence length at run time "
-                         "and is not supported; supported: default, linear, llama3, yarn")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    types = set(getattr(hf_config, "layer_types", None) or ()) & set(rope)  # (keyed by type)
+    for rope_type in [rope[t].get("rope_type") for t in types] or [rope.get("rope_type")]:
+        if rope_type in ("dynamic", "longrope"):  # (as layers/rotary.py, before the workers)
+            raise ValueError(f"rope_type {rope_type!r} rescales with sequence length at run "
+                             "time and is not supported; supported: default, linear, "
+                             "llama3, yarn")
     if architecture == "Phi3ForCausalLM":
         check_phi3(hf_config, cfg)
     if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):

@@ -76,15 +76,32 @@ CHECKPOINTS = {
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),
     "smollm3-window-8": ("smollm3", dict(no_rope_layer_interval=2, use_sliding_window=True,
                                          sliding_window=8, dtype=torch.bfloat16)),
-    # q/k/v biases, and o_proj's own (attention_out_bias)
+    # q/k/v biases, and o_proj's own (attention_out_bias); the released 36B's: only q/k/v's
     "seed-oss": ("seed_oss", dict(head_dim=32, attention_bias=True, attention_out_bias=True)),
+    "seed-oss-released": ("seed_oss", dict(head_dim=32, attention_bias=True,
+                                           attention_out_bias=False)),
 }
+
+
+def perturb_norms_and_biases(path, seed: int = 0) -> None:
+    """Every norm weight drawn from N(1, 0.5) and every bias from N(0, 0.5) (transformers
+    starts them at 1 and 0: a model that left a norm's weight or a bias out would match)."""
+    from safetensors.torch import load_file, save_file
+    gen = torch.Generator().manual_seed(seed)
+    for file in path.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        for key, t in tensors.items():
+            if key.endswith("norm.weight") or key.endswith(".bias"):
+                noise = torch.randn(t.shape, generator=gen) * 0.5
+                tensors[key] = (noise + (1.0 if key.endswith("weight") else 0.0)).to(t.dtype)
+        save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_greedy_matches_transformers(name, tmp_path):
     model_type, overrides = CHECKPOINTS[name]
     save_random_checkpoint(str(tmp_path), model_type, seed=5, **overrides)
+    perturb_norms_and_biases(tmp_path)
     engine = InProcessEngine(model=str(tmp_path), max_batch_size=8, block_size=4,
                              max_num_batched_tokens=24, max_num_tokens=4096,
                              max_model_len=4096)
