@@ -198,6 +198,18 @@ def test_olmo_and_smollm3_refuse_what_they_cannot_run(tmp_path, model_type, args
         model_info(EngineConfig.from_args({"model": str(tmp_path), **args}))
 
 
+def test_a_rope_type_keyed_by_layer_type_is_checked_at_start(tmp_path):
+    """OLMo 3 keys its rope parameters by layer type: one that rescales at run time there
+    fails the start, as at the top level."""
+    save_random_checkpoint(str(tmp_path), "olmo3", sliding_window=8)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"]["full_attention"] = {"rope_type": "dynamic", "rope_theta": 1e4,
+                                                "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+
+
 @pytest.mark.parametrize("model_type", ["olmo2", "smollm3"])
 def test_lora_adapters_on_olmo_and_smollm3_match_transformers_peft(tmp_path, model_type):
     from tests.test_lora import ADAPTERS, check_against_peft, save_adapter
@@ -239,6 +251,7 @@ def test_olmo3_and_smollm3_on_gpu_fp32(name, tmp_path):
     model_type, overrides = CHECKPOINTS[name]
     save_random_checkpoint(str(tmp_path), model_type, seed=7, **dict(overrides, head_dim=128,
                            hidden_size=512, dtype=torch.float32))
+    perturb_norms_and_biases(tmp_path)
     engine = InProcessEngine(device="cuda", model=str(tmp_path), dtype="float32",
                              max_batch_size=8, max_num_batched_tokens=24, max_num_tokens=4096)
     check_parity(str(tmp_path), engine, ragged_workload(seed=11), device="cuda")
