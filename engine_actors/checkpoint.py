@@ -175,7 +175,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                 "seed_oss": "SeedOssForCausalLM"}
+                 "seed_oss": "SeedOssForCausalLM", "exaone4": "Exaone4ForCausalLM"}
 
 # multimodal architectures whose text model is served (not their vision tower): its class
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}

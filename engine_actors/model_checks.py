@@ -9,7 +9,7 @@ MIXTURES_OF_EXPERTS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeFor
 # architectures whose layers differ from the trainer's (Llama's) pass: served, LoRA adapters
 # included, but not fine-tuned
 NOT_TRAINED = ("GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-               "SmolLM3ForCausalLM")
+               "SmolLM3ForCausalLM", "Exaone4ForCausalLM")
 # architectures whose query and key norms span all heads: tensor parallelism would need
 # their statistics gathered over ranks
 NORMS_OVER_HEADS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")

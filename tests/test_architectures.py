@@ -1,5 +1,5 @@
 """Checkpoints users have: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Granite, OLMo 2
-and 3, SmolLM3, Seed-OSS, and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, in fp32, bf16 or
+and 3, SmolLM3, Seed-OSS, EXAONE 4.0, and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, in fp32, bf16 or
 fp16, whole or sharded, each with greedy outputs equal to transformers' (fp32 compute)."""
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ CHECKPOINTS = {
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),
     "smollm3-window-8": ("smollm3", dict(no_rope_layer_interval=2, use_sliding_window=True,
                                          sliding_window=8, dtype=torch.bfloat16)),
+    # OLMo's post-norms, q and k norms per head; rotary on the sliding layers only (NoPE on
+    # the full ones), or on every layer without a window
+    "exaone4-window-8": ("exaone4", dict(head_dim=32, sliding_window=8,
+                                         sliding_window_pattern=2)),
+    "exaone4": ("exaone4", dict(head_dim=32, sliding_window=None,
+                                layer_types=["full_attention"] * 4)),
     # q/k/v biases, and o_proj's own (attention_out_bias); the released 36B's: only q/k/v's
     "seed-oss": ("seed_oss", dict(head_dim=32, attention_bias=True, attention_out_bias=True)),
     "seed-oss-released": ("seed_oss", dict(head_dim=32, attention_bias=True,
@@ -188,12 +194,16 @@ def test_gemma3_variants_this_engine_cannot_run_fail_the_start(tmp_path, changes
     ("olmo3", {"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported for Olmo3"),
     ("olmo2", {"enable_finetuning": True}, "enable_finetuning is not supported for Olmo2"),
     ("smollm3", {"enable_finetuning": True}, "enable_finetuning is not supported for SmolLM3"),
+    ("exaone4", {"enable_finetuning": True}, "enable_finetuning is not supported for Exaone4"),
 ])
 def test_olmo_and_smollm3_refuse_what_they_cannot_run(tmp_path, model_type, args, match):
     """OLMo's q and k norms span all heads (no tensor parallelism); neither trains (the
     trainer's pass is Llama's)."""
     save_random_checkpoint(str(tmp_path), model_type)
     assert model_info(EngineConfig.from_args({"model": str(tmp_path)}))
+    if model_type == "exaone4":  # (its q and k norms are per head: it shards)
+        assert model_info(EngineConfig.from_args({"model": str(tmp_path),
+                                                  "tensor_parallel_size": 2}))
     with pytest.raises(ValueError, match=match):
         model_info(EngineConfig.from_args({"model": str(tmp_path), **args}))
 
@@ -210,7 +220,7 @@ def test_a_rope_type_keyed_by_layer_type_is_checked_at_start(tmp_path):
         model_info(EngineConfig.from_args({"model": str(tmp_path)}))
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "smollm3"])
+@pytest.mark.parametrize("model_type", ["olmo2", "smollm3", "exaone4"])
 def test_lora_adapters_on_olmo_and_smollm3_match_transformers_peft(tmp_path, model_type):
     from tests.test_lora import ADAPTERS, check_against_peft, save_adapter
     save_random_checkpoint(str(tmp_path / "base"), model_type, seed=5,

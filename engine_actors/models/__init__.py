@@ -6,7 +6,7 @@ from engine_actors.models.granite import GraniteForCausalLM
 from engine_actors.models.llama import LlamaForCausalLM
 from engine_actors.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                       Qwen3MoeForCausalLM)
-from engine_actors.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM
+from engine_actors.models.olmo import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM
 from engine_actors.models.phi3 import Phi3ForCausalLM
 from engine_actors.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, SeedOssForCausalLM
 from engine_actors.models.smollm3 import SmolLM3ForCausalLM
@@ -18,7 +18,7 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCa
           "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
           "GraniteForCausalLM": GraniteForCausalLM, "Olmo2ForCausalLM": Olmo2ForCausalLM,
           "Olmo3ForCausalLM": Olmo3ForCausalLM, "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
-          "SeedOssForCausalLM": SeedOssForCausalLM}
+          "SeedOssForCausalLM": SeedOssForCausalLM, "Exaone4ForCausalLM": Exaone4ForCausalLM}
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:

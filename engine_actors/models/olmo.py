@@ -8,6 +8,10 @@
   when the config keys its rope parameters so.
 The q and k norms span every head, so tensor parallelism is refused at start (as is
 fine-tuning, whose training pass is Llama's: model_checks.py). LoRA adapters are served.
+
+EXAONE 4.0 (Exaone4ForCausalLM) has OLMo's post-sublayer norms with Qwen3's q and k norms
+per head; with a sliding window, only its sliding layers (layer_types) have a rotary, the
+full-attention ones none (NoPE). Tensor parallelism works there (norms per head).
 """
 from __future__ import annotations
 
@@ -53,4 +57,16 @@ class Olmo3ForCausalLM(Olmo2ForCausalLM):
 
     def new_layer(self, cfg, i: int, parallel, opts: AttentionOptions, max_positions: int):
         return OlmoDecoderLayer(cfg, self.rotary[cfg.layer_types[i]], parallel, opts,
+                                layer_window(cfg, i, max_positions))
+
+
+class Exaone4ForCausalLM(Olmo2ForCausalLM):
+    @staticmethod
+    def attention_options(cfg) -> AttentionOptions:
+        return AttentionOptions(qk_norm=True)
+
+    def new_layer(self, cfg, i: int, parallel, opts: AttentionOptions, max_positions: int):
+        rotary = self.rotary if cfg.sliding_window is None or \
+            cfg.layer_types[i] == "sliding_attention" else None
+        return OlmoDecoderLayer(cfg, rotary, parallel, opts,
                                 layer_window(cfg, i, max_positions))
