@@ -122,7 +122,8 @@ def read_format(hf_config, requested: str | None
     else:
         raise ValueError(f"quantized checkpoints ({method!r}) are not supported; served: "
                          "fp8 (weight_block_size), compressed-tensors FP8, "
-                         "compressed-tensors INT4 and INT8 (W4A16, W8A16, pack-quantized), "
+                         "compressed-tensors INT4 and INT8 (W4A16, W8A16, pack-quantized; "
+                         "W8A8, int-quantized), "
                          "GPTQ (4 and 8 bits) and AWQ (4 bits)")
     check_ignored(ignore)
     if block is not None:
