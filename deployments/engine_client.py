@@ -28,16 +28,17 @@ __all__ = ["EngineClient", "EngineFailed", "EngineUnavailable", "RequestGroup",
 logger = logging.getLogger("orca_serve.ingress")
 
 
-def scheduler_actor(cfg: EngineConfig):
-    """The application's scheduler actor: created on first call, found by name after that
-    (detached: it outlives whoever created it, and goes when no replica is left)."""
+def scheduler_actor(cfg: EngineConfig, rank: int = 0):
+    """The scheduler actor of the application's engine `rank`: created on first call, found
+    by name after that (detached: it outlives whoever created it, and goes when no replica
+    is left)."""
     return ray.remote(SchedulerActor).options(
-        name=actor_name(cfg), namespace=NAMESPACE, get_if_exists=True,
+        name=actor_name(cfg, rank), namespace=NAMESPACE, get_if_exists=True,
         lifetime="detached", num_cpus=0, max_concurrency=10_000,
         # like Serve's own actors: calls per iteration and per request each left a task
         # event in the GCS (its memory grew by 160 MB in a 10-minute soak)
         enable_task_events=False,
-    ).remote(cfg, time.time())
+    ).remote(cfg, time.time(), rank)
 
 
 def start_engine_early(cfg: EngineConfig) -> None:
@@ -46,7 +47,8 @@ def start_engine_early(cfg: EngineConfig) -> None:
     replica is up. The replicas then find the actor by name, and a start failure reaches
     them through ready(). Does nothing outside a Ray job."""
     if ray.is_initialized():
-        scheduler_actor(cfg)  # the actor starts its engine as it is created
+        for rank in range(cfg.data_parallel_size):
+            scheduler_actor(cfg, rank)  # the actor starts its engine as it is created
 
 
 class EngineFailed(RuntimeError):
@@ -70,8 +72,10 @@ def _own_actor():
 
 
 class EngineClient:
-    def __init__(self, cfg: EngineConfig):
-        self.cfg = cfg
+    """This replica's connection to one engine (`rank` of data_parallel_size)."""
+
+    def __init__(self, cfg: EngineConfig, rank: int = 0):
+        self.cfg, self.rank = cfg, rank
         self.client_id = uuid.uuid4().hex
         self.info: ModelInfo | None = None
         self._actor = None
@@ -85,6 +89,11 @@ class EngineClient:
     def is_connected(self) -> bool:
         return self._actor is not None
 
+    @property
+    def num_unfinished(self) -> int:
+        """This replica's requests on the engine that have not finished."""
+        return len(self._groups)
+
     async def connect(self) -> ModelInfo:
         """Get or create the scheduler and wait until its workers are ready."""
         if self._lock is None:
@@ -94,7 +103,7 @@ class EngineClient:
                 # a fresh id per connection: a stale stream of an earlier one can not
                 # steal (or drop, when it ends) this connection's outputs
                 self.client_id = uuid.uuid4().hex
-                actor = scheduler_actor(self.cfg)
+                actor = scheduler_actor(self.cfg, self.rank)
                 try:
                     self.info = await actor.ready.remote()
                 except ray.exceptions.RayActorError:
@@ -215,7 +224,7 @@ class EngineClient:
         actor, self._actor = self._actor, None
         if actor is None:  # maybe still starting: it must not outlive the application
             try:
-                actor = ray.get_actor(actor_name(self.cfg), namespace=NAMESPACE)
+                actor = ray.get_actor(actor_name(self.cfg, self.rank), namespace=NAMESPACE)
             except ValueError:
                 return
         try:

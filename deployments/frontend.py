@@ -13,7 +13,8 @@ import threading
 import jinja2
 from starlette.requests import Request
 
-from deployments.engine_client import EngineClient, EngineFailed, EngineUnavailable
+from deployments.engine_client import EngineFailed, EngineUnavailable
+from deployments.engines import Engines
 from deployments.http_metrics import HTTPMetrics
 from deployments.protocol import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, APIError, check_runner
 from deployments.request_body import parse_body
@@ -51,7 +52,7 @@ def refusal_error(code: str, message: str, param: str | None = "max_tokens") -> 
 class Frontend:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        self.client = EngineClient(cfg)
+        self.client = Engines(cfg)  # (one EngineClient per data-parallel engine)
         self.metrics = HTTPMetrics(cfg.model_name)
         self.tokenizer = None
         self.is_draining = False

@@ -110,6 +110,12 @@ class EngineConfig:
     # Placement: workers form pipeline_parallel_size stages of tensor_parallel_size ranks.
     tensor_parallel_size: PositiveInt = 1
     pipeline_parallel_size: PositiveInt = 1
+    # vLLM's: this many engines, each its own scheduler and tensor_parallel_size x
+    # pipeline_parallel_size workers (its own KV cache); each ingress replica sends a request
+    # to the engine that ran its prompt's prefix, unless that one is busier than the least
+    # busy by more than a few requests (deployments/engines.py). The first engine also
+    # keeps the stored responses, conversations and batches.
+    data_parallel_size: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_cpus_per_worker: NonNegativeFloat = 1.0
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
@@ -193,6 +199,9 @@ class EngineConfig:
             raise ValueError("speculative_config needs runner generate, and with pipeline "
                              "stages async_scheduling false (the first stage would need the "
                              "last one's accepted tokens)")
+        if self.enable_finetuning and self.data_parallel_size > 1:
+            raise ValueError("enable_finetuning needs data_parallel_size 1 (a job trains on "
+                             "one engine; serving its adapter from the others is not built)")
         if self.enable_finetuning and self.pipeline_parallel_size > 1:
             raise ValueError("enable_finetuning needs pipeline_parallel_size 1 (training "
                              "through pipeline stages is not supported)")

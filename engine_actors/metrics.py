@@ -13,9 +13,10 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, engine: int = 0):
+        """`engine`: the engine's rank among data_parallel_size (vLLM's `engine` label)."""
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
+        labels = {"model_name": model_name, "engine": str(engine)}
         r = self.registry
         self.running = Gauge("orca:num_requests_running", "Requests holding KV (started)",
                              labelnames=labels, registry=r).labels(**labels)

@@ -42,26 +42,29 @@ ORPHAN_GRACE_S = 30.0
 HEARTBEAT_S = 2.0
 
 
-def actor_name(cfg: EngineConfig) -> str:
-    return f"orca-scheduler-{cfg.fingerprint()}"
+def actor_name(cfg: EngineConfig, rank: int = 0) -> str:
+    """The scheduler actor of engine `rank` (of data_parallel_size) of this configuration."""
+    return f"orca-scheduler-{cfg.fingerprint()}" + (f"-dp{rank}" if rank else "")
 
 
 class SchedulerActor:
-    def __init__(self, cfg: EngineConfig, created_at: float | None = None):
+    def __init__(self, cfg: EngineConfig, created_at: float | None = None, rank: int = 0):
         """`created_at`: time.time() when the creator asked for this actor (its process's
-        start and imports count in the start's phases; another node's clock: 0 if behind)."""
+        start and imports count in the start's phases; another node's clock: 0 if behind).
+        `rank`: which of the data_parallel_size engines this is (the first keeps the stores
+        and batches)."""
         show_info_logs()
         self._clock = PhaseClock({"scheduler process": max(0.0, time.time() - created_at)}
                                  if created_at is not None else None)
-        self.cfg = cfg
+        self.cfg, self.rank = cfg, rank
         self.engine: EngineLoop | None = None
-        self.metrics = EngineMetrics(cfg.model_name)
+        self.metrics = EngineMetrics(cfg.model_name, rank)
         self._http_metrics: dict[str, tuple[int, list]] = {}  # replica -> (seq, snapshot)
         self.adapters = Adapters(cfg, self.metrics.lora_request)  # LoRA adapters
         self.finetuning = FineTuning(cfg, self.adapters, self.metrics) \
             if cfg.enable_finetuning else None
         self.outboxes: dict[str, Outbox] = {}
-        self.responses = ResponseStore(cfg.response_store_mib * 2**20, self.abort)
+        self.responses = ResponseStore(cfg.response_store_mib * 2**20, self._cancel)
         self.conversations = ConversationStore(cfg.response_store_mib * 2**20)
         self.batches = Batches(self._add, self.abort,
                                lambda: load_tokenizer(resolve_model_path(cfg.model)))
@@ -94,8 +97,9 @@ class SchedulerActor:
     async def _start(self) -> None:
         try:
             self.adapters.load_configured()
-            self.engine = await EngineLoop.start(self.cfg, f"{actor_name(self.cfg)}-workers",
-                                                 self.metrics, self._deliver, self._clock)
+            self.engine = await EngineLoop.start(
+                self.cfg, f"{actor_name(self.cfg, self.rank)}-workers", self.metrics,
+                self._deliver, self._clock)
             await self.adapters.know_engine(self.engine)
             self.engine.finetuning = self.finetuning
             gc.collect()  # then the startup heap: full collections under load skip it
@@ -201,6 +205,15 @@ class SchedulerActor:
                 continue
             self.metrics.finished(out.finish_reason, out.num_prompt_tokens, out.num_output_tokens)
             out.sink.deliver(out, None) if cancelled else out.sink.aborted(out)
+
+    def _cancel(self, request_ids: list[str], cancelled: bool = True) -> None:
+        """A background response's cancel (the response store's): with data parallelism its
+        requests may run on any engine, and each ends those it has."""
+        self.abort(request_ids, cancelled=cancelled)
+        for rank in range(1, self.cfg.data_parallel_size):
+            with contextlib.suppress(ValueError):  # that engine is gone, with its requests
+                peer = ray.get_actor(actor_name(self.cfg, rank), namespace=NAMESPACE)
+                peer.abort.remote(request_ids, cancelled=cancelled)
 
     def end_search(self, client_id: str, search: str) -> None:  # a drain waits no more
         self.outboxes.get(client_id, Outbox(client_id)).end_search(search)

@@ -241,7 +241,8 @@ def run_http(engine_args: dict, trace, warmup, modes: list[tuple[bool, str]], re
     return [{"elapsed_s": elapsed, "client_cpu_s": cpu, "replicas": replicas, "stream": stream,
              "route": route, "server_env": server_env or {},
              "cold_connections": cold_connections, "kv_blocks": health["num_blocks"],
-             "kv_cache_dtype": engine_args.get("kv_cache_dtype", "auto")}
+             "kv_cache_dtype": engine_args.get("kv_cache_dtype", "auto"),
+             "data_parallel_size": engine_args.get("data_parallel_size", 1)}
             for (stream, route), (elapsed, cpu) in zip(modes, runs)]
 
 
@@ -268,6 +269,8 @@ def main(argv=None) -> dict:
     p.add_argument("--quantization", choices=["fp8"], help="the engine arg")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"],
                    help="the engine arg")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="the HTTP servers' engine arg (the in-process run has one engine)")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -305,7 +308,8 @@ def main(argv=None) -> dict:
                  for m in map(HTTP_SYSTEM.fullmatch, names)]
         profiles = [os.path.join(args.profile, n + args.label) if args.profile else None
                     for n in names]
-        runs = run_http(engine_args, trace, warmup, modes, replicas, profile_dirs=profiles,
+        http_args = {**engine_args, "data_parallel_size": args.data_parallel_size}
+        runs = run_http(http_args, trace, warmup, modes, replicas, profile_dirs=profiles,
                         server_env=env, cold_connections=args.cold_connections)
         for name, res in zip(names, runs):
             results.append({"system": name + args.label, **res})

@@ -123,21 +123,26 @@ def main(argv=None) -> dict:
     p.add_argument("--max-num-tokens", type=int, help="KV capacity (default: sized on GPU)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--traces", default="shared-prefix,multi-turn,orca")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="the engine arg")
+    p.add_argument("--caching", default="both", choices=["both", "on"],
+                   help="on: the run with prefix caching only")
     p.add_argument("--out")
     args = p.parse_args(argv)
     if any(not isinstance(r, float) for r in args.rates) or len(set(args.rates)) < len(args.rates):
         p.error("--rates: distinct numbers (a multi-turn trace has no arrival times to replay)")
     engine_args = {"model": args.model, "device": args.device,
                    "max_batch_size": args.max_batch_size,
-                   "max_num_batched_tokens": args.max_num_batched_tokens}
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "data_parallel_size": args.data_parallel_size}
     if args.max_num_tokens:
         engine_args["max_num_tokens"] = args.max_num_tokens
-    off = run_setting(False, engine_args, args)
+    off = run_setting(False, engine_args, args) if args.caching == "both" else None
     on = run_setting(True, engine_args, args)
     report = {"args": vars(args), "off": off, "on": on,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     save_json(args.out, report)
-    print(table(off, on))
+    if off is not None:
+        print(table(off, on))
     return report
 
 

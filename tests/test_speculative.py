@@ -301,12 +301,12 @@ def test_metrics_count_drafts_as_vllm():
     s.accept([4], [4, 0])
     metrics.speculation(s)
     text = metrics.render().decode()
-    for line in ['orca:spec_decode_num_drafts_total{model_name="m"} 2.0',
-                 'orca:spec_decode_num_draft_tokens_total{model_name="m"} 4.0',
-                 'orca:spec_decode_num_accepted_tokens_total{model_name="m"} 3.0',
-                 'orca:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+    for line in ['orca:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0',
+                 'orca:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 4.0',
+                 'orca:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 3.0',
+                 'orca:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
                  'position="0"} 2.0',
-                 'orca:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+                 'orca:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
                  'position="1"} 1.0']:
         assert line in text, line
 

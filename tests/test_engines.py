@@ -1,0 +1,168 @@
+"""Data parallelism's router (deployments/engines.py) over fake engines: where requests go,
+and /health and /metrics of several engines in one."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from deployments.engines import BALANCE, Engines, merged_health, merged_metrics
+from engine_actors.config import ConfigError, EngineConfig
+from engine_actors.messages import EngineRequest
+from engine_actors.metrics import EngineMetrics
+from engine_actors.request import SamplingParams
+
+
+class FakeEngine:
+    def __init__(self, rank: int):
+        self.rank, self.num_unfinished, self.ended, self.calls = rank, 0, [], []
+        self.is_connected, self.connects = True, 0
+
+    async def connect(self):
+        self.connects += 1
+        self.is_connected = True
+
+    async def submit(self, requests, wake_each_update=True):
+        self.num_unfinished += len(requests)
+        return self.rank
+
+    def end_search(self, search):
+        self.ended.append(search)
+
+    async def call(self, method, *args):
+        self.calls.append((method, *args))
+        return f"refused by {self.rank}" if args[-1:] == ("bad",) and self.rank == 1 else None
+
+
+def engines(n: int = 2) -> Engines:
+    router = Engines(EngineConfig.from_args({"data_parallel_size": n, "block_size": 4}))
+    router.clients = [FakeEngine(rank) for rank in range(n)]
+    return router
+
+
+def request(ids, search=None, salt="", lora=None) -> EngineRequest:
+    return EngineRequest("r", list(ids), SamplingParams(max_tokens=4), search=search, cache_salt=salt,
+                         lora_name=lora)
+
+
+def send(router: Engines, *requests) -> list[int]:
+    return [asyncio.run(router.submit([r])) for r in requests]
+
+
+def test_a_prompt_follows_its_prefix_and_others_go_to_the_least_busy():
+    router = engines(3)
+    chat = list(range(100, 140))  # ten blocks
+    first = send(router, request(chat))[0]
+    # new prompts go round the other engines (each has one request fewer)
+    others = send(router, request(range(20)), request(range(30, 50)))
+    assert sorted([first, *others]) == [0, 1, 2]
+    # the conversation's next turns keep to their engine though it is as busy as the rest
+    # (a round robin would move them); a prompt sharing under half its blocks does not
+    assert send(router, request(chat + [1, 2, 3, 4]), request(chat + [5] * 8)) == [first] * 2
+    short = list(range(100, 108)) + list(range(20))  # 2 of 7 blocks shared
+    loads = [c.num_unfinished for c in router.clients]
+    rank = send(router, request(short))[0]
+    assert loads[rank] == min(loads) < loads[first]
+
+
+def test_a_prefix_gives_way_when_its_engine_is_too_busy():
+    router = engines(2)
+    chat = list(range(64))
+    owner = send(router, request(chat))[0]
+    router.clients[owner].num_unfinished = BALANCE  # the other has none: still within
+    assert send(router, request(chat))[0] == owner
+    router.clients[owner].num_unfinished = BALANCE + 1
+    assert send(router, request(chat))[0] == 1 - owner
+    # that engine now holds the prefix, as the last one sent it
+    router.clients[owner].num_unfinished = 0
+    assert send(router, request(chat))[0] == 1 - owner
+
+
+def test_prefixes_are_apart_per_adapter_and_cache_salt():
+    router = engines(2)
+    chat = list(range(64))
+    owner = send(router, request(chat))[0]
+    prefixes = router.prefixes
+    assert prefixes.match(prefixes.hashes(request(chat + [1]))) == (owner, 16)
+    for other in (request(chat, salt="s"), request(chat, lora="a")):
+        assert prefixes.match(prefixes.hashes(other)) == (None, 0)
+    assert send(router, request(chat, salt="s"))[0] == 1 - owner  # (the least busy)
+    assert prefixes.match(prefixes.hashes(request(chat, salt="s"))) == (1 - owner, 16)
+
+
+def test_a_beam_search_stays_on_its_engine_until_it_ends():
+    router = engines(2)
+    rank = send(router, request(range(8), search="s1"))[0]
+    router.clients[rank].num_unfinished = 100
+    assert send(router, request(range(40), search="s1")) == [rank]  # its next step
+    router.end_search("s1")
+    assert router.clients[rank].ended == ["s1"] and not router.clients[1 - rank].ended
+    assert send(router, request(range(40), search="s1")) == [1 - rank]  # forgotten
+
+
+def test_an_engine_that_died_is_skipped_while_it_is_brought_up_again():
+    router = engines(2)
+    chat = list(range(64))
+    owner = send(router, request(chat))[0]
+    router.clients[owner].is_connected = False
+
+    async def scenario():
+        sent = [await router.submit([request(chat)]) for _ in range(3)]
+        await asyncio.sleep(0)  # the reconnection runs
+        return sent + [await router.submit([request(range(100, 164))])]
+
+    assert asyncio.run(scenario()) == [1 - owner] * 3 + [owner]  # (the least busy again)
+    assert router.clients[owner].connects == 1
+
+
+def test_calls_go_to_the_first_engine_or_to_every_engine():
+    router = engines(2)
+    assert asyncio.run(router.call("response_call", "get", "x")) is None
+    assert asyncio.run(router.call("adapter_call", "load", "a", "bad")) == "refused by 1"
+    asyncio.run(router.call("drain", 1.0))
+    assert router.clients[0].calls == [("response_call", "get", "x"),
+                                       ("adapter_call", "load", "a", "bad"), ("drain", 1.0)]
+    assert router.clients[1].calls == [("adapter_call", "load", "a", "bad"), ("drain", 1.0)]
+
+
+def test_health_of_two_engines():
+    one = {"state": "ready", "workers_alive": True, "heartbeat_age_s": 0.1,
+           "num_requests": 2, "num_free_blocks": 10, "num_blocks": 20, "kv_usage": 0.5,
+           "stored_responses": 3, "prefix_cache_hit_rate": 0.25}
+    two = {**one, "heartbeat_age_s": 0.3, "num_requests": 1, "num_free_blocks": 30,
+           "num_blocks": 40, "kv_usage": 0.25, "stored_responses": 0,
+           "prefix_cache_hit_rate": 0.75}
+    health = merged_health([one, two])
+    assert (health["num_requests"], health["num_free_blocks"], health["num_blocks"]) == \
+        (3, 40, 60)
+    assert health["heartbeat_age_s"] == 0.3 and health["state"] == "ready"
+    assert health["kv_usage"] == pytest.approx((10 + 10) / 60)
+    assert health["prefix_cache_hit_rate"] == 0.5
+    assert health["stored_responses"] == 3  # the first engine's stores
+    assert health["engines"] == [one, two] and health["data_parallel_size"] == 2
+    down = merged_health([one, {**two, "state": "recovering", "workers_alive": False}])
+    assert down["state"] == "recovering" and not down["workers_alive"]
+
+
+def test_metrics_of_two_engines_parse_as_one_exposition():
+    texts = []
+    for rank, tokens in ((0, 5), (1, 7)):
+        metrics = EngineMetrics("m", rank)
+        metrics.generation_tokens.inc(tokens)
+        metrics.finished("length", 3, tokens)
+        texts.append(metrics.render())
+    text = merged_metrics(texts).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert text.count("# HELP orca:generation_tokens_total") == 1
+    tokens = {s.labels["engine"]: s.value for s in families["orca:generation_tokens"].samples
+              if s.name == "orca:generation_tokens_total"}
+    assert tokens == {"0": 5.0, "1": 7.0}
+    finished = {s.labels["engine"] for s in families["orca:request_finished"].samples
+                if s.labels.get("finished_reason") == "length" and s.value == 1.0}
+    assert finished == {"0", "1"}
+
+
+def test_fine_tuning_needs_one_engine():
+    with pytest.raises(ConfigError, match="data_parallel_size 1"):
+        EngineConfig.from_args({"data_parallel_size": 2, "enable_finetuning": True})
