@@ -46,7 +46,7 @@ class BackgroundResponses:
         `events`: the stream's, for a streamed one; `on_end`: an async function called once,
         with its final body before it is stored completed or incomplete, else with None."""
         body = response.body("queued", [])
-        owner = self.openai.frontend.client.client_id  # (a reconnect makes a new one)
+        owner = await self.openai.frontend.client.owner_id()  # (a reconnect: a new one)
         try:
             await self.stored.begin(body, items, owner, list(choices),
                                     [events.state("queued")] if events else [])

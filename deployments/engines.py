@@ -18,12 +18,15 @@ import asyncio
 import collections
 import contextvars
 import logging
+import time
 
-from deployments.engine_client import EngineClient, EngineUnavailable
+from deployments.engine_client import (EngineClient, EngineFailed, EngineUnavailable,
+                                       RequestRefused)
 from engine_actors.config import EngineConfig
 from engine_actors.messages import EngineRequest
 
 BALANCE = 8  # unfinished requests an engine may have beyond the least busy and keep a prefix
+RETRY_S = (1.0, 60.0)  # an engine that did not come back is tried again after 1 s, 2 s, ... 60 s
 MAX_PREFIXES = 1 << 17  # prefix blocks remembered (about 20 MB), the oldest forgotten first
 logger = logging.getLogger("orca_serve.ingress")
 SUMMED = ("num_requests", "num_waiting", "num_running", "num_free_blocks",
@@ -38,37 +41,53 @@ class Engines:
         self._searches: dict[str, EngineClient] = {}  # a beam search's engine
         self._turn = 0  # among equally busy engines, the next one to take a request
         self._reconnecting: dict[int, asyncio.Task] = {}
+        self._retry = [(0.0, RETRY_S[0])] * len(self.clients)  # (next try at, then wait)
+        self._closed = False
 
     @property
     def info(self):
-        return self.clients[0].info
+        """The model info; its max_model_len the least of the engines' (each sizes its own
+        KV cache)."""
+        infos = [c.info for c in self.clients if c.info is not None]
+        return min(infos, key=lambda i: i.max_model_len) if infos else None
 
     @property
     def is_connected(self) -> bool:
-        """Some engine serves (one that died is brought up again as requests come)."""
+        """Some engine serves (one that died is brought up again meanwhile)."""
         return any(c.is_connected for c in self.clients)
 
-    @property
-    def client_id(self) -> str:
-        """This replica's id at the first engine (the owner of its background responses)."""
-        return self.clients[0].client_id
+    async def owner_id(self) -> str:
+        """This replica's id at the first engine, where its background responses are kept
+        (connected first: the id of a connection that broke would never be told gone)."""
+        return (await self._first()).client_id
 
     async def connect(self):
         """Connect to every engine (those not connected); the model info."""
-        infos = await asyncio.gather(*(c.connect() for c in self.clients))
-        return infos[0]
+        await asyncio.gather(*(c.connect() for c in self.clients))
+        return self.info
 
     async def submit(self, requests: list[EngineRequest], wake_each_update: bool = True):
-        """EngineClient.submit on the engine this HTTP request's choices go to."""
-        return await self._route(requests[0]).submit(requests, wake_each_update)
+        """EngineClient.submit on the engine this HTTP request's choices go to; refused
+        there as the queue is full, on the least busy other one."""
+        if len(self.clients) == 1:
+            return await self.clients[0].submit(requests, wake_each_update)
+        client, tried = self._route(requests[0]), set()
+        while True:
+            try:
+                return await client.submit(requests, wake_each_update)
+            except RequestRefused as e:
+                tried.add(client.rank)
+                others = [self.clients[r] for r in self._serving() if r not in tried]
+                if e.code != "queue_full" or not others or requests[0].search is not None:
+                    raise
+                client = min(others, key=lambda c: c.num_unfinished)
+            except EngineFailed as e:  # it could not start again: the others may serve
+                raise EngineUnavailable(f"engine {client.rank}: {e}") from None
 
     def _route(self, r: EngineRequest) -> EngineClient:
-        if len(self.clients) == 1:
-            return self.clients[0]
         if r.search is not None and r.search in self._searches:
             return self._searches[r.search]
-        serving = self._serving()
-        loads = {rank: self.clients[rank].num_unfinished for rank in serving}
+        loads = {rank: self.clients[rank].num_unfinished for rank in self._serving()}
         least = min(loads.values())
         hashes = self.prefixes.hashes(r)
         owner, matched = self.prefixes.match(hashes)
@@ -85,55 +104,105 @@ class Engines:
 
     def _serving(self) -> list[int]:
         """The engines connected (all when none is: the request waits for them); those not
-        connected are brought up again meanwhile."""
-        serving = [rank for rank, c in enumerate(self.clients) if c.is_connected]
+        connected are brought up again meanwhile, after a failed try at growing intervals."""
+        now = time.monotonic()
         for rank, client in enumerate(self.clients):
-            if not client.is_connected and rank not in self._reconnecting:
-                self._reconnecting[rank] = asyncio.get_running_loop().create_task(
-                    self._reconnect(rank), context=contextvars.Context())  # (no request's)
-        return serving or list(range(len(self.clients)))
+            if not client.is_connected and now >= self._retry[rank][0]:
+                self._reconnect(rank)
+        return [rank for rank, c in enumerate(self.clients) if c.is_connected] or \
+            list(range(len(self.clients)))
 
-    async def _reconnect(self, rank: int) -> None:
+    def _reconnect(self, rank: int) -> asyncio.Task:
+        """The task bringing engine `rank` up again (started if none runs)."""
+        if rank not in self._reconnecting and not self._closed:
+            self._reconnecting[rank] = asyncio.get_running_loop().create_task(
+                self._reconnected(rank), context=contextvars.Context())  # (no request's)
+        return self._reconnecting.get(rank) or asyncio.sleep(0)
+
+    async def _reconnected(self, rank: int) -> None:
         try:
             await self.clients[rank].connect()
-        except Exception as e:  # the next request tries again
-            logger.warning("engine %d is not back: %s", rank, e)
+            self._retry[rank] = (0.0, RETRY_S[0])
+            await self._restore_adapters(rank)
+        except Exception as e:  # a later request tries again
+            wait = self._retry[rank][1]
+            self._retry[rank] = (time.monotonic() + wait, min(2 * wait, RETRY_S[1]))
+            logger.warning("engine %d is not back (next try in %.0f s): %s", rank, wait, e)
         finally:
             del self._reconnecting[rank]
+
+    async def _restore_adapters(self, rank: int) -> None:
+        """Load on an engine that came back the adapters another engine has (loaded at run
+        time: a new engine has only lora_modules)."""
+        source = next((c for c in self.clients if c.rank != rank and c.is_connected), None)
+        if not self.cfg.lora_enabled or source is None:
+            return
+        target = self.clients[rank]
+        have = await target.call("adapter_call", "paths")
+        for name, path in (await source.call("adapter_call", "paths")).items():
+            if name not in have:
+                await target.call("adapter_call", "load", name, path)
+
+    async def _first(self) -> EngineClient:
+        """The first engine (brought up again first if it died)."""
+        if len(self.clients) > 1 and not self.clients[0].is_connected:
+            await asyncio.shield(self._reconnect(0))
+        return self.clients[0]
 
     def end_search(self, search: str) -> None:
         self._searches.pop(search, self.clients[0]).end_search(search)
 
     async def call(self, method: str, *args):
-        """A call on the engine that answers it: every engine for an adapter's load or
-        unload (the first refusal) and /health (merged), those connected for a drain and
-        /metrics (merged); else the first."""
+        """A call on the engine that answers it: the engines connected for a drain, an
+        adapter's load or unload (the first refusal; one that comes back gets them) and
+        /health and /metrics (merged); else the first."""
         if len(self.clients) == 1:
             return await self.clients[0].call(method, *args)
+        try:
+            return await self._call(method, *args)
+        except EngineFailed as e:  # it could not start again: the others may serve
+            raise EngineUnavailable(str(e)) from None
+
+    async def _call(self, method: str, *args):
+        connected = [c for c in self.clients if c.is_connected]
         if method == "health":
-            return merged_health(await asyncio.gather(*(c.call(method) for c in self.clients)))
+            self._serving()  # (an engine that is not connected is brought up again)
+            replies = await asyncio.gather(*(c.call(method) for c in connected),
+                                           return_exceptions=True)
+            answers = dict(zip((c.rank for c in connected), replies))
+            return merged_health([_health(answers.get(c.rank)) for c in self.clients])
         if method == "metrics_text":
-            texts = await asyncio.gather(*(c.call(method) for c in self.clients
-                                           if c.is_connected), return_exceptions=True)
+            texts = await asyncio.gather(*(c.call(method) for c in connected),
+                                         return_exceptions=True)
             answered = [t for t in texts if not isinstance(t, BaseException)]
             if not answered:
                 raise texts[0] if texts else EngineUnavailable("scheduler unavailable")
             return merged_metrics(answered)
-        if method == "drain":
-            await asyncio.gather(*(c.call(method, *args) for c in self.clients
-                                   if c.is_connected))
-            return None
-        if method == "adapter_call" and args[0] in ("load", "unload"):
-            results = await asyncio.gather(*(c.call(method, *args) for c in self.clients))
+        if method == "drain" or (method == "adapter_call" and args[0] in ("load", "unload")):
+            results = await asyncio.gather(*(c.call(method, *args) for c in connected))
             return next((r for r in results if r is not None), None)
-        return await self.clients[0].call(method, *args)
+        if method == "adapter_call" and args[0] == "paths":  # those of every engine
+            paths = await asyncio.gather(*(c.call(method, *args) for c in connected))
+            return {name: path for p in paths for name, path in p.items()}
+        return await (await self._first()).call(method, *args)
 
     async def stream_call(self, method: str, *args):  # (batch results: the first engine's)
-        async for item in self.clients[0].stream_call(method, *args):
+        async for item in (await self._first()).stream_call(method, *args):
             yield item
 
     async def close(self, final: bool = True) -> None:
+        self._closed = True
+        for task in list(self._reconnecting.values()):
+            task.cancel()
         await asyncio.gather(*(c.close(final) for c in self.clients))
+
+
+def _health(reply) -> dict:
+    """An engine's health, or why it has none (not connected: None; else the error)."""
+    if isinstance(reply, dict):
+        return reply
+    reason = "not connected" if reply is None else f"{type(reply).__name__}: {reply}"
+    return {"state": "unavailable", "workers_alive": False, "reason": reason}
 
 
 class PrefixOwners:
@@ -174,19 +243,21 @@ def merged_health(stats: list[dict]) -> dict:
     """The engines' health in one: the first engine's (its stores), the counts summed, the
     state "ready" only if every engine's is, the oldest heartbeat; each engine's under
     `engines`."""
-    first = stats[0]
-    blocks = sum(s.get("num_blocks", 0) for s in stats)
-    merged = {**first, **{k: sum(s[k] for s in stats) for k in SUMMED
-                          if all(k in s for s in stats)}}
+    def having(key: str) -> list[dict]:
+        return [s for s in stats if key in s]
+
+    merged = {**stats[0], **{k: sum(s[k] for s in having(k)) for k in SUMMED if having(k)}}
     merged["state"] = next((s["state"] for s in stats if s["state"] != "ready"), "ready")
     merged["workers_alive"] = all(s["workers_alive"] for s in stats)
-    if all("heartbeat_age_s" in s for s in stats):
-        merged["heartbeat_age_s"] = max(s["heartbeat_age_s"] for s in stats)
-    if blocks and all("kv_usage" in s for s in stats):
-        merged["kv_usage"] = sum(s["kv_usage"] * s["num_blocks"] for s in stats) / blocks
-    if all("prefix_cache_hit_rate" in s for s in stats):
-        merged["prefix_cache_hit_rate"] = \
-            sum(s["prefix_cache_hit_rate"] for s in stats) / len(stats)
+    if having("heartbeat_age_s"):
+        merged["heartbeat_age_s"] = max(s["heartbeat_age_s"] for s in having("heartbeat_age_s"))
+    blocks = sum(s["num_blocks"] for s in having("num_blocks"))
+    if blocks and having("kv_usage"):
+        merged["kv_usage"] = sum(s["kv_usage"] * s["num_blocks"] for s in having("kv_usage")) \
+            / blocks
+    if having("prefix_cache_hit_rate"):
+        rates = [s["prefix_cache_hit_rate"] for s in having("prefix_cache_hit_rate")]
+        merged["prefix_cache_hit_rate"] = sum(rates) / len(rates)
     merged["data_parallel_size"] = len(stats)
     merged["engines"] = stats
     return merged

@@ -138,15 +138,16 @@ class Drainer:
         from engine_actors.scheduler_actor import NAMESPACE, actor_name
         for app in self.apps:
             cfg = EngineConfig.from_args(app.get("args"))
-            name = actor_name(cfg)
-            if name in self.engines:
-                continue
-            try:
-                actor = ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                continue  # this application's engine is not running (yet)
-            actor.stats.remote()
-            self.engines[name] = (actor, cfg.drain_timeout_s)
+            for rank in range(cfg.data_parallel_size):
+                name = actor_name(cfg, rank)
+                if name in self.engines:
+                    continue
+                try:
+                    actor = ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:
+                    continue  # this engine is not running (yet)
+                actor.stats.remote()
+                self.engines[name] = (actor, cfg.drain_timeout_s)
 
     def drain(self) -> None:
         import ray

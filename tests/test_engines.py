@@ -7,9 +7,10 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.engines import BALANCE, Engines, merged_health, merged_metrics
+from deployments.engine_client import EngineFailed, RequestRefused
+from deployments.engines import BALANCE, RETRY_S, Engines, merged_health, merged_metrics
 from engine_actors.config import ConfigError, EngineConfig
-from engine_actors.messages import EngineRequest
+from engine_actors.messages import EngineRequest, Refusal
 from engine_actors.metrics import EngineMetrics
 from engine_actors.request import SamplingParams
 
@@ -17,13 +18,18 @@ from engine_actors.request import SamplingParams
 class FakeEngine:
     def __init__(self, rank: int):
         self.rank, self.num_unfinished, self.ended, self.calls = rank, 0, [], []
-        self.is_connected, self.connects = True, 0
+        self.is_connected, self.connects, self.fails, self.full = True, 0, False, False
+        self.info, self.adapters = None, {}
 
     async def connect(self):
         self.connects += 1
+        if self.fails:
+            raise EngineFailed("no GPU")
         self.is_connected = True
 
     async def submit(self, requests, wake_each_update=True):
+        if self.full:
+            raise RequestRefused(Refusal("queue_full", "full"))
         self.num_unfinished += len(requests)
         return self.rank
 
@@ -32,11 +38,18 @@ class FakeEngine:
 
     async def call(self, method, *args):
         self.calls.append((method, *args))
+        if method == "health":
+            return {"state": "ready", "workers_alive": True, "num_blocks": 10}
+        if args[:1] == ("paths",):
+            return dict(self.adapters)
+        if args[:1] == ("load",) and len(args) == 3:
+            self.adapters[args[1]] = args[2]
         return f"refused by {self.rank}" if args[-1:] == ("bad",) and self.rank == 1 else None
 
 
-def engines(n: int = 2) -> Engines:
-    router = Engines(EngineConfig.from_args({"data_parallel_size": n, "block_size": 4}))
+def engines(n: int = 2, **args) -> Engines:
+    router = Engines(EngineConfig.from_args({"data_parallel_size": n, "block_size": 4,
+                                             **args}))
     router.clients = [FakeEngine(rank) for rank in range(n)]
     return router
 
@@ -114,6 +127,49 @@ def test_an_engine_that_died_is_skipped_while_it_is_brought_up_again():
 
     assert asyncio.run(scenario()) == [1 - owner] * 3 + [owner]  # (the least busy again)
     assert router.clients[owner].connects == 1
+
+
+def test_a_full_queue_sends_the_request_to_another_engine():
+    router = engines(3)
+    router.clients[0].full = router.clients[1].full = True
+    assert send(router, request(range(8)), request(range(9))) == [2, 2]
+    router.clients[2].full = True
+    with pytest.raises(RequestRefused):
+        send(router, request(range(10)))
+
+
+def test_an_engine_that_does_not_come_back_is_tried_at_growing_intervals():
+    router = engines(2)
+    router.clients[1].is_connected, router.clients[1].fails = False, True
+
+    async def scenario():
+        for _ in range(20):
+            await router.submit([request(range(8))])
+            await asyncio.sleep(0)
+        return router.clients[1].connects, router._retry[1]
+
+    connects, (next_try, wait) = asyncio.run(scenario())
+    assert connects == 1 and wait == 2 * RETRY_S[0]  # one try, the next one later
+    health = asyncio.run(router.call("health"))
+    assert health["state"] == "unavailable" and not health["workers_alive"]
+    assert health["engines"][1]["reason"] == "not connected" and health["num_blocks"] == 10
+
+
+def test_an_engine_that_comes_back_gets_the_adapters_loaded_at_run_time():
+    router = engines(2, enable_lora=True)
+    router.clients[0].adapters = {"sql": "/a/sql", "chat": "/a/chat"}
+    router.clients[1].adapters = {"sql": "/a/sql"}  # (a configured one)
+    router.clients[1].is_connected = False
+
+    async def scenario():
+        await router.submit([request(range(8))])
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert router.clients[1].adapters == {"sql": "/a/sql", "chat": "/a/chat"}
+    assert ("adapter_call", "load", "sql", "/a/sql") not in router.clients[1].calls
+    assert asyncio.run(router.call("adapter_call", "paths")) == router.clients[0].adapters
 
 
 def test_calls_go_to_the_first_engine_or_to_every_engine():
