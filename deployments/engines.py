@@ -1,37 +1,41 @@
 """Data parallelism: this replica's connections to the application's data_parallel_size
 engines, behind one EngineClient's interface (deployments/engine_client.py).
 
-Each request goes to the engine this replica last sent the longest prefix of its prompt
+Each request goes to the engine that got the longest earlier prompt its prompt begins with
 (whole KV blocks, of the same adapter and cache salt: that engine likely still holds them
-in its prefix cache) when the prefix is at least half the prompt, unless that engine has
-more than BALANCE unfinished requests of this replica beyond the least busy engine. Other
-requests go to the least busy engine (in turn among equals). A beam search's steps stay on
-its first step's engine.
+in its prefix cache), unless that engine has more than BALANCE unfinished requests of this
+replica beyond the least busy engine. Only whole prompts are remembered: prompts that share
+a system prompt alone do not follow each other. Other
+requests go to the least busy engine (in turn among equals). The replicas share their
+routes every SHARE_S through the first engine. A beam search's steps stay on its first
+step's engine.
 
-The first engine keeps what the application stores (responses, conversations, batches) and
-answers the calls that read it; adapters load and unload on every engine; /health and
-/metrics cover every engine.
+A batch is shared out over the engines. The first engine keeps what the application stores
+(responses, conversations) and answers the calls that read it; adapters load and unload on
+every engine; /health and /metrics cover every engine (deployments/merged_replies.py).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextvars
+import hashlib
 import logging
 import time
+import uuid
 
 from deployments.engine_client import (EngineClient, EngineFailed, EngineUnavailable,
                                        RequestRefused)
+from deployments.merged_replies import (engine_health, merged_batch_status, merged_health,
+                                        merged_metrics, merged_streams)
 from engine_actors.config import EngineConfig
 from engine_actors.messages import EngineRequest
 
 BALANCE = 8  # unfinished requests an engine may have beyond the least busy and keep a prefix
 RETRY_S = (1.0, 60.0)  # an engine that did not come back is tried again after 1 s, 2 s, ... 60 s
-MAX_PREFIXES = 1 << 17  # prefix blocks remembered (about 20 MB), the oldest forgotten first
+MAX_PREFIXES = 1 << 16  # prompts remembered, the oldest forgotten first
+SHARE_S = 0.5  # how often a replica shares its routes with the others (through engine 0)
 logger = logging.getLogger("orca_serve.ingress")
-SUMMED = ("num_requests", "num_waiting", "num_running", "num_free_blocks",
-          "num_blocks", "num_lent_blocks", "num_steps", "num_preemptions")
-
 
 class Engines:
     def __init__(self, cfg: EngineConfig):
@@ -43,6 +47,8 @@ class Engines:
         self._reconnecting: dict[int, asyncio.Task] = {}
         self._retry = [(0.0, RETRY_S[0])] * len(self.clients)  # (next try at, then wait)
         self._closed = False
+        self._sharing: asyncio.Task | None = None  # the routes shared with other replicas
+        self._replica, self._shared = uuid.uuid4().hex, 0  # (and the last one taken)
 
     @property
     def info(self):
@@ -85,13 +91,16 @@ class Engines:
                 raise EngineUnavailable(f"engine {client.rank}: {e}") from None
 
     def _route(self, r: EngineRequest) -> EngineClient:
+        if self._sharing is None and not self._closed:
+            self._sharing = asyncio.get_running_loop().create_task(
+                self._share_routes(), context=contextvars.Context())
         if r.search is not None and r.search in self._searches:
             return self._searches[r.search]
         loads = {rank: self.clients[rank].num_unfinished for rank in self._serving()}
         least = min(loads.values())
         hashes = self.prefixes.hashes(r)
         owner, matched = self.prefixes.match(hashes)
-        if owner in loads and 2 * matched >= len(hashes) and loads[owner] <= least + BALANCE:
+        if owner in loads and loads[owner] <= least + BALANCE:
             rank = owner
         else:
             idle = [rank for rank, n in loads.items() if n == least]
@@ -101,6 +110,22 @@ class Engines:
         if r.search is not None:
             self._searches[r.search] = self.clients[rank]
         return self.clients[rank]
+
+    async def _share_routes(self) -> None:
+        """Every SHARE_S: hand the first engine the routes this replica took since, and
+        learn those the other replicas took (engine_actors/prefix_log.py)."""
+        while True:
+            await asyncio.sleep(SHARE_S)
+            if not self.clients[0].is_connected:
+                continue
+            entries, self.prefixes.recent = self.prefixes.recent, []
+            try:
+                self._shared, news = await self.clients[0].call(
+                    "share_prefixes", self._replica, entries, self._shared)
+            except Exception:  # the first engine is away: the next round shares them
+                self.prefixes.recent[:0] = entries
+                continue
+            self.prefixes.learn(news)
 
     def _serving(self) -> list[int]:
         """The engines connected (all when none is: the request waits for them); those not
@@ -170,7 +195,7 @@ class Engines:
             replies = await asyncio.gather(*(c.call(method) for c in connected),
                                            return_exceptions=True)
             answers = dict(zip((c.rank for c in connected), replies))
-            return merged_health([_health(answers.get(c.rank)) for c in self.clients])
+            return merged_health([engine_health(answers.get(c.rank)) for c in self.clients])
         if method == "metrics_text":
             texts = await asyncio.gather(*(c.call(method) for c in connected),
                                          return_exceptions=True)
@@ -181,41 +206,69 @@ class Engines:
         if method == "drain" or (method == "adapter_call" and args[0] in ("load", "unload")):
             results = await asyncio.gather(*(c.call(method, *args) for c in connected))
             return next((r for r in results if r is not None), None)
+        if method == "submit_batch":
+            return await self._submit_batch(connected, *args)
+        if method == "batch_call":  # (status, cancel) of every engine's share
+            return merged_batch_status([r for r in await asyncio.gather(
+                *(c.call(method, *args) for c in connected)) if r is not None])
         if method == "adapter_call" and args[0] == "paths":  # those of every engine
             paths = await asyncio.gather(*(c.call(method, *args) for c in connected))
             return {name: path for p in paths for name, path in p.items()}
         return await (await self._first()).call(method, *args)
 
-    async def stream_call(self, method: str, *args):  # (batch results: the first engine's)
-        async for item in (await self._first()).stream_call(method, *args):
+    async def _submit_batch(self, connected: list[EngineClient], batch_id: str,
+                            requests: list, priority: int = 1):
+        """A batch in one share per engine (consecutive requests), or none: the first
+        refusal, the shares queued elsewhere cancelled."""
+        n = len(connected)
+        bounds = [len(requests) * k // n for k in range(n + 1)]
+        shares = [(c, bounds[k], bounds[k + 1]) for k, c in enumerate(connected)
+                  if bounds[k + 1] > bounds[k]]
+        refusals = await asyncio.gather(*(
+            c.call("submit_batch", batch_id, requests[first:end], priority, first)
+            for c, first, end in shares), return_exceptions=True)
+        failure = next((r for r in refusals if r is not None), None)
+        if failure is not None:
+            await asyncio.gather(*(c.call("batch_call", "cancel", batch_id)
+                                   for (c, _, _), r in zip(shares, refusals) if r is None),
+                                 return_exceptions=True)
+            if isinstance(failure, BaseException):
+                raise failure
+        return failure
+
+    async def stream_call(self, method: str, *args):
+        """Batch results: every engine's share, as they come."""
+        if len(self.clients) == 1:
+            async for item in self.clients[0].stream_call(method, *args):
+                yield item
+            return
+        async for item in merged_streams([c.stream_call(method, *args)
+                                          for c in self.clients if c.is_connected]):
             yield item
 
     async def close(self, final: bool = True) -> None:
         self._closed = True
-        for task in list(self._reconnecting.values()):
+        for task in [*self._reconnecting.values(), *filter(None, [self._sharing])]:
             task.cancel()
         await asyncio.gather(*(c.close(final) for c in self.clients))
 
 
-def _health(reply) -> dict:
-    """An engine's health, or why it has none (not connected: None; else the error)."""
-    if isinstance(reply, dict):
-        return reply
-    reason = "not connected" if reply is None else f"{type(reply).__name__}: {reply}"
-    return {"state": "unavailable", "workers_alive": False, "reason": reason}
-
-
 class PrefixOwners:
-    """The engine each prompt prefix of whole blocks went to last; the prefixes are chained
-    hashes, one per block, and the least recently sent are forgotten first."""
+    """The engine each prompt went to last, by the chained hash of its whole blocks (one
+    entry a prompt: a conversation's next turn holds the last turn's prompt whole), the
+    least recently sent forgotten first. `recent`: what this replica routed since it last
+    shared its routes with the others."""
 
     def __init__(self, block_size: int, capacity: int = MAX_PREFIXES):
         self.block_size, self.capacity = block_size, capacity
         self.owner: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.recent: list[tuple[int, int]] = []
 
     def hashes(self, r: EngineRequest) -> list[int]:
+        """The prefix hash at each whole block (the same in every replica's process)."""
         ids, size = r.prompt_token_ids, self.block_size
-        h, out = hash((r.lora_name, r.cache_salt)), []  # (their KV is cached apart)
+        seed = hashlib.blake2b(f"{r.lora_name}\0{r.cache_salt}".encode(), digest_size=8)
+        h, out = int.from_bytes(seed.digest(), "little"), []  # (their KV is cached apart)
         for start in range(0, len(ids) - size + 1, size):
             h = hash((h, *ids[start:start + size]))
             out.append(h)
@@ -223,59 +276,21 @@ class PrefixOwners:
 
     def match(self, hashes: list[int]) -> tuple[int | None, int]:
         """The engine of the longest prefix known, and its number of blocks."""
-        owner, n = None, 0
-        for h in hashes:
-            rank = self.owner.get(h)
-            if rank is None:
-                break
-            owner, n = rank, n + 1
-        return owner, n
+        for n in range(len(hashes), 0, -1):
+            rank = self.owner.get(hashes[n - 1])
+            if rank is not None:
+                return rank, n
+        return None, 0
 
     def record(self, hashes: list[int], rank: int) -> None:
-        for h in hashes:
+        if hashes:
+            self.learn([(hashes[-1], rank)])
+            self.recent.append((hashes[-1], rank))
+            del self.recent[:-self.capacity]
+
+    def learn(self, entries: list[tuple[int, int]]) -> None:
+        for h, rank in entries:
             self.owner[h] = rank
             self.owner.move_to_end(h)
         while len(self.owner) > self.capacity:
             self.owner.popitem(last=False)
-
-
-def merged_health(stats: list[dict]) -> dict:
-    """The engines' health in one: the first engine's (its stores), the counts summed, the
-    state "ready" only if every engine's is, the oldest heartbeat; each engine's under
-    `engines`."""
-    def having(key: str) -> list[dict]:
-        return [s for s in stats if key in s]
-
-    merged = {**stats[0], **{k: sum(s[k] for s in having(k)) for k in SUMMED if having(k)}}
-    merged["state"] = next((s["state"] for s in stats if s["state"] != "ready"), "ready")
-    merged["workers_alive"] = all(s["workers_alive"] for s in stats)
-    if having("heartbeat_age_s"):
-        merged["heartbeat_age_s"] = max(s["heartbeat_age_s"] for s in having("heartbeat_age_s"))
-    blocks = sum(s["num_blocks"] for s in having("num_blocks"))
-    if blocks and having("kv_usage"):
-        merged["kv_usage"] = sum(s["kv_usage"] * s["num_blocks"] for s in having("kv_usage")) \
-            / blocks
-    if having("prefix_cache_hit_rate"):
-        rates = [s["prefix_cache_hit_rate"] for s in having("prefix_cache_hit_rate")]
-        merged["prefix_cache_hit_rate"] = sum(rates) / len(rates)
-    merged["data_parallel_size"] = len(stats)
-    merged["engines"] = stats
-    return merged
-
-
-def merged_metrics(texts: list[bytes]) -> bytes:
-    """Prometheus texts of registries with the same metrics (each engine's, told apart by
-    their `engine` label) as one: each metric's HELP and TYPE once, then its samples."""
-    families: dict[str, list[list[str]]] = {}  # name -> [header lines, sample lines]
-    for text in texts:
-        family = None
-        for line in text.decode().splitlines():
-            if line.startswith("# HELP "):
-                family = families.setdefault(line.split()[2], [[], []])
-                if family[0]:
-                    family = [[], family[1]]  # (its header is kept once)
-            if family is None:
-                continue
-            family[0 if line.startswith("#") else 1].append(line)
-    lines = [line for header, samples in families.values() for line in header + samples]
-    return ("\n".join(lines) + "\n").encode()

@@ -26,9 +26,12 @@ class BatchState:
     """One batch; the sink of its requests (see engine_actors.outbox.Sink)."""
 
     def __init__(self, batch_id: str, num_requests: int, stop_request: Callable[[str], None],
-                 text_streams: dict[int, TextStream] | None = None):
+                 text_streams: dict[int, TextStream] | None = None, first_index: int = 0):
+        """`first_index`: of its first request in the whole batch (with data parallelism,
+        each engine runs a share of it: requests first_index, first_index + 1, ...)."""
         self.batch_id = batch_id
         self.num_requests = num_requests
+        self.indices = range(first_index, first_index + num_requests)
         self.created = time.time()
         self.results: dict[int, BatchResult] = {}
         self.tokens: dict[int, array] = {}  # index -> token ids so far
@@ -107,8 +110,9 @@ class Batches:
         self.batches: dict[str, BatchState] = {}
 
     async def submit(self, batch_id: str, requests: list[BatchRequest], priority: int,
-                     max_queued: int) -> Refusal | None:
-        """Queue every request of a batch, or none: the first refusal ("request i: ...")."""
+                     max_queued: int, first_index: int = 0) -> Refusal | None:
+        """Queue every request of a batch (or of its share from first_index on), or none:
+        the first refusal ("request i: ...")."""
         self.prune(time.time())
         if len(requests) > max_queued:
             return Refusal("batch_too_large", f"a batch of {len(requests)} requests can never "
@@ -116,15 +120,17 @@ class Batches:
         streams = {}
         if any(r.stop for r in requests):
             tokenizer = await asyncio.to_thread(self._tokenizer)
-            streams = {i: TextStream(tokenizer, r.stop) for i, r in enumerate(requests) if r.stop}
-        state = BatchState(batch_id, len(requests), lambda rid: self._abort([rid], True), streams)
+            streams = {i: TextStream(tokenizer, r.stop)
+                       for i, r in enumerate(requests, first_index) if r.stop}
+        state = BatchState(batch_id, len(requests), lambda rid: self._abort([rid], True), streams,
+                           first_index)
         self.batches[batch_id] = state
-        for i, r in enumerate(requests):
+        for i, r in enumerate(requests, first_index):
             refusal = self._add(state, EngineRequest(state.request_id(i), r.prompt_token_ids,
                                                      r.sampling, priority, r.deadline_ms,
                                                      r.lora_name))
             if refusal is not None:
-                self._abort([state.request_id(j) for j in range(i)], False)
+                self._abort([state.request_id(j) for j in range(first_index, i)], False)
                 del self.batches[batch_id]
                 return Refusal(refusal.code, f"request {i}: {refusal.message}")
         return None
@@ -140,8 +146,8 @@ class Batches:
             return None
         if len(state.results) < state.num_requests:  # a finished batch stays as it ended
             state.cancelled = True
-        self._abort([state.request_id(i) for i in range(state.num_requests)
-                     if i not in state.results], False)
+        self._abort([state.request_id(i) for i in state.indices if i not in state.results],
+                    False)
         return state.status()
 
     async def results(self, batch_id: str):

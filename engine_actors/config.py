@@ -113,8 +113,8 @@ class EngineConfig:
     # vLLM's: this many engines, each its own scheduler and tensor_parallel_size x
     # pipeline_parallel_size workers (its own KV cache); each ingress replica sends a request
     # to the engine that ran its prompt's prefix, unless that one is busier than the least
-    # busy by more than a few requests (deployments/engines.py). The first engine also
-    # keeps the stored responses, conversations and batches.
+    # busy by more than a few requests (deployments/engines.py). A batch is shared out over
+    # them; the first engine also keeps the stored responses and conversations.
     data_parallel_size: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_cpus_per_worker: NonNegativeFloat = 1.0

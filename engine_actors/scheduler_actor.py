@@ -32,6 +32,7 @@ from engine_actors.lora import Adapters
 from engine_actors.messages import BatchRequest, EngineRequest, Refusal, RequestOutput
 from engine_actors.metrics import EngineMetrics
 from engine_actors.outbox import EarlyAborts, Outbox
+from engine_actors.prefix_log import PrefixLog
 from engine_actors.request import FinishReason
 from engine_actors.conversation_store import ConversationStore
 from engine_actors.response_store import ResponseStore
@@ -66,6 +67,7 @@ class SchedulerActor:
         self.outboxes: dict[str, Outbox] = {}
         self.responses = ResponseStore(cfg.response_store_mib * 2**20, self._cancel)
         self.conversations = ConversationStore(cfg.response_store_mib * 2**20)
+        self.prefixes = PrefixLog()  # the replicas' routes (data parallelism, first engine)
         self.batches = Batches(self._add, self.abort,
                                lambda: load_tokenizer(resolve_model_path(cfg.model)))
         self.draining = False
@@ -261,12 +263,16 @@ class SchedulerActor:
     def conversation_call(self, method: str, *args):  # ConversationStore's create, get, ...
         return getattr(self.conversations, method)(*args)
 
+    def share_prefixes(self, replica: str, entries: list, since: int) -> tuple[int, list]:
+        return self.prefixes.share(replica, entries, since)  # (PrefixLog's)
+
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
-                           priority: int = 1) -> Refusal | None:
+                           priority: int = 1, first_index: int = 0) -> Refusal | None:
+        """A batch, or this engine's share of it (its requests from first_index on)."""
         await self.ready()  # (adapters named load first, as in add_requests)
         loaded = await self.adapters.resolve_all(r.lora_name for r in requests)
         return next(filter(None, loaded.values()), None) or await self.batches.submit(
-            batch_id, requests, priority, self.cfg.max_queued_requests)
+            batch_id, requests, priority, self.cfg.max_queued_requests, first_index)
 
     def batch_call(self, method: str, batch_id: str) -> dict | None:  # status, cancel; None: none
         return getattr(self.batches, method)(batch_id)

@@ -56,7 +56,8 @@ def run_setting(caching: bool, engine_args: dict, args) -> dict:
             rate, args.duration)
     traces["orca"] = (orca_trace(args.num_requests, v, 3), math.inf, None)
     out = {"enable_prefix_caching": caching}
-    with launched({**engine_args, "enable_prefix_caching": caching}, 1, args.port) as server:
+    with launched({**engine_args, "enable_prefix_caching": caching}, args.replicas,
+                  args.port) as server:
         wait_healthy(url, server)
         for name, (trace, rate, duration) in traces.items():
             if name.split("@")[0] not in args.traces.split(","):
@@ -124,6 +125,7 @@ def main(argv=None) -> dict:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--traces", default="shared-prefix,multi-turn,orca")
     p.add_argument("--data-parallel-size", type=int, default=1, help="the engine arg")
+    p.add_argument("--replicas", type=int, default=1, help="ingress replicas")
     p.add_argument("--caching", default="both", choices=["both", "on"],
                    help="on: the run with prefix caching only")
     p.add_argument("--out")

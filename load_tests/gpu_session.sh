@@ -103,10 +103,10 @@ for part in $BENCH; do
       for d in 1 2; do python3 -m load_tests.bench_http --model llama-8b --systems "${HTTP_SYSTEMS:-http-stream}" \
           --num-requests ${NUM_REQUESTS:-1024} --data-parallel-size $d --label="-dp$d" --out "$OUT/http-dp$d.json" \
           > "$OUT/http-dp$d.log" 2>&1; echo "-- dp$d"; tail -4 "$OUT/http-dp$d.log"; done ;;
-    prefix-dp) # multi-turn conversations with prefix caching: one engine, then data_parallel_size 2 (two GPUs)
-      for d in 1 2; do python3 -m load_tests.bench_prefix --model llama-8b --traces multi-turn --caching on \
-          --rates "${RATES:-4}" --duration "${DURATION:-30}" --data-parallel-size $d --out "$OUT/prefix-dp$d.json" \
-          > "$OUT/prefix-dp$d.log" 2>&1; echo "-- dp$d"; grep "caching=" "$OUT/prefix-dp$d.log"; done ;;
+    prefix-dp) # multi-turn conversations with prefix caching: one engine, then data_parallel_size 2 (two GPUs); DPS="2": the latter only
+      for d in ${DPS:-1 2}; do python3 -m load_tests.bench_prefix --model llama-8b --traces multi-turn --caching on \
+          --rates "${RATES:-4}" --duration "${DURATION:-30}" --data-parallel-size $d --replicas ${REPLICAS:-1} \
+          --out "$OUT/prefix-dp$d${LABEL:-}.json" > "$OUT/prefix-dp$d.log" 2>&1; echo "-- dp$d"; grep "caching=" "$OUT/prefix-dp$d.log"; done ;;
     conversations-1b|conversations-8b) m=llama-${part#conversations-}
       python3 -m load_tests.bench_conversations --model $m ${CONV_ARGS:-} --out "$OUT/$part${LABEL:-}.json" \
         > "$OUT/$part${LABEL:-}.log" 2>&1; tail -5 "$OUT/$part${LABEL:-}.log" ;;

@@ -3,6 +3,7 @@ cache, behind one application (deployments/engines.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -160,6 +161,41 @@ def test_stored_responses_and_conversations_are_the_first_engines(client):
                             conversation=conversation.id, extra_body=NO_EOS)
     items = client.conversations.items.list(conversation.id).data
     assert len(items) == 3  # its first item, the turn's input and its output
+
+
+def batch_results(url: str, batch_id: str) -> list[dict]:
+    with httpx.stream("GET", f"{url}/orca/v1/batches/{batch_id}/results", timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return sorted((json.loads(line[6:]) for line in lines[:-1]), key=lambda x: x["index"])
+
+
+def test_a_batch_is_shared_out_over_both_engines(url, models):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(models[0])
+    wait_idle(url)
+    prompts = [[(17 * i + j) % 256 for j in range(4 + 3 * i)] for i in range(6)]
+    before = finished_per_engine(url)
+    batch = httpx.post(f"{url}/orca/v1/batches", timeout=30, json={"requests": [
+        {"prompt": p, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        for p in prompts]}).json()
+    assert batch["num_requests"] == 6
+    results = batch_results(url, batch["id"])
+    assert [x["index"] for x in results] == list(range(6))
+    for p, x in zip(prompts, results):
+        assert x["text"] == tokenizer.decode(peft_greedy(models[0], None, p, 5))
+    after = finished_per_engine(url)
+    assert [after[e] - before.get(e, 0) for e in ("0", "1")] == [3, 3]
+    status = httpx.get(f"{url}/orca/v1/batches/{batch['id']}", timeout=30).json()
+    assert (status["status"], status["num_requests"], status["num_completed"]) == \
+        ("completed", 6, 6)
+    # a cancel ends both engines' shares
+    batch = httpx.post(f"{url}/orca/v1/batches", timeout=30, json={"requests": [
+        {"prompt": [5] * 10, "max_tokens": 3000, "ignore_eos": True}] * 4}).json()
+    cancelled = httpx.delete(f"{url}/orca/v1/batches/{batch['id']}", timeout=30).json()
+    assert (cancelled["status"], cancelled["num_requests"]) == ("cancelled", 4)
+    assert [x["finish_reason"] for x in batch_results(url, batch["id"])] == ["abort"] * 4
+    wait_idle(url)
 
 
 def test_an_engine_that_dies_fails_only_its_own_requests(url, models):

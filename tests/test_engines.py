@@ -8,10 +8,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.engine_client import EngineFailed, RequestRefused
-from deployments.engines import BALANCE, RETRY_S, Engines, merged_health, merged_metrics
+from deployments.engines import BALANCE, RETRY_S, SHARE_S, Engines
+from deployments.merged_replies import (merged_batch_status, merged_health, merged_metrics,
+                                        merged_streams)
 from engine_actors.config import ConfigError, EngineConfig
 from engine_actors.messages import EngineRequest, Refusal
 from engine_actors.metrics import EngineMetrics
+from engine_actors.prefix_log import PrefixLog
 from engine_actors.request import SamplingParams
 
 
@@ -19,7 +22,7 @@ class FakeEngine:
     def __init__(self, rank: int):
         self.rank, self.num_unfinished, self.ended, self.calls = rank, 0, [], []
         self.is_connected, self.connects, self.fails, self.full = True, 0, False, False
-        self.info, self.adapters = None, {}
+        self.info, self.adapters, self.log = None, {}, None
 
     async def connect(self):
         self.connects += 1
@@ -36,6 +39,9 @@ class FakeEngine:
     def end_search(self, search):
         self.ended.append(search)
 
+    async def close(self, final=True):
+        pass
+
     async def call(self, method, *args):
         self.calls.append((method, *args))
         if method == "health":
@@ -44,6 +50,10 @@ class FakeEngine:
             return dict(self.adapters)
         if args[:1] == ("load",) and len(args) == 3:
             self.adapters[args[1]] = args[2]
+        if method == "share_prefixes":
+            return self.log.share(*args)
+        if method == "submit_batch":
+            return Refusal("too_long", "request 4: too long") if len(args[1]) > 3 else None
         return f"refused by {self.rank}" if args[-1:] == ("bad",) and self.rank == 1 else None
 
 
@@ -71,9 +81,10 @@ def test_a_prompt_follows_its_prefix_and_others_go_to_the_least_busy():
     others = send(router, request(range(20)), request(range(30, 50)))
     assert sorted([first, *others]) == [0, 1, 2]
     # the conversation's next turns keep to their engine though it is as busy as the rest
-    # (a round robin would move them); a prompt sharing under half its blocks does not
+    # (a round robin would move them); a prompt that shares only a part of the earlier
+    # prompt (a system prompt) does not
     assert send(router, request(chat + [1, 2, 3, 4]), request(chat + [5] * 8)) == [first] * 2
-    short = list(range(100, 108)) + list(range(20))  # 2 of 7 blocks shared
+    short = list(range(100, 108)) + list(range(20))  # its first 2 blocks are chat's
     loads = [c.num_unfinished for c in router.clients]
     rank = send(router, request(short))[0]
     assert loads[rank] == min(loads) < loads[first]
@@ -172,6 +183,44 @@ def test_an_engine_that_comes_back_gets_the_adapters_loaded_at_run_time():
     assert asyncio.run(router.call("adapter_call", "paths")) == router.clients[0].adapters
 
 
+def test_replicas_learn_the_routes_the_others_took():
+    """A conversation's next turn that reaches another replica goes to the same engine
+    once the replicas have shared their routes (through the first engine's PrefixLog)."""
+    first, second = engines(2), engines(2)
+    log = PrefixLog()
+    second.clients = first.clients  # the same two engines
+    first.clients[0].log = log
+    chat = list(range(200, 240))
+
+    async def scenario():
+        owner = await first.submit([request(chat)])
+        other = 1 - owner
+        first.clients[owner].num_unfinished = first.clients[other].num_unfinished = 5
+        second._turn = other  # the next request without a prefix would go to `other`
+        before = await second.submit([request(chat + [1] * 8)])
+        await asyncio.sleep(SHARE_S * 2.5)  # both shared their routes
+        first.clients[owner].num_unfinished = first.clients[other].num_unfinished = 5
+        second._turn = other
+        after = await second.submit([request(chat + [2] * 8)])
+        await first.close(), await second.close()
+        return owner, before, after
+
+    owner, before, after = asyncio.run(scenario())
+    assert before == 1 - owner and after == owner
+
+
+def test_the_prefix_log_gives_each_replica_the_others_entries_once():
+    log = PrefixLog(capacity=4)
+    assert log.share("a", [(1, 0), (2, 1)], 0) == (2, [])
+    seq, news = log.share("b", [(3, 0)], 0)
+    assert (seq, news) == (3, [(1, 0), (2, 1)])
+    assert log.share("a", [], 2) == (3, [(3, 0)])
+    assert log.share("b", [], 3) == (3, [])
+    log.share("a", [(4, 1), (5, 1), (6, 0)], 3)  # the oldest two dropped
+    assert log.share("c", [], 0) == (6, [(3, 0), (4, 1), (5, 1), (6, 0)])
+    assert log.share("c", [], 99) == (6, [(3, 0), (4, 1), (5, 1), (6, 0)])  # a new log
+
+
 def test_calls_go_to_the_first_engine_or_to_every_engine():
     router = engines(2)
     assert asyncio.run(router.call("response_call", "get", "x")) is None
@@ -222,3 +271,45 @@ def test_metrics_of_two_engines_parse_as_one_exposition():
 def test_fine_tuning_needs_one_engine():
     with pytest.raises(ConfigError, match="data_parallel_size 1"):
         EngineConfig.from_args({"data_parallel_size": 2, "enable_finetuning": True})
+
+
+def test_a_batch_is_shared_out_over_the_engines_or_refused_whole():
+    router = engines(2)
+    assert asyncio.run(router.call("submit_batch", "b", list("abcde"), 1)) is None
+    assert router.clients[0].calls == [("submit_batch", "b", ["a", "b"], 1, 0)]
+    assert router.clients[1].calls == [("submit_batch", "b", ["c", "d", "e"], 1, 2)]
+    router = engines(2)  # the second share is refused: the first one is cancelled
+    refusal = asyncio.run(router.call("submit_batch", "b", list("abcdefg"), 1))
+    assert refusal.message == "request 4: too long"
+    assert router.clients[0].calls[-1] == ("batch_call", "cancel", "b")
+    assert ("batch_call", "cancel", "b") not in router.clients[1].calls
+
+
+def test_a_batch_status_and_results_from_its_shares():
+    share = {"id": "b", "object": "orca.batch", "status": "completed", "num_requests": 2,
+             "num_completed": 2, "num_failed": 0, "num_cancelled": 0, "created": 5}
+    running = {**share, "status": "in_progress", "num_completed": 1, "created": 3}
+    merged = merged_batch_status([share, running])
+    assert (merged["status"], merged["num_requests"], merged["num_completed"],
+            merged["created"]) == ("in_progress", 4, 3, 3)
+    assert merged_batch_status([share, share])["status"] == "completed"
+    failed = {**share, "status": "failed", "num_completed": 0, "num_failed": 2}
+    assert merged_batch_status([share, failed])["status"] == "completed"
+    assert merged_batch_status([failed, failed])["status"] == "failed"
+    assert merged_batch_status([share, {**share, "status": "cancelled"}])["status"] == \
+        "cancelled"
+    assert merged_batch_status([]) is None
+
+    async def items(values, delay, error=None):
+        for v in values:
+            await asyncio.sleep(delay)
+            yield v
+        if error:
+            raise error
+
+    async def collect(*streams):
+        return [x async for x in merged_streams(list(streams))]
+
+    assert asyncio.run(collect(items([1, 3], 0.01), items([2], 0.015))) == [1, 2, 3]
+    with pytest.raises(KeyError):
+        asyncio.run(collect(items([1], 0.01), items([], 0.0, KeyError("gone"))))
