@@ -51,7 +51,7 @@ class BatchAPI:
             info = await frontend.ready()
             limit = info.max_model_len
             frontend.refuse_over_queue(len(body.requests), f"{len(body.requests)} requests",
-                                       "requests")
+                                       "requests", frontend.cfg.data_parallel_size)
             requests = []
             all_ids = await frontend.prompt_ids(
                 [item.prompt for item in body.requests], info,

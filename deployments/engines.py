@@ -17,9 +17,7 @@ every engine; /health and /metrics cover every engine (deployments/merged_replie
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextvars
-import hashlib
 import logging
 import time
 import uuid
@@ -28,12 +26,12 @@ from deployments.engine_client import (EngineClient, EngineFailed, EngineUnavail
                                        RequestRefused)
 from deployments.merged_replies import (engine_health, merged_batch_status, merged_health,
                                         merged_metrics, merged_streams)
+from deployments.prefix_routes import PrefixOwners
 from engine_actors.config import EngineConfig
-from engine_actors.messages import EngineRequest
+from engine_actors.messages import EngineRequest, Refusal
 
 BALANCE = 8  # unfinished requests an engine may have beyond the least busy and keep a prefix
 RETRY_S = (1.0, 60.0)  # an engine that did not come back is tried again after 1 s, 2 s, ... 60 s
-MAX_PREFIXES = 1 << 16  # prompts remembered, the oldest forgotten first
 SHARE_S = 0.5  # how often a replica shares its routes with the others (through engine 0)
 logger = logging.getLogger("orca_serve.ingress")
 
@@ -48,7 +46,7 @@ class Engines:
         self._retry = [(0.0, RETRY_S[0])] * len(self.clients)  # (next try at, then wait)
         self._closed = False
         self._sharing: asyncio.Task | None = None  # the routes shared with other replicas
-        self._replica, self._shared = uuid.uuid4().hex, 0  # (and the last one taken)
+        self._replica, self._shared = uuid.uuid4().hex, (None, 0)  # (the log's, its last)
 
     @property
     def info(self):
@@ -70,6 +68,7 @@ class Engines:
     async def connect(self):
         """Connect to every engine (those not connected); the model info."""
         await asyncio.gather(*(c.connect() for c in self.clients))
+        self._start_sharing()
         return self.info
 
     async def submit(self, requests: list[EngineRequest], wake_each_update: bool = True):
@@ -77,10 +76,11 @@ class Engines:
         there as the queue is full, on the least busy other one."""
         if len(self.clients) == 1:
             return await self.clients[0].submit(requests, wake_each_update)
-        client, tried = self._route(requests[0]), set()
+        r = requests[0]
+        client, tried = self._route(r), set()
         while True:
             try:
-                return await client.submit(requests, wake_each_update)
+                group = await client.submit(requests, wake_each_update)
             except RequestRefused as e:
                 tried.add(client.rank)
                 others = [self.clients[r] for r in self._serving() if r not in tried]
@@ -89,43 +89,53 @@ class Engines:
                 client = min(others, key=lambda c: c.num_unfinished)
             except EngineFailed as e:  # it could not start again: the others may serve
                 raise EngineUnavailable(f"engine {client.rank}: {e}") from None
+            else:  # (where it was taken, not where it was first sent)
+                if r.search is not None:
+                    self._searches[r.search] = client
+                elif not r.continues:
+                    self.prefixes.record(self.prefixes.hashes(r), client.rank)
+                return group
 
     def _route(self, r: EngineRequest) -> EngineClient:
-        if self._sharing is None and not self._closed:
-            self._sharing = asyncio.get_running_loop().create_task(
-                self._share_routes(), context=contextvars.Context())
+        self._start_sharing()
         if r.search is not None and r.search in self._searches:
             return self._searches[r.search]
         loads = {rank: self.clients[rank].num_unfinished for rank in self._serving()}
         least = min(loads.values())
-        hashes = self.prefixes.hashes(r)
-        owner, matched = self.prefixes.match(hashes)
+        owner = self.prefixes.match(self.prefixes.hashes(r))
         if owner in loads and loads[owner] <= least + BALANCE:
-            rank = owner
-        else:
-            idle = [rank for rank, n in loads.items() if n == least]
-            rank = idle[self._turn % len(idle)]
-            self._turn += 1
-        self.prefixes.record(hashes, rank)
-        if r.search is not None:
-            self._searches[r.search] = self.clients[rank]
-        return self.clients[rank]
+            return self.clients[owner]
+        idle = [rank for rank, n in loads.items() if n == least]
+        self._turn += 1
+        return self.clients[idle[self._turn % len(idle)]]
+
+    def _start_sharing(self) -> None:
+        if len(self.clients) > 1 and self._sharing is None and not self._closed:
+            self._sharing = asyncio.get_running_loop().create_task(
+                self._share_routes(), context=contextvars.Context())
 
     async def _share_routes(self) -> None:
         """Every SHARE_S: hand the first engine the routes this replica took since, and
-        learn those the other replicas took (engine_actors/prefix_log.py)."""
+        learn those the other replicas took (engine_actors/prefix_log.py), in the log's
+        order (the same prompt routed by two replicas ends on the same engine in both)."""
+        failing = False
         while True:
             await asyncio.sleep(SHARE_S)
             if not self.clients[0].is_connected:
                 continue
             entries, self.prefixes.recent = self.prefixes.recent, []
             try:
-                self._shared, news = await self.clients[0].call(
-                    "share_prefixes", self._replica, entries, self._shared)
-            except Exception:  # the first engine is away: the next round shares them
+                log, seq, news = await self.clients[0].call(
+                    "share_prefixes", self._replica, entries, *self._shared)
+                self._shared, failing = (log, seq), False
+            except Exception as e:  # the first engine is away: the next round shares them
                 self.prefixes.recent[:0] = entries
+                if not failing:
+                    logger.warning("routes not shared with the other replicas: %s", e)
+                failing = True
                 continue
-            self.prefixes.learn(news)
+            for routes in (news, entries, self.prefixes.recent):
+                self.prefixes.learn(routes)
 
     def _serving(self) -> list[int]:
         """The engines connected (all when none is: the request waits for them); those not
@@ -206,11 +216,19 @@ class Engines:
         if method == "drain" or (method == "adapter_call" and args[0] in ("load", "unload")):
             results = await asyncio.gather(*(c.call(method, *args) for c in connected))
             return next((r for r in results if r is not None), None)
+        if method in ("submit_batch", "batch_call"):
+            self._serving()  # (an engine that is not connected is brought up again)
+            if not connected:
+                raise EngineUnavailable("no engine is connected")
         if method == "submit_batch":
             return await self._submit_batch(connected, *args)
         if method == "batch_call":  # (status, cancel) of every engine's share
-            return merged_batch_status([r for r in await asyncio.gather(
-                *(c.call(method, *args) for c in connected)) if r is not None])
+            replies = await asyncio.gather(*(c.call(method, *args) for c in connected),
+                                           return_exceptions=True)
+            answered = [r for r in replies if not isinstance(r, BaseException)]
+            if not answered:
+                raise replies[0]
+            return merged_batch_status([r for r in answered if r is not None])
         if method == "adapter_call" and args[0] == "paths":  # those of every engine
             paths = await asyncio.gather(*(c.call(method, *args) for c in connected))
             return {name: path for p in paths for name, path in p.items()}
@@ -218,79 +236,48 @@ class Engines:
 
     async def _submit_batch(self, connected: list[EngineClient], batch_id: str,
                             requests: list, priority: int = 1):
-        """A batch in one share per engine (consecutive requests), or none: the first
-        refusal, the shares queued elsewhere cancelled."""
-        n = len(connected)
-        bounds = [len(requests) * k // n for k in range(n + 1)]
-        shares = [(c, bounds[k], bounds[k + 1]) for k, c in enumerate(connected)
+        """A batch in one share per engine (consecutive requests, the first share on the
+        next engine in turn), or none: the first refusal, every other share cancelled."""
+        self._turn += 1
+        engines = connected[self._turn % len(connected):] + connected[:self._turn % len(connected)]
+        n, total = len(engines), len(requests)
+        bounds = [-(-total * k // n) for k in range(n + 1)]  # (the larger shares first)
+        shares = [(c, bounds[k], bounds[k + 1]) for k, c in enumerate(engines)
                   if bounds[k + 1] > bounds[k]]
         refusals = await asyncio.gather(*(
-            c.call("submit_batch", batch_id, requests[first:end], priority, first)
+            c.call("submit_batch", batch_id, requests[first:end], priority, first, total)
             for c, first, end in shares), return_exceptions=True)
         failure = next((r for r in refusals if r is not None), None)
-        if failure is not None:
+        if failure is not None:  # (a share whose call failed may have been queued)
             await asyncio.gather(*(c.call("batch_call", "cancel", batch_id)
-                                   for (c, _, _), r in zip(shares, refusals) if r is None),
-                                 return_exceptions=True)
+                                   for (c, _, _), r in zip(shares, refusals)
+                                   if not isinstance(r, Refusal)), return_exceptions=True)
             if isinstance(failure, BaseException):
                 raise failure
         return failure
 
     async def stream_call(self, method: str, *args):
-        """Batch results: every engine's share, as they come."""
+        """Batch results (lists of BatchResult): every engine's share, as they come; an
+        error at the end if a share is missing (its engine stopped since)."""
         if len(self.clients) == 1:
             async for item in self.clients[0].stream_call(method, *args):
                 yield item
             return
-        async for item in merged_streams([c.stream_call(method, *args)
-                                          for c in self.clients if c.is_connected]):
-            yield item
+        status = await self.call("batch_call", "status", *args)
+        got = 0
+        try:
+            async for results in merged_streams([c.stream_call(method, *args)
+                                                 for c in self.clients if c.is_connected]):
+                got += len(results)
+                yield results
+        except EngineFailed as e:
+            raise EngineUnavailable(str(e)) from None
+        if status is not None and got < status["num_requests"]:
+            raise EngineUnavailable(f"{status['num_requests'] - got} results were lost with "
+                                    "the engine that ran them")
 
     async def close(self, final: bool = True) -> None:
         self._closed = True
         for task in [*self._reconnecting.values(), *filter(None, [self._sharing])]:
             task.cancel()
         await asyncio.gather(*(c.close(final) for c in self.clients))
-
-
-class PrefixOwners:
-    """The engine each prompt went to last, by the chained hash of its whole blocks (one
-    entry a prompt: a conversation's next turn holds the last turn's prompt whole), the
-    least recently sent forgotten first. `recent`: what this replica routed since it last
-    shared its routes with the others."""
-
-    def __init__(self, block_size: int, capacity: int = MAX_PREFIXES):
-        self.block_size, self.capacity = block_size, capacity
-        self.owner: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self.recent: list[tuple[int, int]] = []
-
-    def hashes(self, r: EngineRequest) -> list[int]:
-        """The prefix hash at each whole block (the same in every replica's process)."""
-        ids, size = r.prompt_token_ids, self.block_size
-        seed = hashlib.blake2b(f"{r.lora_name}\0{r.cache_salt}".encode(), digest_size=8)
-        h, out = int.from_bytes(seed.digest(), "little"), []  # (their KV is cached apart)
-        for start in range(0, len(ids) - size + 1, size):
-            h = hash((h, *ids[start:start + size]))
-            out.append(h)
-        return out
-
-    def match(self, hashes: list[int]) -> tuple[int | None, int]:
-        """The engine of the longest prefix known, and its number of blocks."""
-        for n in range(len(hashes), 0, -1):
-            rank = self.owner.get(hashes[n - 1])
-            if rank is not None:
-                return rank, n
-        return None, 0
-
-    def record(self, hashes: list[int], rank: int) -> None:
-        if hashes:
-            self.learn([(hashes[-1], rank)])
-            self.recent.append((hashes[-1], rank))
-            del self.recent[:-self.capacity]
-
-    def learn(self, entries: list[tuple[int, int]]) -> None:
-        for h, rank in entries:
-            self.owner[h] = rank
-            self.owner.move_to_end(h)
-        while len(self.owner) > self.capacity:
-            self.owner.popitem(last=False)

@@ -167,10 +167,10 @@ class Frontend:
                                 f"`{self.cfg.model_name}`.", "model", "model_not_found")
         return req
 
-    def refuse_over_queue(self, count: int, what: str, param: str) -> None:
+    def refuse_over_queue(self, count: int, what: str, param: str, engines: int = 1) -> None:
         """APIError 400 when one body brings more requests than the queue holds (checked
-        before they are all tokenized)."""
-        queue = self.cfg.max_queued_requests
+        before they are all tokenized); `engines`: the queues it is shared out over."""
+        queue = self.cfg.max_queued_requests * engines
         if count > queue:
             raise APIError(400, f"{what} are more requests than the queue of {queue} holds; "
                                 "split them", param, "batch_too_large")

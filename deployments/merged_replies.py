@@ -60,14 +60,23 @@ def merged_metrics(texts: list[bytes]) -> bytes:
 
 
 def merged_batch_status(statuses: list[dict]) -> dict | None:
-    """A batch's status from its engines' shares (None: no engine has it)."""
+    """A batch's status from its engines' shares (None: no engine has it). The requests
+    of a share that is missing (its engine stopped since) count as failed."""
     if not statuses:
         return None
+    counts = {k: sum(s[k] for s in statuses) for k in BATCH_COUNTS}
+    lost = max(s.get("total", 0) for s in statuses) - counts["num_requests"]
+    if lost > 0:
+        counts["num_requests"] += lost
+        counts["num_failed"] += lost
     states = {s["status"] for s in statuses}
     state = "cancelled" if "cancelled" in states else "in_progress" \
-        if "in_progress" in states else "failed" if states == {"failed"} else "completed"
-    return {**statuses[0], **{k: sum(s[k] for s in statuses) for k in BATCH_COUNTS},
-            "status": state, "created": min(s["created"] for s in statuses)}
+        if "in_progress" in states else "failed" \
+        if counts["num_failed"] == counts["num_requests"] else "completed"
+    merged = {**statuses[0], **counts, "status": state,
+              "created": min(s["created"] for s in statuses)}
+    merged.pop("total", None)
+    return merged
 
 
 async def merged_streams(streams: list):
@@ -79,10 +88,11 @@ async def merged_streams(streams: list):
     async def pump(stream) -> None:
         try:
             async for item in stream:
-                await queue.put((item, None))
+                queue.put_nowait((item, None))
         except Exception as e:
-            await queue.put((None, e))
-        await queue.put((end, None))
+            queue.put_nowait((None, e))
+        finally:  # (a stream cancelled from within: its reader must not wait for it)
+            queue.put_nowait((end, None))
 
     tasks = [asyncio.create_task(pump(stream)) for stream in streams]
     try:

@@ -26,12 +26,15 @@ class BatchState:
     """One batch; the sink of its requests (see engine_actors.outbox.Sink)."""
 
     def __init__(self, batch_id: str, num_requests: int, stop_request: Callable[[str], None],
-                 text_streams: dict[int, TextStream] | None = None, first_index: int = 0):
-        """`first_index`: of its first request in the whole batch (with data parallelism,
-        each engine runs a share of it: requests first_index, first_index + 1, ...)."""
+                 text_streams: dict[int, TextStream] | None = None, first_index: int = 0,
+                 total: int | None = None):
+        """`first_index`: of its first request in the whole batch of `total` (with data
+        parallelism, each engine runs a share of it: requests first_index, first_index + 1,
+        ...; None: the whole batch is here)."""
         self.batch_id = batch_id
         self.num_requests = num_requests
         self.indices = range(first_index, first_index + num_requests)
+        self.total = total
         self.created = time.time()
         self.results: dict[int, BatchResult] = {}
         self.tokens: dict[int, array] = {}  # index -> token ids so far
@@ -93,10 +96,12 @@ class BatchState:
             state = "in_progress"
         else:
             state = "failed" if failed == self.num_requests else "completed"
+        share = {} if self.total is None else {"total": self.total}  # (merged away)
         return {"id": self.batch_id, "object": "orca.batch", "status": state,
                 "num_requests": self.num_requests,
                 "num_completed": len(self.results) - failed - aborted,
-                "num_failed": failed, "num_cancelled": aborted, "created": int(self.created)}
+                "num_failed": failed, "num_cancelled": aborted, "created": int(self.created),
+                **share}
 
 
 class Batches:
@@ -110,9 +115,10 @@ class Batches:
         self.batches: dict[str, BatchState] = {}
 
     async def submit(self, batch_id: str, requests: list[BatchRequest], priority: int,
-                     max_queued: int, first_index: int = 0) -> Refusal | None:
-        """Queue every request of a batch (or of its share from first_index on), or none:
-        the first refusal ("request i: ...")."""
+                     max_queued: int, first_index: int = 0,
+                     total: int | None = None) -> Refusal | None:
+        """Queue every request of a batch (or of its share from first_index on, of
+        `total`), or none: the first refusal ("request i: ...")."""
         self.prune(time.time())
         if len(requests) > max_queued:
             return Refusal("batch_too_large", f"a batch of {len(requests)} requests can never "
@@ -123,7 +129,7 @@ class Batches:
             streams = {i: TextStream(tokenizer, r.stop)
                        for i, r in enumerate(requests, first_index) if r.stop}
         state = BatchState(batch_id, len(requests), lambda rid: self._abort([rid], True), streams,
-                           first_index)
+                           first_index, total)
         self.batches[batch_id] = state
         for i, r in enumerate(requests, first_index):
             refusal = self._add(state, EngineRequest(state.request_id(i), r.prompt_token_ids,

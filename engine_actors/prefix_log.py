@@ -5,6 +5,7 @@ replica receives it. Kept by the first engine's scheduler actor; the oldest are 
 from __future__ import annotations
 
 import collections
+import uuid
 
 MAX_ENTRIES = 1 << 17
 
@@ -14,12 +15,13 @@ class PrefixLog:
         # (seq, replica, prefix hash, engine rank), seq numbered from 1
         self.entries: collections.deque = collections.deque(maxlen=capacity)
         self.seq = 0
+        self.id = uuid.uuid4().hex  # (a new actor's log numbers from 1 again)
 
-    def share(self, replica: str, entries: list[tuple[int, int]],
-              since: int) -> tuple[int, list[tuple[int, int]]]:
-        """Add `replica`'s (prefix hash, engine) entries; the others' added after `since`
-        (the number this call returns), oldest first."""
-        if since > self.seq:  # numbered by an earlier log (this actor is new): all of them
+    def share(self, replica: str, entries: list[tuple[int, int]], log: str | None,
+              since: int) -> tuple[str, int, list[tuple[int, int]]]:
+        """Add `replica`'s (prefix hash, engine) entries; the others' added after number
+        `since` of log `log` (this log's id and last number are returned), oldest first."""
+        if log != self.id:  # numbered by another log (this actor is new): all of them
             since = 0
         news = []
         for seq, r, h, rank in reversed(self.entries):
@@ -31,4 +33,4 @@ class PrefixLog:
         for h, rank in entries:
             self.seq += 1
             self.entries.append((self.seq, replica, h, rank))
-        return self.seq, news
+        return self.id, self.seq, news

@@ -263,16 +263,18 @@ class SchedulerActor:
     def conversation_call(self, method: str, *args):  # ConversationStore's create, get, ...
         return getattr(self.conversations, method)(*args)
 
-    def share_prefixes(self, replica: str, entries: list, since: int) -> tuple[int, list]:
-        return self.prefixes.share(replica, entries, since)  # (PrefixLog's)
+    def share_prefixes(self, replica: str, entries: list, log: str | None, since: int):
+        return self.prefixes.share(replica, entries, log, since)  # (PrefixLog's)
 
     async def submit_batch(self, batch_id: str, requests: list[BatchRequest],
-                           priority: int = 1, first_index: int = 0) -> Refusal | None:
-        """A batch, or this engine's share of it (its requests from first_index on)."""
+                           priority: int = 1, first_index: int = 0,
+                           total: int | None = None) -> Refusal | None:
+        """A batch, or this engine's share of it (its requests from first_index on, of
+        `total`)."""
         await self.ready()  # (adapters named load first, as in add_requests)
         loaded = await self.adapters.resolve_all(r.lora_name for r in requests)
         return next(filter(None, loaded.values()), None) or await self.batches.submit(
-            batch_id, requests, priority, self.cfg.max_queued_requests, first_index)
+            batch_id, requests, priority, self.cfg.max_queued_requests, first_index, total)
 
     def batch_call(self, method: str, batch_id: str) -> dict | None:  # status, cancel; None: none
         return getattr(self.batches, method)(batch_id)

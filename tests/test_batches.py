@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from engine_actors.batches import Batches, BatchState
-from engine_actors.messages import BatchRequest
+from engine_actors.messages import BatchRequest, Refusal
 from engine_actors.request import SamplingParams
 from engine_actors.messages import RequestOutput
 
@@ -81,3 +81,37 @@ def test_a_stop_string_ends_the_request_in_the_engine(tokenizer):
     assert result.finish_reason == "stop" and result.stop == ["END"]
     assert tokenizer.decode(result.token_ids) == "abcEND"  # up to the token that matched
     assert 1 not in state.results  # the one without stop strings runs on
+
+
+def test_a_share_of_a_batch_keeps_the_whole_batch_numbers(tokenizer):
+    """Data parallelism gives each engine a share: requests first_index on, of `total`."""
+    added, aborted = [], []
+    batches = Batches(add=lambda sink, r: added.append(r),
+                      abort=lambda ids, stopped: aborted.append((ids, stopped)),
+                      tokenizer=lambda: tokenizer)
+    sampling = SamplingParams(max_tokens=3000)
+    share = [BatchRequest([1], sampling), BatchRequest([1], sampling, stop=["END"]),
+             BatchRequest([1], sampling)]
+    assert asyncio.run(batches.submit("b", share, 0, 10, first_index=4, total=9)) is None
+    assert [r.request_id for r in added] == ["b-4", "b-5", "b-6"]
+    state = batches.batches["b"]
+    for tok in tokenizer.encode("xEND", add_special_tokens=False):
+        state.deliver(output(state, 5, [tok]), None)
+    assert aborted == [(["b-5"], True)] and state.results[5].finish_reason == "stop"
+    state.deliver(output(state, 4, [7], "length"), None)
+    assert batches.status("b")["total"] == 9 and batches.status("b")["num_requests"] == 3
+    assert batches.cancel("b")["status"] == "cancelled"
+    assert aborted[-1] == (["b-6"], False)  # only the one of its share still running
+    state.aborted(output(state, 6, []))
+
+    async def read():
+        return [r.index async for results in batches.results("b") for r in results]
+
+    assert sorted(asyncio.run(read())) == [4, 5, 6]
+    # a refusal aborts the share's requests queued before it, named by their batch numbers
+    refusing = Batches(add=lambda sink, r: None if r.request_id != "c-3" else
+                       Refusal("queue_full", "full"),
+                       abort=lambda ids, stopped: aborted.append((ids, stopped)),
+                       tokenizer=lambda: tokenizer)
+    refusal = asyncio.run(refusing.submit("c", share[:1] * 3, 0, 10, first_index=1, total=5))
+    assert refusal.message == "request 3: full" and aborted[-1] == (["c-1", "c-2"], False)

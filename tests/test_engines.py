@@ -3,11 +3,14 @@ and /health and /metrics of several engines in one."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.engine_client import EngineFailed, RequestRefused
+from deployments.engine_client import EngineFailed, EngineUnavailable, RequestRefused
 from deployments.engines import BALANCE, RETRY_S, SHARE_S, Engines
 from deployments.merged_replies import (merged_batch_status, merged_health, merged_metrics,
                                         merged_streams)
@@ -22,7 +25,7 @@ class FakeEngine:
     def __init__(self, rank: int):
         self.rank, self.num_unfinished, self.ended, self.calls = rank, 0, [], []
         self.is_connected, self.connects, self.fails, self.full = True, 0, False, False
-        self.info, self.adapters, self.log = None, {}, None
+        self.info, self.adapters, self.log, self.results, self.status = None, {}, None, [], None
 
     async def connect(self):
         self.connects += 1
@@ -42,8 +45,15 @@ class FakeEngine:
     async def close(self, final=True):
         pass
 
+    async def stream_call(self, method, *args):
+        for item in self.results:
+            await asyncio.sleep(0)
+            yield item
+
     async def call(self, method, *args):
         self.calls.append((method, *args))
+        if method == "batch_call":
+            return self.status
         if method == "health":
             return {"state": "ready", "workers_alive": True, "num_blocks": 10}
         if args[:1] == ("paths",):
@@ -108,11 +118,11 @@ def test_prefixes_are_apart_per_adapter_and_cache_salt():
     chat = list(range(64))
     owner = send(router, request(chat))[0]
     prefixes = router.prefixes
-    assert prefixes.match(prefixes.hashes(request(chat + [1]))) == (owner, 16)
+    assert prefixes.match(prefixes.hashes(request(chat + [1]))) == owner
     for other in (request(chat, salt="s"), request(chat, lora="a")):
-        assert prefixes.match(prefixes.hashes(other)) == (None, 0)
+        assert prefixes.match(prefixes.hashes(other)) is None
     assert send(router, request(chat, salt="s"))[0] == 1 - owner  # (the least busy)
-    assert prefixes.match(prefixes.hashes(request(chat, salt="s"))) == (1 - owner, 16)
+    assert prefixes.match(prefixes.hashes(request(chat, salt="s"))) == 1 - owner
 
 
 def test_a_beam_search_stays_on_its_engine_until_it_ends():
@@ -196,11 +206,11 @@ def test_replicas_learn_the_routes_the_others_took():
         owner = await first.submit([request(chat)])
         other = 1 - owner
         first.clients[owner].num_unfinished = first.clients[other].num_unfinished = 5
-        second._turn = other  # the next request without a prefix would go to `other`
+        second._turn = other - 1  # the next request without a prefix would go to `other`
         before = await second.submit([request(chat + [1] * 8)])
         await asyncio.sleep(SHARE_S * 2.5)  # both shared their routes
         first.clients[owner].num_unfinished = first.clients[other].num_unfinished = 5
-        second._turn = other
+        second._turn = other - 1
         after = await second.submit([request(chat + [2] * 8)])
         await first.close(), await second.close()
         return owner, before, after
@@ -211,14 +221,17 @@ def test_replicas_learn_the_routes_the_others_took():
 
 def test_the_prefix_log_gives_each_replica_the_others_entries_once():
     log = PrefixLog(capacity=4)
-    assert log.share("a", [(1, 0), (2, 1)], 0) == (2, [])
-    seq, news = log.share("b", [(3, 0)], 0)
-    assert (seq, news) == (3, [(1, 0), (2, 1)])
-    assert log.share("a", [], 2) == (3, [(3, 0)])
-    assert log.share("b", [], 3) == (3, [])
-    log.share("a", [(4, 1), (5, 1), (6, 0)], 3)  # the oldest two dropped
-    assert log.share("c", [], 0) == (6, [(3, 0), (4, 1), (5, 1), (6, 0)])
-    assert log.share("c", [], 99) == (6, [(3, 0), (4, 1), (5, 1), (6, 0)])  # a new log
+    i = log.id
+    assert log.share("a", [(1, 0), (2, 1)], None, 0) == (i, 2, [])
+    assert log.share("b", [(3, 0)], None, 0) == (i, 3, [(1, 0), (2, 1)])
+    assert log.share("a", [], i, 2) == (i, 3, [(3, 0)])
+    assert log.share("b", [], i, 3) == (i, 3, [])
+    log.share("a", [(4, 1), (5, 1), (6, 0)], i, 3)  # the oldest two dropped
+    assert log.share("c", [], i, 0) == (i, 6, [(3, 0), (4, 1), (5, 1), (6, 0)])
+    # numbers of another log (the first engine was started again): all there is
+    new = PrefixLog()
+    new.share("b", [(7, 0), (8, 1), (9, 0)], None, 0)
+    assert new.share("a", [], i, 2) == (new.id, 3, [(7, 0), (8, 1), (9, 0)])
 
 
 def test_calls_go_to_the_first_engine_or_to_every_engine():
@@ -276,13 +289,17 @@ def test_fine_tuning_needs_one_engine():
 def test_a_batch_is_shared_out_over_the_engines_or_refused_whole():
     router = engines(2)
     assert asyncio.run(router.call("submit_batch", "b", list("abcde"), 1)) is None
-    assert router.clients[0].calls == [("submit_batch", "b", ["a", "b"], 1, 0)]
-    assert router.clients[1].calls == [("submit_batch", "b", ["c", "d", "e"], 1, 2)]
+    first, second = router.clients[router._turn % 2], router.clients[1 - router._turn % 2]
+    assert first.calls == [("submit_batch", "b", ["a", "b", "c"], 1, 0, 5)]
+    assert second.calls == [("submit_batch", "b", ["d", "e"], 1, 3, 5)]
+    asyncio.run(router.call("submit_batch", "c", list("a"), 1))  # the next in turn
+    assert second.calls[-1] == ("submit_batch", "c", ["a"], 1, 0, 1)
     router = engines(2)  # the second share is refused: the first one is cancelled
+    router._turn = 1  # (the first share, of 4, on the first engine, which refuses it)
     refusal = asyncio.run(router.call("submit_batch", "b", list("abcdefg"), 1))
     assert refusal.message == "request 4: too long"
-    assert router.clients[0].calls[-1] == ("batch_call", "cancel", "b")
-    assert ("batch_call", "cancel", "b") not in router.clients[1].calls
+    assert router.clients[1].calls[-1] == ("batch_call", "cancel", "b")
+    assert ("batch_call", "cancel", "b") not in router.clients[0].calls
 
 
 def test_a_batch_status_and_results_from_its_shares():
@@ -299,6 +316,11 @@ def test_a_batch_status_and_results_from_its_shares():
     assert merged_batch_status([share, {**share, "status": "cancelled"}])["status"] == \
         "cancelled"
     assert merged_batch_status([]) is None
+    # a share lost with its engine: its requests count as failed
+    lost = merged_batch_status([{**share, "total": 5}])
+    assert (lost["num_requests"], lost["num_failed"], lost["status"]) == (5, 3, "completed")
+    assert "total" not in lost
+    assert merged_batch_status([{**failed, "total": 4}])["status"] == "failed"
 
     async def items(values, delay, error=None):
         for v in values:
@@ -313,3 +335,44 @@ def test_a_batch_status_and_results_from_its_shares():
     assert asyncio.run(collect(items([1, 3], 0.01), items([2], 0.015))) == [1, 2, 3]
     with pytest.raises(KeyError):
         asyncio.run(collect(items([1], 0.01), items([], 0.0, KeyError("gone"))))
+
+
+def test_batch_results_of_a_share_that_was_lost_end_in_an_error():
+    router = engines(2)
+    share = {"id": "b", "object": "orca.batch", "status": "in_progress", "num_requests": 2,
+             "num_completed": 0, "num_failed": 0, "num_cancelled": 0, "created": 1,
+             "total": 4}
+    router.clients[0].status, router.clients[0].results = share, [["r0"], ["r1"]]
+    router.clients[1].status, router.clients[1].results = {**share, "created": 2}, [["r2", "r3"]]
+
+    async def read():
+        return [r async for results in router.stream_call("batch_results", "b")
+                for r in results]
+
+    assert sorted(asyncio.run(read())) == ["r0", "r1", "r2", "r3"]
+    router.clients[1].is_connected = False  # its engine stopped: its share is gone
+    router._retry[1] = (float("inf"), 1.0)
+    with pytest.raises(EngineUnavailable, match="2 results were lost"):
+        asyncio.run(read())
+
+
+def test_prefix_hashes_are_the_same_in_every_process():
+    """The replicas share routes by these hashes: Python seeds str hashes per process."""
+    code = ("from types import SimpleNamespace as r; "
+            "from deployments.prefix_routes import PrefixOwners; "
+            "print(PrefixOwners(4).hashes(r(prompt_token_ids=list(range(12)), "
+            "cache_salt='s', lora_name='a')))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2")}
+    assert len(outs) == 1 and outs.pop().count(",") == 2
+
+
+def test_a_route_is_remembered_where_the_request_was_taken():
+    router = engines(2)
+    chat = list(range(300, 340))
+    owner = send(router, request(chat))[0]
+    router.clients[owner].full = True  # the next turn goes to the other one
+    assert send(router, request(chat + [1] * 4)) == [1 - owner]
+    router.clients[owner].full = False
+    assert send(router, request(chat + [1] * 8)) == [1 - owner]  # where its prefix went
