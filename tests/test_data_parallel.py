@@ -16,6 +16,7 @@ from engine_actors.config import EngineConfig
 from engine_actors.scheduler_actor import NAMESPACE, actor_name
 from tests.serve_fixture import app_config, start_app, stop_app, wait_healthy, wait_idle
 from tests.test_lora import peft_greedy, save_adapter
+from tests.test_stored_responses import poll
 
 pytestmark = pytest.mark.own_server  # conftest runs these modules last
 pytest.importorskip("peft")
@@ -96,14 +97,6 @@ def test_a_conversation_stays_on_the_engine_that_has_its_prefix(client, url):
     after = finished_per_engine(url)
     served = sorted(after[e] - before.get(e, 0) for e in after)
     assert served == [0, 4], served
-
-
-def poll(client, response_id: str, statuses, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while (res := client.responses.retrieve(response_id)).status not in statuses:
-        assert time.monotonic() < deadline, res
-        time.sleep(0.05)
-    return res
 
 
 def test_background_responses_cancelled_stop_on_either_engine(client, url):
