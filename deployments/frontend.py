@@ -1,8 +1,6 @@
-"""What every route of an ingress replica shares: the engine client, the tokenizer, and the
-one validation path of requests (body size, schema, model name, prompts).
-
-The OpenAI routes (`openai_api.py`) and the batch API (`batch_api.py`) both go through it.
-"""
+"""What every route of an ingress replica shares: the engines' client, the tokenizer, and
+the one validation path of requests (body size, schema, model name, prompts), which the
+OpenAI routes (`openai_api.py`) and the batch API (`batch_api.py`) both go through."""
 from __future__ import annotations
 
 import asyncio
