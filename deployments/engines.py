@@ -77,14 +77,15 @@ class Engines:
         if len(self.clients) == 1:
             return await self.clients[0].submit(requests, wake_each_update)
         r = requests[0]
-        client, tried = self._route(r), set()
+        hashes = self.prefixes.hashes(r) if r.search is None else []
+        client, tried = self._route(r, hashes), set()
         while True:
             try:
                 group = await client.submit(requests, wake_each_update)
             except RequestRefused as e:
                 tried.add(client.rank)
-                others = [self.clients[r] for r in self._serving() if r not in tried]
-                if e.code != "queue_full" or not others or requests[0].search is not None:
+                others = [self.clients[rank] for rank in self._serving() if rank not in tried]
+                if e.code != "queue_full" or not others or r.search is not None:
                     raise
                 client = min(others, key=lambda c: c.num_unfinished)
             except EngineFailed as e:  # it could not start again: the others may serve
@@ -93,16 +94,16 @@ class Engines:
                 if r.search is not None:
                     self._searches[r.search] = client
                 elif not r.continues:
-                    self.prefixes.record(self.prefixes.hashes(r), client.rank)
+                    self.prefixes.record(hashes, client.rank)
                 return group
 
-    def _route(self, r: EngineRequest) -> EngineClient:
+    def _route(self, r: EngineRequest, hashes: list[int]) -> EngineClient:
         self._start_sharing()
         if r.search is not None and r.search in self._searches:
             return self._searches[r.search]
         loads = {rank: self.clients[rank].num_unfinished for rank in self._serving()}
         least = min(loads.values())
-        owner = self.prefixes.match(self.prefixes.hashes(r))
+        owner = self.prefixes.match(hashes)
         if owner in loads and loads[owner] <= least + BALANCE:
             return self.clients[owner]
         idle = [rank for rank, n in loads.items() if n == least]
