@@ -35,7 +35,8 @@ def models(tmp_path_factory):
 
 def app_args(models) -> dict:
     return app_config(model=models[0], served_model_name=MODEL, enable_lora=True,
-                      data_parallel_size=2, num_cpus_per_worker=0.5)["args"]
+                      data_parallel_size=2, num_cpus_per_worker=0.5,
+                      dtype="float32")["args"]  # (on GPUs too: greedy parity)
 
 
 @pytest.fixture(scope="module")
