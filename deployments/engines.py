@@ -5,10 +5,9 @@ Each request goes to the engine that got the longest earlier prompt its prompt b
 (whole KV blocks, of the same adapter and cache salt: that engine likely still holds them
 in its prefix cache), unless that engine has more than BALANCE unfinished requests of this
 replica beyond the least busy engine. Only whole prompts are remembered: prompts that share
-a system prompt alone do not follow each other. Other
-requests go to the least busy engine (in turn among equals). The replicas share their
-routes every SHARE_S through the first engine. A beam search's steps stay on its first
-step's engine.
+a system prompt alone do not follow each other. Other requests go to the least busy engine
+(in turn among equals). The replicas share their routes every SHARE_S through the first
+engine. A beam search's steps stay on its first step's engine.
 
 A batch is shared out over the engines. The first engine keeps what the application stores
 (responses, conversations) and answers the calls that read it; adapters load and unload on
@@ -34,6 +33,7 @@ BALANCE = 8  # unfinished requests an engine may have beyond the least busy and 
 RETRY_S = (1.0, 60.0)  # an engine that did not come back is tried again after 1 s, 2 s, ... 60 s
 SHARE_S = 0.5  # how often a replica shares its routes with the others (through engine 0)
 logger = logging.getLogger("orca_serve.ingress")
+
 
 class Engines:
     def __init__(self, cfg: EngineConfig):
